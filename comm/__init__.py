@@ -1,0 +1,1 @@
+"""Process groups and collectives (DP x TP mesh, EP group, MoE token movement)."""

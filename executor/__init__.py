@@ -1,0 +1,1 @@
+"""Per-rank runtime: engine, scheduler, paged KV cache, attention, sampling, verify, graphs."""

@@ -1,0 +1,48 @@
+"""Attention backends over the paged KV cache. `torch` works on CPU and GPU for prefill (with a
+cached prefix), decode and multi-token verify, and is the reference for faster backends."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from speculant.executor.forward_batch import ForwardBatch
+
+
+class TorchPagedAttention:
+    """Writes the step's K/V into their slots, gathers each row's pages in position order, and
+    runs masked SDPA: a query at position p sees keys at positions <= p. Shapes depend only on
+    (bs, T, kv_len), so the decode step is graph-capturable."""
+
+    def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+                 req_to_page: torch.Tensor, page_size: int):
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.req_to_page = req_to_page
+        self.page_size = page_size
+        self.batch: ForwardBatch | None = None
+        self.kv_slots: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Per-step metadata: every row's key slots [bs, kv_len] and the position mask."""
+        num_pages = batch.kv_len // self.page_size
+        pages = self.req_to_page[batch.req_pool_indices, :num_pages].long()
+        offsets = torch.arange(self.page_size, device=pages.device)
+        self.kv_slots = (pages.unsqueeze(-1) * self.page_size + offsets).view(batch.bs, -1)
+        key_pos = torch.arange(batch.kv_len, device=pages.device)
+        query_pos = batch.positions.view(batch.bs, batch.tokens_per_req, 1)
+        self.mask = (key_pos <= query_pos).unsqueeze(1)  # [bs, 1, T, kv_len]
+        self.batch = batch
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d]."""
+        batch = self.batch
+        k_pool, v_pool = self.k_pools[layer_id], self.v_pools[layer_id]
+        k_pool.index_copy_(0, batch.out_cache_loc, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, batch.out_cache_loc, v.to(v_pool.dtype))
+        keys = k_pool[self.kv_slots].transpose(1, 2)  # [bs, kv_heads, kv_len, d]
+        values = v_pool[self.kv_slots].transpose(1, 2)
+        queries = q.view(batch.bs, batch.tokens_per_req, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape)

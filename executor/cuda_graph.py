@@ -1,0 +1,156 @@
+"""The graph wrapper: one CUDA graph per (sampler variant, padded batch size) for the whole decode
+step, replayed for every batch up to the largest captured size (see DESIGN.md, "Graph wrapper
+behaviour"). Without CUDA, or with --enforce-eager, the same step runs eagerly; `eager_padding`
+pads eager batches exactly as replay would, so padding is testable on the CPU."""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import GraphConfig
+from speculant.errors import SpeculantError
+from speculant.executor.model_runner import ModelRunner, StepOutput
+
+log = logging.getLogger("speculant")
+
+DEFAULT_SIZES = [1, 2, 4] + [8 * i for i in range(1, 21)]
+NO_PADDING_SIZES = list(range(1, 33)) + [64, 96, 128, 160]
+WARMUP_RUNS = 3
+
+
+def capture_sizes(cfg: GraphConfig, max_num_seqs: int, dp: int = 1) -> list[int]:
+    """Batch sizes to capture: the configured or default list, capped at max_num_seqs // dp (adding
+    cap-1 and cap when the list exceeds it), clamped to max_capture_size."""
+    cap = max(max_num_seqs // max(dp, 1), 1)
+    if cfg.capture_sizes:
+        sizes = sorted(set(cfg.capture_sizes))
+    else:
+        sizes = list(NO_PADDING_SIZES if cfg.disable_padding else DEFAULT_SIZES)
+    if max(sizes) > cap:
+        sizes = sorted(set(sizes + [cap - 1, cap]))
+    limit = min(cap, cfg.max_capture_size) if cfg.max_capture_size else cap
+    return [s for s in sizes if 0 < s <= limit]
+
+
+def dp_graph_batch_size(tokens_per_rank: list[int], tokens_per_req: int) -> int:
+    """Under DP every rank replays the same size: ceil(max tokens over ranks / tokens per req)."""
+    return -(-max(tokens_per_rank) // tokens_per_req)
+
+
+def dp_can_use_graph(rank_is_decode_or_idle: list[bool], global_bs: int, sizes: list[int],
+                     disable_padding: bool) -> bool:
+    """Graphs replay only when every DP rank is decoding or idle and the size was captured."""
+    if not all(rank_is_decode_or_idle) or global_bs == 0:
+        return False
+    return global_bs in sizes if disable_padding else global_bs <= max(sizes)
+
+
+def dp_capture_dummies(bs: int, tokens_per_req: int, world_size: int) -> tuple[list[int], list[int]]:
+    """Uniform per-rank token counts and batch sizes used while capturing under DP; leaving them
+    unset or non-uniform makes the replayed collectives read stale sizes."""
+    return [bs * tokens_per_req] * world_size, [bs] * world_size
+
+
+class ReplayHook(Protocol):
+    """Code that must run around graphs because Python inside the graph does not re-run
+    (the DeepEP adapter resets its low-latency mode here)."""
+
+    def capture(self) -> None: ...
+
+    def replay(self) -> None: ...
+
+
+class GraphRunner:
+    """Dispatches a decode batch to a graph replay (padded) or to the eager step."""
+
+    def __init__(self, runner: ModelRunner, cfg: GraphConfig, max_num_seqs: int,
+                 variants: tuple[str, ...], pctx: ParallelContext):
+        self.runner, self.cfg, self.pctx = runner, cfg, pctx
+        self.sizes = capture_sizes(cfg, max_num_seqs, pctx.dp_size)
+        self.variants = variants
+        self.use_graphs = not cfg.enforce_eager and runner.device.type == "cuda"
+        self.pad = self.use_graphs or cfg.eager_padding
+        self.hooks: list[ReplayHook] = []
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], StepOutput] = {}
+        self.graph_memory_bytes = 0
+
+    def padded_bs(self, bs: int) -> int:
+        """The size a batch of bs runs at: the smallest captured size >= bs (exact sizes only with
+        padding disabled); bs itself when it runs eagerly unpadded."""
+        if not self.pad or self.cfg.disable_padding:
+            return bs
+        index = bisect.bisect_left(self.sizes, bs)
+        return self.sizes[index] if index < len(self.sizes) else bs
+
+    def will_replay(self, padded_bs: int) -> bool:
+        return self.use_graphs and padded_bs in self.sizes
+
+    def run(self, bs: int, padded_bs: int, variant: str) -> StepOutput:
+        """Run the step for the first padded_bs rows of the input buffers (already filled)."""
+        if not self.will_replay(padded_bs):
+            return self.runner.decode_step(padded_bs, variant).narrow(bs)
+        key = (variant, padded_bs)
+        if key not in self.graphs:
+            captured = sorted({v for v, _ in self.graphs})
+            raise SpeculantError(f"no CUDA graph was captured for sampler variant {variant!r}; "
+                                 f"captured variants: {captured}")
+        for hook in self.hooks:
+            hook.replay()
+        self.graphs[key].replay()
+        return self.outputs[key].narrow(bs)
+
+    def capture(self) -> None:
+        """Capture every (variant, size), largest size first, into one shared memory pool."""
+        if not self.use_graphs:
+            return
+        device = self.runner.device
+        free_before, _ = torch.cuda.mem_get_info(device)
+        items = [(v, bs) for v in self.variants for bs in sorted(self.sizes, reverse=True)]
+        bar = tqdm(items, disable=self.pctx.rank != 0, desc="capturing CUDA graphs")
+        stream, pool = torch.cuda.Stream(device), None
+        gc.collect()
+        gc.freeze()
+        try:
+            for variant, bs in bar:
+                free = torch.cuda.mem_get_info(device)[0] / 2**30
+                bar.set_description(f"capturing bs={bs} variant={variant} free={free:.1f} GiB")
+                pool = self._capture_one(variant, bs, stream, pool)
+        finally:
+            gc.unfreeze()
+        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        if self.pctx.rank == 0:
+            log.info("captured %d graphs (sizes %s, variants %s) using %.2f GiB", len(items),
+                     self.sizes, list(self.variants), self.graph_memory_bytes / 2**30)
+
+    def _capture_one(self, variant: str, bs: int, stream, pool):
+        runner = self.runner
+        runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
+        torch.cuda.synchronize()
+        self.pctx.barrier()
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                runner.decode_step(bs, variant)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        for hook in self.hooks:
+            hook.capture()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                  capture_error_mode="thread_local"):
+                out = runner.decode_step(bs, variant)
+        except torch.OutOfMemoryError as exc:
+            raise SpeculantError(f"out of GPU memory capturing the CUDA graph for batch size {bs}; "
+                                 "lower --max-capture-size or --kv-cache-memory-fraction") from exc
+        torch.cuda.synchronize()
+        self.pctx.barrier()
+        self.graphs[(variant, bs)] = graph
+        self.outputs[(variant, bs)] = out
+        return graph.pool()

@@ -1,0 +1,275 @@
+"""The engine: builds one rank's model, KV cache, runner and graph wrapper from an EngineConfig,
+and runs the step loop (`Engine.step`) that `generate` drives."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import (
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpecConfig,
+)
+from speculant.errors import SpeculantError
+from speculant.executor.cuda_graph import GraphRunner, capture_sizes
+from speculant.executor.forward_batch import SamplingInfo
+from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
+from speculant.executor.model_runner import ModelRunner
+from speculant.executor.request import Request, RequestOutput, SamplingParams
+from speculant.executor.sampling import FULL, GREEDY, batch_variant
+from speculant.executor.scheduler import Scheduler
+from speculant.models.llama import CausalLM
+from speculant.models.loader import (
+    default_device_and_dtype,
+    init_dummy_weights,
+    iter_safetensors,
+    load_weights,
+    resolve_dtype,
+)
+
+log = logging.getLogger("speculant")
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def load_tokenizer(path: str | Path):
+    """tokenizer.json of a checkpoint as a `tokenizers.Tokenizer`, or None when absent."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:
+        raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export the tokenizer") from exc
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpeculantError(f"device {device!r} was asked for but CUDA is not available; pass "
+                             "--device cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise SpeculantError(f"device {device!r} is not supported; use cpu or cuda")
+    return device
+
+
+def engine_config(target: str, **options) -> EngineConfig:
+    """An EngineConfig from the flat keyword options `Engine` and the CLI take."""
+    groups = {
+        "cache": (CacheConfig, {"page_size", "max_num_seqs", "max_model_len", "num_pages",
+                                "kv_cache_memory_fraction"}),
+        "graph": (GraphConfig, {"capture_sizes", "max_capture_size", "enforce_eager",
+                                "eager_padding", "disable_graph_padding"}),
+        "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),
+        "parallel": (ParallelConfig, {"tp", "dp"}),
+    }
+    sections = {}
+    for section, (cls, names) in groups.items():
+        values = {n: options.pop(n) for n in list(options) if n in names}
+        if "disable_graph_padding" in values:
+            values["disable_padding"] = values.pop("disable_graph_padding")
+        sections[section] = cls(**values)
+    unknown = set(options) - {"device", "dtype", "load_format", "seed"}
+    if unknown:
+        raise TypeError(f"unknown Engine option(s): {sorted(unknown)}")
+    return EngineConfig(target=target, **options, **sections)
+
+
+class Engine:
+    """One rank's speculative-decoding executor. See `generate`."""
+
+    def __init__(self, target: str, *, pctx: ParallelContext | None = None, **options):
+        cfg = engine_config(str(target), **options)
+        self.config = cfg
+        self.pctx = pctx or ParallelContext.single()
+        self.device = resolve_device(cfg.device)
+        if cfg.load_format not in ("auto", "dummy"):
+            raise SpeculantError(f"load format {cfg.load_format!r} is not supported; use auto "
+                                 "or dummy")
+        if cfg.spec.algo is not None or cfg.spec.num_draft_tokens:
+            raise SpeculantError("speculative decoding (--algo/--num-draft-tokens) is not "
+                                 "available yet in this build; drop those options")
+        self.model_config = mc = ModelConfig.from_dir(cfg.target)
+        self.dtype = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
+        cache = cfg.cache
+        self.max_model_len = cache.max_model_len or min(mc.max_position_embeddings,
+                                                        DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise SpeculantError(f"max_model_len={self.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={mc.max_position_embeddings}; lower "
+                                 "--max-model-len")
+        if cache.page_size < 1 or cache.max_num_seqs < 1:
+            raise SpeculantError(f"page_size={cache.page_size} and max_num_seqs="
+                                 f"{cache.max_num_seqs} must be positive")
+        self._check_capture_sizes()
+        self.tokens_per_req = cfg.spec.num_draft_tokens + 1
+        self.model = self._build_model()
+        self.tokenizer = load_tokenizer(cfg.target)
+        self.kv = self._build_kv_cache()
+        self.runner = ModelRunner(self.model, self.kv, cache.max_num_seqs,
+                                  cfg.spec.num_draft_tokens)
+        self.graphs = GraphRunner(self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL),
+                                  self.pctx)
+        self.graphs.capture()
+        self.scheduler = Scheduler(self.kv, cache.max_num_seqs, self.tokens_per_req)
+
+    def _check_capture_sizes(self) -> None:
+        graph, cap = self.config.graph, self.config.cache.max_num_seqs // self.config.parallel.dp
+        if graph.capture_sizes and max(graph.capture_sizes) > cap:
+            raise SpeculantError(f"capture size {max(graph.capture_sizes)} exceeds max_num_seqs "
+                                 f"per DP rank ({cap}); lower --capture-sizes or raise "
+                                 "--max-num-seqs")
+        if not capture_sizes(graph, self.config.cache.max_num_seqs, self.config.parallel.dp):
+            raise SpeculantError(f"no batch size to capture under --max-capture-size="
+                                 f"{graph.max_capture_size}; raise it to at least 1")
+
+    def _build_model(self) -> CausalLM:
+        cfg, mc = self.config, self.model_config
+        with default_device_and_dtype(self.device, self.dtype):
+            model = CausalLM(mc, self.max_model_len + self.tokens_per_req, self.pctx)
+        if cfg.load_format == "dummy":
+            init_dummy_weights(model, cfg.seed)
+        else:
+            load_weights(model, iter_safetensors(cfg.target), cfg.target)
+        return model.eval()
+
+    def _build_kv_cache(self) -> PagedKVCache:
+        cache, mc = self.config.cache, self.model_config
+        attn = self.model.model.layers[0].self_attn
+        per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, self.dtype)
+        num_pages = choose_num_pages(cache.page_size, cache.max_num_seqs, self.max_model_len,
+                                     per_token, self.device, cache.kv_cache_memory_fraction,
+                                     cache.num_pages)
+        max_pages = -(-(self.max_model_len + self.tokens_per_req) // cache.page_size)
+        return PagedKVCache(mc.num_layers, num_pages, cache.page_size, attn.num_kv_heads,
+                            mc.head_dim, self.dtype, self.device, cache.max_num_seqs, max_pages)
+
+    # ------------------------------------------------------------------ requests
+
+    def _make_request(self, index: int, prompt, params: SamplingParams) -> Request:
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpeculantError(f"prompt {index} is text but {self.config.target!r} has no "
+                                     "tokenizer.json; pass token ids or a checkpoint with one")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise SpeculantError(f"prompt {index} is empty; give at least one token")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise SpeculantError(f"prompt {index} has token id {max(ids) if max(ids) >= vocab else min(ids)} "
+                                 f"outside the vocabulary [0, {vocab}); fix the token ids")
+        if len(ids) >= self.max_model_len:
+            raise SpeculantError(f"prompt {index} has {len(ids)} tokens, more than the context "
+                                 f"allows (max_model_len={self.max_model_len}); shorten it or "
+                                 "raise --max-model-len")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= set(self.model_config.eos_token_ids)
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
+        return Request(index=index, prompt_ids=ids, params=params, seed=int(seed),
+                       max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(ids)),
+                       stop_ids=frozenset(stop))
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order and
+        are also passed to `on_output` as each request finishes. Every prompt is checked before
+        any generation starts."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise SpeculantError(f"{len(sampling_params)} sampling params for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+        requests = [self._make_request(i, p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
+        for request in requests:
+            self.scheduler.add(request)
+        results: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
+        while self.scheduler.has_unfinished():
+            for request in self.step():
+                out = self._output(request)
+                results[request.index] = out
+                if on_output is not None:
+                    on_output(out)
+                bar.update(1)
+        bar.close()
+        return [results[r.index] for r in requests]
+
+    def _output(self, request: Request) -> RequestOutput:
+        text = self.tokenizer.decode(request.output_ids) if self.tokenizer else None
+        steps = request.num_verify_steps
+        stats = {"num_prompt_tokens": len(request.prompt_ids),
+                 "num_output_tokens": len(request.output_ids),
+                 "num_verify_steps": steps,
+                 "accept_len": (len(request.output_ids) - 1) / steps if steps else None}
+        return RequestOutput(request.index, request.prompt_ids, request.output_ids, text,
+                             request.finish_reason, stats)
+
+    # ------------------------------------------------------------------ the step loop
+
+    def step(self) -> list[Request]:
+        """Prefill newly admitted requests, or else decode every running one; returns the
+        requests that finished in this step."""
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+        else:
+            self._decode(self.scheduler.running)
+        finished = [r for r in self.scheduler.running if r.finish_reason is not None]
+        for request in finished:
+            self.scheduler.finish(request)
+        return finished
+
+    def _sampling_info(self, requests: list[Request]) -> SamplingInfo:
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return SamplingInfo(col([r.params.temperature for r in requests], torch.float32),
+                            col([r.params.top_k for r in requests], torch.int64),
+                            col([r.params.top_p for r in requests], torch.float32),
+                            col([r.seed for r in requests], torch.int64))
+
+    def _prefill(self, requests: list[Request]) -> None:
+        variant = batch_variant([r.params.temperature for r in requests])
+        tokens = self.runner.prefill([r.row for r in requests], [r.prompt_ids for r in requests],
+                                     [0] * len(requests), self._sampling_info(requests), variant)
+        for request, token in zip(requests, tokens.tolist(), strict=True):
+            request.append([token])
+            request.next_input = [token]
+
+    def _decode(self, requests: list[Request]) -> None:
+        bs = len(requests)
+        padded_bs = self.graphs.padded_bs(bs)
+        self.runner.buffers.fill(
+            [r.row for r in requests], [r.next_input for r in requests],
+            [r.params.temperature for r in requests], [r.params.top_k for r in requests],
+            [r.params.top_p for r in requests], [r.seed for r in requests], padded_bs,
+            self.kv.sentinel_row)
+        variant = batch_variant([r.params.temperature for r in requests])
+        out = self.graphs.run(bs, padded_bs, variant)
+        host = torch.cat([out.tokens, out.accept_len.unsqueeze(1)], dim=1).tolist()  # one sync
+        for request, row in zip(requests, host, strict=True):
+            emitted = row[: row[-1]]
+            request.num_verify_steps += 1
+            request.append(emitted)
+            request.next_input = [emitted[-1]]

@@ -1,0 +1,87 @@
+"""The model runner: one rank's target (and later drafter), KV cache and the two step functions.
+`decode_step` reads only static buffers and device state, so the graph wrapper can capture it;
+`prefill` runs eagerly on ragged prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculant.executor.attention import TorchPagedAttention
+from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
+from speculant.executor.input_buffers import InputBuffers
+from speculant.executor.kv_cache import PagedKVCache
+from speculant.executor.sampling import sample
+from speculant.executor.verify import verify
+
+
+@dataclass
+class StepOutput:
+    """What one decode step leaves in its (static) output tensors."""
+
+    tokens: torch.Tensor  # [bs, T] emitted tokens, -1 after the last
+    accept_len: torch.Tensor  # [bs] tokens emitted per row (accepted drafts + 1)
+
+    def narrow(self, bs: int) -> StepOutput:
+        return StepOutput(self.tokens[:bs], self.accept_len[:bs])
+
+
+class ModelRunner:
+    def __init__(self, model, kv: PagedKVCache, max_bs: int, num_draft_tokens: int = 0):
+        self.model = model
+        self.kv = kv
+        self.device = kv.req_to_page.device
+        self.tokens_per_req = num_draft_tokens + 1
+        self.attn = TorchPagedAttention(kv.k, kv.v, kv.req_to_page, kv.page_size)
+        self.buffers = InputBuffers(max_bs, self.tokens_per_req, self.device)
+        self.offsets = torch.arange(self.tokens_per_req, device=self.device)
+
+    @torch.inference_mode()
+    def decode_step(self, bs: int, variant: str) -> StepOutput:
+        """Verify (or plainly decode) the bs rows of the input buffers; graph-capturable."""
+        buf, kv, T = self.buffers, self.kv, self.tokens_per_req
+        rows = buf.req_pool_indices[:bs]
+        positions = kv.cache_lens[rows].unsqueeze(1) + self.offsets  # [bs, T]
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE, bs=bs, tokens_per_req=T,
+            input_ids=buf.input_ids[:bs].reshape(-1), positions=positions.reshape(-1),
+            req_pool_indices=rows, out_cache_loc=kv.slots(rows, positions).reshape(-1),
+            kv_len=kv.max_tokens_per_req, sampling=buf.sampling(bs))
+        self.attn.prepare(batch)
+        hidden, _ = self.model(batch.input_ids, batch.positions, self.attn)
+        logits = self.model.compute_logits(hidden).view(bs, T, -1)
+        tokens, accept_len = verify(logits, buf.input_ids[:bs, 1:], None, batch.sampling,
+                                    positions, variant)
+        live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
+        kv.cache_lens.index_add_(0, rows, accept_len * live)
+        return StepOutput(tokens, accept_len)
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
+                sampling: SamplingInfo, variant: str) -> torch.Tensor:
+        """Write the KV of each row's new tokens after its cached prefix and sample the next
+        token of every row. Returns the sampled tokens [bs]."""
+        bs, T = len(rows), max(len(t) for t in new_tokens)
+        lengths = torch.tensor([len(t) for t in new_tokens])
+        valid = torch.arange(T) < lengths[:, None]
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.int64)
+        positions = torch.tensor(prefix_lens)[:, None] + torch.arange(T)
+        end = int((torch.tensor(prefix_lens) + lengths).max())
+        kv_len = self.kv.pages_for(end) * self.kv.page_size
+        rows_t = torch.tensor(rows, device=self.device)
+        positions = positions.to(self.device)
+        valid = valid.to(self.device)
+        slots = torch.where(valid, self.kv.slots(rows_t, positions), 0)  # padding -> dummy page
+        batch = ForwardBatch(
+            mode=ForwardMode.PREFILL, bs=bs, tokens_per_req=T,
+            input_ids=ids.to(self.device).reshape(-1), positions=positions.reshape(-1),
+            req_pool_indices=rows_t, out_cache_loc=slots.reshape(-1), kv_len=kv_len,
+            sampling=sampling, num_new_tokens=lengths.to(self.device))
+        self.attn.prepare(batch)
+        hidden, _ = self.model(batch.input_ids, batch.positions, self.attn)
+        last = (batch.num_new_tokens - 1) + torch.arange(bs, device=self.device) * T
+        logits = self.model.compute_logits(hidden[last])
+        self.kv.cache_lens[rows_t] = positions[:, 0] + batch.num_new_tokens
+        next_positions = positions[:, 0] + batch.num_new_tokens
+        return sample(logits, sampling, next_positions, variant)

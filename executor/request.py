@@ -1,0 +1,80 @@
+"""Requests as the user sees them (SamplingParams, RequestOutput) and as the scheduler tracks
+them (Request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from speculant.errors import SpeculantError
+
+
+@dataclass
+class SamplingParams:
+    """How to decode one request. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if int(self.max_new_tokens) <= 0:
+            raise SpeculantError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise SpeculantError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.top_k < 0:
+            raise SpeculantError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            raise SpeculantError(f"top_p={self.top_p} must be in (0, 1] (1 turns it off)")
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its tokens, text (when a tokenizer exists) and statistics."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, **self.stats}
+
+
+@dataclass
+class Request:
+    """Scheduler-side state of one request."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int  # after capping at max_model_len
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1  # request-pool row in req_to_page
+    next_input: list[int] = field(default_factory=list)  # last token, then the drafts
+    finish_reason: str | None = None
+    num_verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def append(self, tokens: list[int]) -> None:
+        """Add emitted tokens, stopping at a stop token or the length limit."""
+        for token in tokens:
+            self.output_ids.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                return
+            if len(self.output_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                return

@@ -1,0 +1,75 @@
+"""Sampling that does not depend on batching: temperature, top-k and top-p applied to the
+distribution, and random numbers from a counter-based hash of (request seed, position, stream),
+so a seeded request draws the same numbers in any batch, padding, graph or eager path."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.executor.forward_batch import SamplingInfo
+
+MASK32 = 0xFFFFFFFF
+# Independent random streams per position.
+STREAM_SAMPLE = 1  # the token emitted at a position (plain sampling, bonus and resample)
+STREAM_ACCEPT = 2  # the accept test of a draft token
+STREAM_DRAFT = 3  # a drafter's own sampled proposal
+
+GREEDY, FULL = "greedy", "full"  # sampler variants; each is captured as its own graph
+
+
+def batch_variant(temperatures: list[float]) -> str:
+    """The graph variant a batch needs: argmax only when every request is greedy."""
+    return GREEDY if all(t <= 0 for t in temperatures) else FULL
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # lowbias32 integer hash on uint32 values held in int64; masking keeps the low 32 bits exact.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """U(0,1) float32 per element, a pure function of (seed, position, stream).
+    seed broadcasts against position (for example [bs, 1] against [bs, T])."""
+    h = _mix32((seed & MASK32) ^ _mix32((seed >> 32) & MASK32) ^ (stream * 0x9E3779B9 & MASK32))
+    h = _mix32(h ^ (position & MASK32))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k and top-p set and renormalised.
+    logits [..., V]; parameters broadcast over the leading dims ([bs] or [bs, 1])."""
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    probs = torch.softmax(logits.float() / temp.unsqueeze(-1), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep = (rank < k) & (mass_before < top_p.unsqueeze(-1))
+    sorted_probs = sorted_probs * keep
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample per row: the first token whose cumulative mass exceeds u * total.
+    probs [..., V] (need not be normalised), u [...]."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[..., -1]).unsqueeze(-1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor,
+           variant: str) -> torch.Tensor:
+    """One token per row of logits [bs, V] emitted at `positions` [bs]."""
+    greedy = logits.argmax(-1)
+    if variant == GREEDY:
+        return greedy
+    probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p)
+    drawn = sample_from(probs, uniform(info.seed, positions, STREAM_SAMPLE))
+    return torch.where(info.is_greedy, greedy, drawn)

@@ -1,0 +1,211 @@
+"""Building blocks shared by targets and drafters: RMSNorm, RoPE, and tensor-parallel linear and
+embedding layers. Every parameter carries a `weight_loader(param, tensor, shard)` that copies its
+slice of a full checkpoint tensor, so the loader never needs to know about TP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculant.comm.groups import ParallelContext
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Allocated on the ambient device and dtype (see loader.build_model); never an fp32 copy.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+def _plain_loader(param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+    _copy_checked(param.data, loaded)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), computed in float32 and cast back like the HF models."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim)
+        self.weight.weight_loader = _plain_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half), with Llama-3 frequency scaling."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = 1.0 / (theta**exponent)
+        if scaling is not None:
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().to(torch.get_default_device()), persistent=False)
+        self.register_buffer("sin", emb.sin().to(torch.get_default_device()), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [N, heads, d], k: [N, kv_heads, d], positions: [N]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows over the TP group; outputs stay sharded.
+    `output_sizes` lists the full sizes of merged sub-matrices (gate and up, say)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, pctx: ParallelContext):
+        super().__init__()
+        tp = pctx.tp_size
+        for size in output_sizes:
+            if size % tp:
+                raise ValueError(f"output size {size} is not divisible by tp={tp}")
+        self.pctx = pctx
+        self.shard_sizes = [s // tp for s in output_sizes]
+        shard_ids = self.shard_ids(len(output_sizes))
+        self.weight = _param(sum(self.shard_sizes), in_features)
+        self.weight.weight_loader, self.weight.shard_ids = self._load, shard_ids
+        self.bias = _param(sum(self.shard_sizes)) if bias else None
+        if bias:
+            self.bias.weight_loader, self.bias.shard_ids = self._load, shard_ids
+
+    @staticmethod
+    def shard_ids(count: int) -> tuple:
+        """The shard ids the loader must fill for a parameter made of `count` sub-matrices."""
+        return tuple(range(count)) if count > 1 else (None,)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
+        index = 0 if shard is None else shard
+        size = self.shard_sizes[index]
+        offset = sum(self.shard_sizes[:index])
+        part = loaded.narrow(0, self.pctx.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Merged q, k and v projections; KV heads are replicated when tp exceeds their number."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 pctx: ParallelContext):
+        tp = pctx.tp_size
+        if num_heads % tp:
+            raise ValueError(f"{num_heads} attention heads are not divisible by tp={tp}")
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        if (num_kv_heads * self.kv_replicas) % tp:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be split over tp={tp}")
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = num_kv_heads * self.kv_replicas // tp
+        self.head_dim = head_dim
+        kv_full = self.num_kv_heads * tp * head_dim
+        super().__init__(hidden, [num_heads * head_dim, kv_full, kv_full], bias, pctx)
+
+    @staticmethod
+    def shard_ids(count: int) -> tuple:
+        return ("q", "k", "v")
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+        index = {"q": 0, "k": 1, "v": 2}[shard]
+        if index > 0 and self.kv_replicas > 1:
+            loaded = loaded.repeat_interleave(self.kv_replicas, dim=0) if loaded.dim() == 1 else \
+                loaded.view(-1, self.head_dim, *loaded.shape[1:]).repeat_interleave(
+                    self.kv_replicas, dim=0).flatten(0, 1)
+        super()._load(param, loaded, index)
+
+    def split(self, qkv: torch.Tensor):
+        q_size, kv_size = self.shard_sizes[0], self.shard_sizes[1]
+        return qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced over TP."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext):
+        super().__init__()
+        if in_features % pctx.tp_size:
+            raise ValueError(f"input size {in_features} is not divisible by tp={pctx.tp_size}")
+        self.pctx = pctx
+        self.in_shard = in_features // pctx.tp_size
+        self.weight = _param(out_features, self.in_shard)
+        self.weight.weight_loader = self._load
+        self.bias = _param(out_features) if bias else None
+        if bias:
+            self.bias.weight_loader = _plain_loader
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+        _copy_checked(param.data, loaded.narrow(1, self.pctx.tp_rank * self.in_shard, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pctx.all_reduce_tp(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary ranges over TP (padded to a multiple of tp)."""
+
+    def __init__(self, vocab_size: int, hidden: int, pctx: ParallelContext):
+        super().__init__()
+        self.pctx = pctx
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // pctx.tp_size)
+        self.start = pctx.tp_rank * self.shard
+        self.weight = _param(self.shard, hidden)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"expected {self.vocab_size} vocabulary rows, got {loaded.shape[0]}")
+        rows = loaded[self.start : self.start + self.shard]
+        param.data.zero_()
+        _copy_checked(param.data[: rows.shape[0]], rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pctx.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.shard)
+        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * inside.unsqueeze(-1)
+        return self.pctx.all_reduce_tp(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split by vocabulary; logits are gathered to the full vocabulary."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = F.linear(hidden, self.weight)
+        return self.pctx.all_gather_tp(out, dim=-1)[..., : self.vocab_size]

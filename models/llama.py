@@ -1,0 +1,119 @@
+"""Llama, Qwen2 and Qwen3 decoders (one file: they differ by qkv bias and q/k norms).
+
+The forward pass is token-major: `input_ids` and `positions` are flat [N]; attention reads and
+writes the paged KV cache through the step's attention backend, which already holds the step's
+metadata (slots, block tables, masks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import ModelConfig
+from speculant.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 pctx: ParallelContext):
+        super().__init__()
+        self.layer_id = layer_id
+        self.rotary = rotary
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.qkv_bias, pctx)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, pctx)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(self.layer_id, q, k, v)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, pctx: ParallelContext):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], False, pctx)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, pctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 pctx: ParallelContext):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary, pctx)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, pctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, pctx: ParallelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary, pctx) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A dense decoder with its LM head. `aux_layer_ids` asks for the residual stream entering
+    those layers (what EAGLE-3 and DFLASH drafters condition on); layer id L means the output
+    of the last layer before the final norm."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, pctx: ParallelContext):
+        super().__init__()
+        self.config = cfg
+        self.pctx = pctx
+        self.model = DecoderModel(cfg, max_positions, pctx)
+        self.lm_head = (self.model.embed_tokens if cfg.tie_word_embeddings
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pctx))
+        self.aux_layer_ids: tuple[int, ...] = ()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final-norm hidden states [N, H] and the requested auxiliary states."""
+        x = self.embed(input_ids)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layer_ids:
+                aux.append(x)
+            x = layer(positions, x, attn)
+        if len(self.model.layers) in self.aux_layer_ids:
+            aux.append(x)
+        return self.model.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits in float32 (gathered over TP)."""
+        return ParallelLMHead.logits(self.lm_head, hidden).float()

@@ -1,0 +1,130 @@
+"""Checkpoint loading: Hugging Face safetensors (single file or sharded with an index), TP
+sharding through each parameter's `weight_loader`, and `dummy` random weights built straight in
+the target dtype and device."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from speculant.errors import SpeculantError
+
+# HF name fragment -> (our fragment, shard id) for merged projections.
+STACKED_PARAMS = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+IGNORED = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|\.masked_bias$")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on GPU and uses float32 on CPU."""
+    if name == "auto":
+        if device == "cpu":
+            return torch.float32
+        return DTYPES.get(checkpoint_dtype, torch.bfloat16)
+    if name not in DTYPES:
+        raise SpeculantError(f"dtype {name!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def default_device_and_dtype(device: str | torch.device, dtype: torch.dtype):
+    """Build modules with parameters allocated directly in `dtype` on `device`."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise SpeculantError(f"{str(index)!r} is not a valid safetensors index ({exc}); "
+                                 "re-export the checkpoint") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise SpeculantError(f"shard {missing[0]!r} named in {index.name} is missing; copy "
+                                 "all shards of the checkpoint")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpeculantError(f"no *.safetensors in {str(path)!r}; download the weights or pass "
+                             "--load-format dummy for random weights")
+    return files
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SpeculantError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise SpeculantError(f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
+                                 "truncated, download it again") from exc
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], source: str,
+                 rename: Callable[[str], str] = lambda name: name) -> None:
+    """Copy checkpoint tensors into `model`, merging q/k/v and gate/up, checking that every
+    parameter was loaded exactly once and that shapes match."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[tuple[int, object]] = set()
+    for hf_name, tensor in weights:
+        if IGNORED.search(hf_name):
+            continue
+        name, shard = rename(hf_name), None
+        for hf_part, our_part, shard_id in STACKED_PARAMS:
+            if hf_part in name:
+                name, shard = name.replace(hf_part, our_part), shard_id
+                break
+        if name not in params:
+            continue  # tensors the model does not use
+        param = params[name]
+        try:
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+        except ValueError as exc:
+            raise SpeculantError(f"tensor {hf_name!r} in {source} has the wrong shape: {exc}; the "
+                                 "checkpoint does not match its config.json") from exc
+        loaded.add((id(param), shard))
+    for name, param in model.named_parameters():
+        for shard in getattr(param, "shard_ids", (None,)):
+            if (id(param), shard) not in loaded:
+                part = name if shard is None else f"{name} (part {shard})"
+                raise SpeculantError(f"{source} lacks the tensor for {part!r}; the checkpoint is "
+                                     "incomplete or for another architecture")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in place, in the parameters' own dtype and device (no fp32 copy)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            fan_in = param.shape[-1] if param.dim() > 1 else 1
+            param.normal_(0.0, fan_in**-0.5 if param.dim() > 1 else 0.02, generator=gen)
