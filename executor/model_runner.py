@@ -58,30 +58,35 @@ class ModelRunner:
         return StepOutput(tokens, accept_len)
 
     @torch.inference_mode()
-    def prefill(self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
-                sampling: SamplingInfo, variant: str) -> torch.Tensor:
-        """Write the KV of each row's new tokens after its cached prefix and sample the next
-        token of every row. Returns the sampled tokens [bs]."""
+    def forward_prefill(self, rows: list[int], new_tokens: list[list[int]],
+                        prefix_lens: list[int]) -> tuple[torch.Tensor, list, ForwardBatch]:
+        """Write the KV of each row's new tokens after its cached prefix. Returns the hidden
+        states [bs * T, H] (rows padded to the longest), the auxiliary states and the batch."""
         bs, T = len(rows), max(len(t) for t in new_tokens)
         lengths = torch.tensor([len(t) for t in new_tokens])
-        valid = torch.arange(T) < lengths[:, None]
         ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.int64)
-        positions = torch.tensor(prefix_lens)[:, None] + torch.arange(T)
-        end = int((torch.tensor(prefix_lens) + lengths).max())
-        kv_len = self.kv.pages_for(end) * self.kv.page_size
+        starts = torch.tensor(prefix_lens)
+        kv_len = self.kv.pages_for(int((starts + lengths).max())) * self.kv.page_size
         rows_t = torch.tensor(rows, device=self.device)
-        positions = positions.to(self.device)
-        valid = valid.to(self.device)
+        positions = (starts[:, None] + torch.arange(T)).to(self.device)
+        valid = (torch.arange(T) < lengths[:, None]).to(self.device)
         slots = torch.where(valid, self.kv.slots(rows_t, positions), 0)  # padding -> dummy page
         batch = ForwardBatch(
             mode=ForwardMode.PREFILL, bs=bs, tokens_per_req=T,
             input_ids=ids.to(self.device).reshape(-1), positions=positions.reshape(-1),
             req_pool_indices=rows_t, out_cache_loc=slots.reshape(-1), kv_len=kv_len,
-            sampling=sampling, num_new_tokens=lengths.to(self.device))
+            num_new_tokens=lengths.to(self.device))
         self.attn.prepare(batch)
-        hidden, _ = self.model(batch.input_ids, batch.positions, self.attn)
-        last = (batch.num_new_tokens - 1) + torch.arange(bs, device=self.device) * T
-        logits = self.model.compute_logits(hidden[last])
+        hidden, aux = self.model(batch.input_ids, batch.positions, self.attn)
         self.kv.cache_lens[rows_t] = positions[:, 0] + batch.num_new_tokens
-        next_positions = positions[:, 0] + batch.num_new_tokens
+        return hidden, aux, batch
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
+                sampling: SamplingInfo, variant: str) -> torch.Tensor:
+        """Prefill and sample the next token of every row. Returns the tokens [bs]."""
+        hidden, _, batch = self.forward_prefill(rows, new_tokens, prefix_lens)
+        last = batch.num_new_tokens - 1 + torch.arange(batch.bs, device=self.device) * batch.tokens_per_req
+        logits = self.model.compute_logits(hidden[last])
+        next_positions = batch.positions.view(batch.bs, -1)[:, 0] + batch.num_new_tokens
         return sample(logits, sampling, next_positions, variant)

@@ -111,6 +111,9 @@ class ColumnParallelLinear(nn.Module):
         index = 0 if shard is None else shard
         size = self.shard_sizes[index]
         offset = sum(self.shard_sizes[:index])
+        full = (size * self.pctx.tp_size, *param.shape[1:])
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"expected shape {full}, got {tuple(loaded.shape)}")
         part = loaded.narrow(0, self.pctx.tp_rank * size, size)
         _copy_checked(param.data.narrow(0, offset, size), part)
 
@@ -168,6 +171,9 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = _plain_loader
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+        full = (param.shape[0], self.in_shard * self.pctx.tp_size)
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"expected shape {full}, got {tuple(loaded.shape)}")
         _copy_checked(param.data, loaded.narrow(1, self.pctx.tp_rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
