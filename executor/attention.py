@@ -30,9 +30,19 @@ class TorchPagedAttention:
         offsets = torch.arange(self.page_size, device=pages.device)
         self.kv_slots = (pages.unsqueeze(-1) * self.page_size + offsets).view(batch.bs, -1)
         key_pos = torch.arange(batch.kv_len, device=pages.device)
-        query_pos = batch.positions.view(batch.bs, batch.tokens_per_req, 1)
-        self.mask = (key_pos <= query_pos).unsqueeze(1)  # [bs, 1, T, kv_len]
+        query_pos = batch.positions.view(batch.bs, 1, batch.tokens_per_req, 1)
+        self.visible = key_pos <= query_pos  # [bs, 1, T, kv_len]
+        self.masks = {}
         self.batch = batch
+
+    def _mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask for queries laid out [bs, kv_heads, group * T] (made once per step)."""
+        key = (group, dtype)
+        if key not in self.masks:
+            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
+            bias.masked_fill_(~self.visible, float("-inf"))
+            self.masks[key] = bias.repeat(1, 1, group, 1)
+        return self.masks[key]
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d]."""
@@ -42,7 +52,11 @@ class TorchPagedAttention:
         v_pool.index_copy_(0, batch.out_cache_loc, v.to(v_pool.dtype))
         keys = k_pool[self.kv_slots].transpose(1, 2)  # [bs, kv_heads, kv_len, d]
         values = v_pool[self.kv_slots].transpose(1, 2)
-        queries = q.view(batch.bs, batch.tokens_per_req, *q.shape[1:]).transpose(1, 2)
+        bs, T, kv_heads, d = batch.bs, batch.tokens_per_req, k.shape[1], q.shape[-1]
+        group = q.shape[1] // kv_heads
+        # Fold the query heads of a KV head into the query axis: no K/V repeat for GQA.
+        queries = q.view(bs, T, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
+            bs, kv_heads, group * T, d)
         out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=self.mask, enable_gqa=True)
-        return out.transpose(1, 2).reshape(q.shape)
+                                             attn_mask=self._mask(group, q.dtype))
+        return out.view(bs, kv_heads, group, T, d).permute(0, 3, 1, 2, 4).reshape(q.shape)

@@ -38,9 +38,8 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = _plain_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -57,7 +56,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), with Llama-3 frequency scaling."""
+    """Neox-style rotary embedding (rotate_half), with Llama-3 frequency scaling. `lookup` runs
+    once per forward; `apply` is then a roll and two multiply-adds per tensor."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -67,20 +67,21 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(torch.get_default_device()), persistent=False)
-        self.register_buffer("sin", emb.sin().to(torch.get_default_device()), persistent=False)
+        # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin] because both halves share frequencies
+        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+        self.register_buffer("cos", cos.to(torch.get_default_device()), persistent=False)
+        self.register_buffer("sin", sin.to(torch.get_default_device()), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [N, heads, d], k: [N, kv_heads, d], positions: [N]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin) rows for `positions`, shaped [N, 1, d] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, rope) -> torch.Tensor:
+        """x [N, heads, d]."""
+        cos, sin = rope
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -24,11 +24,9 @@ from speculant.models.layers import (
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 pctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
         super().__init__()
         self.layer_id = layer_id
-        self.rotary = rotary
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, cfg.qkv_bias, pctx)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, pctx)
@@ -37,14 +35,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, rope, x: torch.Tensor, attn) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.split(qkv)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q = RotaryEmbedding.apply(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), rope)
+            k = RotaryEmbedding.apply(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)),
+                                      rope)
+        else:  # q and k are adjacent in qkv: rotate both in one pass
+            heads = self.num_heads + self.num_kv_heads
+            qk = RotaryEmbedding.apply(qkv[:, : heads * self.head_dim].view(-1, heads,
+                                                                            self.head_dim), rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -61,16 +64,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 pctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary, pctx)
+        self.self_attn = Attention(cfg, layer_id, pctx)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, pctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+    def forward(self, rope, x: torch.Tensor, attn) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,9 +80,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, pctx: ParallelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, pctx) for i in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -105,11 +107,12 @@ class CausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-norm hidden states [N, H] and the requested auxiliary states."""
         x = self.embed(input_ids)
+        rope = self.model.rotary.lookup(positions, x.dtype)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
                 aux.append(x)
-            x = layer(positions, x, attn)
+            x = layer(rope, x, attn)
         if len(self.model.layers) in self.aux_layer_ids:
             aux.append(x)
         return self.model.norm(x), aux

@@ -1,0 +1,386 @@
+"""The EAGLE-3 draft head as published (`LlamaForCausalLMEagle3` checkpoints) and its loader.
+
+Conventions, from SGLang `python/sglang/srt/models/llama_eagle3.py` and `models/llama.py`, vLLM
+`vllm/model_executor/models/llama_eagle3.py` and SpecForge
+`specforge/modeling/draft/llama3_eagle.py` (which wrote most published heads): `fc` [H, 3*H_target]
+projects the concatenated aux states, and is skipped when the hidden is already H wide (the head's
+own fed-back output; SGLang tests the width against the embeddings). Layer 0 (`midlayer.*`) keeps
+the projected hidden as residual (not the embeddings), attends over cat([input_layernorm(embeds),
+hidden_norm(hidden)]) (2H wide) and ends with the usual post-attention norm and MLP; layers i > 0
+(`midlayer.{i}.*` as NVIDIA ModelOpt exports them, or vLLM's `layers.{i}.*`) are plain Llama layers
+on H, as in vLLM (SGLang loads one layer). The pre-final-norm output is fed back to the next draft
+step; logits come from lm_head(norm(out)) over the draft vocabulary. `d2t` holds int64 offsets
+(target = draft + d2t[draft], SGLang's hot_token_id); `t2d` is rebuilt from d2t (SGLang and vLLM
+skip it) and `embed_tokens.weight` is ignored (embeddings come from the target). Aux layers:
+`aux_layer_ids` names the target layers whose INPUT residual is taken, as SGLang's
+`layers_to_capture` (default [2, L//2, L-3]); `eagle_config.eagle_aux_hidden_state_layer_ids`
+counts layer outputs, so SGLang's `set_eagle3_layers_to_capture` adds 1 and so do we; a top-level
+`eagle_aux_hidden_state_layer_ids` (vLLM / speculators, ignored by SGLang) already means the input
+of layer i and is taken as is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import ModelConfig, read_hf_config
+from speculant.errors import SpeculantError
+from speculant.models.layers import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+)
+from speculant.models.llama import MLP, Attention, DecoderLayer
+from speculant.models.loader import (
+    default_device_and_dtype,
+    init_dummy_weights,
+    iter_safetensors,
+    load_weights,
+)
+
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+_LAYER_KEY = re.compile(r"^(midlayer|layers)(?:\.(\d+))?\.(.+)$")
+
+
+@dataclass
+class Eagle3Config:
+    """A published EAGLE-3 head, checked against the target it drafts for."""
+
+    layer: ModelConfig  # the head's decoder-layer shapes, rope and eps (Llama style)
+    num_layers: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]  # target layers whose input residual is concatenated
+    fc_bias: bool = False
+    norm_before_residual: bool = False
+    source: str = "config.json"
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @classmethod
+    def from_dir(cls, path: str | Path, target: ModelConfig) -> Eagle3Config:
+        hf = read_hf_config(path)
+        source = str(Path(path) / "config.json")
+        archs = hf.get("architectures") or []
+        if "speculators_config" in hf:
+            raise SpeculantError(
+                f"{source} is in the speculators format; use a head in the "
+                "LlamaForCausalLMEagle3 layout (SpecForge / SGLang)"
+            )
+        if archs and not any("eagle3" in arch.lower() for arch in archs):
+            raise SpeculantError(
+                f"{source} describes {archs[0]!r}, not an EAGLE-3 head "
+                "(LlamaForCausalLMEagle3); pass the draft head's folder"
+            )
+        for flag in ("tie_word_embeddings", "attention_bias"):
+            if hf.get(flag):
+                raise SpeculantError(f"{flag}=true in {source} is not supported for EAGLE-3 heads")
+        layer = ModelConfig.from_hf({**hf, "architectures": ["LlamaForCausalLM"]}, source)
+        if layer.hidden_size != target.hidden_size:
+            raise SpeculantError(
+                f"EAGLE-3 hidden_size {layer.hidden_size} in {source} != the "
+                f"target's {target.hidden_size}; the head is for another target"
+            )
+        target_hidden = int(hf.get("target_hidden_size") or layer.hidden_size)
+        if target_hidden != target.hidden_size:
+            raise SpeculantError(
+                f"target_hidden_size {target_hidden} in {source} != target hidden "
+                f"size {target.hidden_size}; the head is for another target"
+            )
+        draft_vocab = int(hf.get("draft_vocab_size") or layer.vocab_size)
+        if draft_vocab > target.vocab_size or (
+            draft_vocab == layer.vocab_size and layer.vocab_size != target.vocab_size
+        ):
+            raise SpeculantError(
+                f"EAGLE-3 vocabulary {draft_vocab} in {source} does not fit the "
+                f"target vocabulary {target.vocab_size}; the head is for another "
+                "target"
+            )
+        return cls(
+            layer=layer,
+            num_layers=layer.num_layers,
+            draft_vocab_size=draft_vocab,
+            target_vocab_size=target.vocab_size,
+            target_hidden_size=target_hidden,
+            aux_layer_ids=_aux_layer_ids(hf, target.num_layers, source),
+            fc_bias=bool(hf.get("bias", False)),
+            norm_before_residual=bool(hf.get("norm_before_residual", False)),
+            source=source,
+        )
+
+
+def _aux_layer_ids(hf: dict, num_target_layers: int, source: str) -> tuple[int, ...]:
+    """Aux layer ids in our convention (input of layer i; i = L is the last layer's output), in
+    layer order: the target captures them in that order, whatever order the config lists."""
+    L = num_target_layers
+    nested = (hf.get("eagle_config") or {}).get(AUX_IDS_KEY)
+    if nested:  # SpecForge / SGLang: output of layer i, i.e. the input of layer i + 1
+        ids, key = [int(i) + 1 for i in nested], f"eagle_config.{AUX_IDS_KEY}={nested}"
+    elif hf.get(AUX_IDS_KEY):  # vLLM / speculators: already the input of layer i
+        ids, key = [int(i) for i in hf[AUX_IDS_KEY]], f"{AUX_IDS_KEY}={hf[AUX_IDS_KEY]}"
+    else:  # SGLang's default, clamped so toy targets with few layers still work
+        ids = [min(max(i, 0), L) for i in (2, L // 2, L - 3)]
+        key = f"the default aux layers [2, L//2, L-3] = {ids}"
+    if len(set(ids)) != 3:
+        raise SpeculantError(
+            f"{key} in {source} must name 3 distinct target layers (EAGLE-3 "
+            "concatenates exactly 3); fix eagle_config in config.json"
+        )
+    if any(not 0 <= i <= L for i in ids):
+        raise SpeculantError(
+            f"{key} in {source} is out of range for a target with {L} layers; "
+            "the head is for another target"
+        )
+    return tuple(sorted(ids))
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer every TP rank holds whole (`fc`: its input is the full aux concatenation)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = _copy_whole
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        if bias:
+            self.bias.weight_loader = _copy_whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy_whole(param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class Eagle3Midlayer(nn.Module):
+    """Layer 0: attention over cat([input_layernorm(embeds), hidden_norm(hidden)]), residual on
+    the (projected) hidden."""
+
+    def __init__(self, cfg: Eagle3Config, pctx: ParallelContext):
+        super().__init__()
+        lc = cfg.layer
+        self.norm_before_residual = cfg.norm_before_residual
+        self.self_attn = Attention(lc, 0, pctx)
+        # The published head widens q/k/v to 2H (SGLang overrides qkv_proj the same way).
+        self.self_attn.qkv_proj = QKVParallelLinear(
+            2 * lc.hidden_size, lc.head_dim, lc.num_heads, lc.num_kv_heads, lc.qkv_bias, pctx
+        )
+        self.mlp = MLP(lc.hidden_size, lc.intermediate_size, pctx)
+        self.input_layernorm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+
+    def forward(self, rope, embeds: torch.Tensor, hidden: torch.Tensor, attn) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden  # vLLM's norm_before_residual
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = residual + self.self_attn(rope, x, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """The draft head. `forward` returns the pre-norm hidden to feed back; `logits` the draft
+    vocabulary's float32 logits. Its attention layers are 0..num_layers-1 of its own KV pool."""
+
+    def __init__(
+        self, cfg: Eagle3Config, target_cfg: ModelConfig, max_positions: int, pctx: ParallelContext
+    ):
+        super().__init__()
+        lc = cfg.layer
+        self.config = cfg
+        self.pctx = pctx
+        self.rotary = RotaryEmbedding(lc.head_dim, max_positions, lc.rope_theta, lc.rope_scaling)
+        self.fc = ReplicatedLinear(3 * cfg.target_hidden_size, lc.hidden_size, cfg.fc_bias)
+        self.layers = nn.ModuleList(
+            [Eagle3Midlayer(cfg, pctx)]
+            + [DecoderLayer(lc, i, pctx) for i in range(1, cfg.num_layers)]
+        )
+        self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.draft_vocab_size, lc.hidden_size, pctx)
+        self.num_layers = cfg.num_layers
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads  # per TP rank
+        self.head_dim = lc.head_dim
+        self.target_vocab_size = target_cfg.vocab_size
+        draft = cfg.draft_vocab_size
+        self.register_buffer("d2t", torch.zeros(draft, dtype=torch.int64))
+        self.register_buffer("t2d", torch.arange(target_cfg.vocab_size) < draft)
+        self.register_buffer("draft_to_target", torch.arange(draft), persistent=False)
+        self.identity_vocab = draft == target_cfg.vocab_size
+
+    def set_vocab_map(self, d2t: torch.Tensor) -> None:
+        """Install draft->target offsets (already checked by the loader)."""
+        ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+        self.d2t.copy_(d2t)
+        self.draft_to_target.copy_(ids)
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+        self.identity_vocab = (d2t.numel() == self.target_vocab_size) and not bool(d2t.any())
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attn
+    ) -> torch.Tensor:
+        """embeds [N, H] from the target; hidden [N, 3*H_target] (aux) or [N, H] (fed back)."""
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fc(hidden)
+        rope = self.rotary.lookup(positions, embeds.dtype)
+        h = self.layers[0](rope, embeds, hidden, attn)
+        for layer in self.layers[1:]:
+            h = layer(rope, h, attn)
+        return h
+
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """[N, draft_vocab] float32 logits of the pre-norm output of `forward`."""
+        return self.lm_head.logits(self.norm(hidden_out)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids to target ids: i + d2t[i]."""
+        return draft_ids if self.identity_vocab else self.draft_to_target[draft_ids]
+
+    def draft_probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., draft_vocab] -> [..., target_vocab], zero outside the draft vocabulary."""
+        if self.identity_vocab:
+            return probs
+        out = probs.new_zeros(*probs.shape[:-1], self.target_vocab_size)
+        return out.index_copy_(-1, self.draft_to_target, probs)
+
+
+def published_keys(cfg: Eagle3Config, layer_prefix: str = "midlayer.") -> list[str]:
+    """The tensor names a published head of this config holds (without d2t / t2d).
+    `layer_prefix` is `midlayer.` (one layer), `midlayer.{i}.` or `layers.{i}.`."""
+    keys = ["fc.weight", "norm.weight", "lm_head.weight"] + (["fc.bias"] if cfg.fc_bias else [])
+    for i in range(cfg.num_layers):
+        p = layer_prefix.format(i=i)
+        keys += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        keys += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        keys += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+        keys += [f"{p}hidden_norm.weight"] if i == 0 else []
+        keys += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"] if cfg.layer.qkv_bias else []
+    return keys
+
+
+def our_name(key: str) -> str:
+    """Published tensor name -> our parameter name (`midlayer[.i].` -> `layers.i.`)."""
+    match = _LAYER_KEY.match(key)
+    if match is None:
+        return key
+    _, index, rest = match.groups()
+    return f"layers.{index or 0}.{rest}"
+
+
+def read_head_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors of a head folder (safetensors, sharded or not, else pytorch_model.bin), with a
+    leading `model.` stripped; returns them and a name for error messages."""
+    path = Path(path)
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        weights = dict(iter_safetensors(path))
+    else:
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise SpeculantError(
+                f"no model.safetensors or pytorch_model.bin in {str(path)!r}; "
+                "download the head or pass --load-format dummy"
+            )
+        weights = {}
+        for file in bins:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # pickle and zip errors vary by torch version
+                raise SpeculantError(
+                    f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
+                    "truncated, download it again"
+                ) from exc
+            if not isinstance(state, dict):
+                raise SpeculantError(f"{str(file)!r} does not hold a state dict")
+            weights.update(state)
+    return {name.removeprefix("model."): t for name, t in weights.items()}, str(path)
+
+
+def _layer_prefix(keys, num_layers: int) -> str:
+    """Which of the published layer namings a checkpoint uses."""
+    if any(re.match(r"midlayer\.\d+\.", k) for k in keys):
+        return "midlayer.{i}."
+    if any(re.match(r"layers\.\d+\.", k) for k in keys):
+        return "layers.{i}."
+    return "midlayer." if num_layers == 1 else "midlayer.{i}."
+
+
+def _checked_d2t(weights: dict, cfg: Eagle3Config, source: str) -> torch.Tensor:
+    draft, target = cfg.draft_vocab_size, cfg.target_vocab_size
+    if "d2t" not in weights:
+        if draft != target:
+            raise SpeculantError(
+                f"{source} has draft_vocab_size {draft} < target vocabulary "
+                f"{target} but no 'd2t' tensor to map draft ids to target ids"
+            )
+        return torch.zeros(draft, dtype=torch.int64)
+    d2t = weights["d2t"].to(torch.int64)
+    if d2t.shape != (draft,):
+        raise SpeculantError(
+            f"'d2t' in {source} has shape {tuple(d2t.shape)}, expected "
+            f"({draft},) for draft_vocab_size {draft}"
+        )
+    ids = torch.arange(draft) + d2t
+    if bool((ids < 0).any() or (ids >= target).any()) or ids.unique().numel() != draft:
+        raise SpeculantError(
+            f"'d2t' in {source} maps draft ids outside the target vocabulary "
+            f"{target} or onto the same id; the head is for another target"
+        )
+    return d2t
+
+
+def dummy_d2t(draft_vocab: int, target_vocab: int, seed: int = 0) -> torch.Tensor:
+    """Offsets for random weights: identity for equal vocabularies, else a random sorted subset."""
+    if draft_vocab == target_vocab:
+        return torch.zeros(draft_vocab, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(target_vocab, generator=gen)[:draft_vocab].sort().values
+    return ids - torch.arange(draft_vocab)
+
+
+def load_eagle3(
+    path: str | Path,
+    target_cfg: ModelConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    pctx: ParallelContext,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> Eagle3Head:
+    """Build the head of folder `path` for `target_cfg` and load its published weights
+    (`load_format="dummy"`: random weights, no weight files needed)."""
+    if load_format not in ("auto", "dummy"):
+        raise SpeculantError(f"load format {load_format!r} is not supported; use auto or dummy")
+    cfg = Eagle3Config.from_dir(path, target_cfg)
+    with default_device_and_dtype(device, dtype):
+        head = Eagle3Head(cfg, target_cfg, max_positions, pctx)
+    if load_format == "dummy":
+        init_dummy_weights(head, seed)
+        head.set_vocab_map(dummy_d2t(cfg.draft_vocab_size, cfg.target_vocab_size, seed).to(device))
+        return head.eval()
+    weights, source = read_head_weights(path)
+    for key in published_keys(cfg, _layer_prefix(weights, cfg.num_layers)):
+        if key not in weights:
+            raise SpeculantError(
+                f"{source} lacks the tensor {key!r}; the head is incomplete or "
+                "not an EAGLE-3 head in the published layout"
+            )
+    d2t = _checked_d2t(weights, cfg, source)
+    tensors = ((k, t) for k, t in weights.items() if k not in ("d2t", "t2d"))
+    load_weights(head, tensors, source, rename=our_name)
+    head.set_vocab_map(d2t.to(device))
+    return head.eval()

@@ -1,0 +1,348 @@
+"""The EAGLE-3 head loads published checkpoints (names, d2t offsets, aux-id conventions) and its
+forward matches a plain re-implementation of the published formula."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers_eagle import tiny_target_config, write_random_eagle3
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import ModelConfig
+from speculant.drafter.eagle import Eagle3Config, load_eagle3
+from speculant.errors import SpeculantError
+
+
+def load(head_dir, target_cfg, **kwargs):
+    return load_eagle3(
+        head_dir,
+        target_cfg,
+        "cpu",
+        torch.float32,
+        ParallelContext.single(),
+        max_positions=128,
+        **kwargs,
+    )
+
+
+class CausalAttentionStub:
+    """Test double of the paged backend's protocol: causal SDPA over the N tokens it is given."""
+
+    def __init__(self):
+        self.layer_ids: list[int] = []
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.layer_ids.append(layer_id)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+
+# ---------------------------------------------------------------- independent reference
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def reference(w, hf, embeds, hidden, positions, project=True):
+    """The published EAGLE-3 forward in plain torch: returns (pre-norm output, logits)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    w = {k: v.float() for k, v in w.items()}
+    eps, n = hf["rms_norm_eps"], hf["num_hidden_layers"]
+    heads, kv_heads, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    rotary = LlamaRotaryEmbedding(
+        LlamaConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    )
+    cos, sin = rotary(embeds[None], positions[None])
+    cos, sin = cos[0][None], sin[0][None]  # [1, N, d], broadcast over heads
+    N = embeds.shape[0]
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+
+    def prefix(i):
+        if "midlayer.self_attn.q_proj.weight" in w:
+            return "midlayer."
+        return f"midlayer.{i}." if f"midlayer.{i}.mlp.up_proj.weight" in w else f"layers.{i}."
+
+    def attention(x, p):
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(N, heads, d).transpose(0, 1)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).view(N, kv_heads, d).transpose(0, 1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(N, kv_heads, d).transpose(0, 1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (k, v))
+        scores = (q @ k.transpose(1, 2) / math.sqrt(d)).masked_fill(~causal, float("-inf"))
+        out = scores.softmax(-1) @ v
+        return out.transpose(0, 1).reshape(N, heads * d) @ w[p + "self_attn.o_proj.weight"].T
+
+    def mlp(x, p):
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        return (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+
+    if project:
+        hidden = hidden @ w["fc.weight"].T
+    p = prefix(0)
+    x = torch.cat(
+        [
+            rms(embeds, w[p + "input_layernorm.weight"], eps),
+            rms(hidden, w[p + "hidden_norm.weight"], eps),
+        ],
+        dim=-1,
+    )
+    h = hidden + attention(x, p)  # residual: the projected hidden, not the embeddings
+    h = h + mlp(rms(h, w[p + "post_attention_layernorm.weight"], eps), p)
+    for i in range(1, n):
+        p = prefix(i)
+        h = h + attention(rms(h, w[p + "input_layernorm.weight"], eps), p)
+        h = h + mlp(rms(h, w[p + "post_attention_layernorm.weight"], eps), p)
+    return h, rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+# ---------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_loads_published_tensors_and_d2t(tmp_path, llama_dir, fmt):
+    target = ModelConfig.from_dir(llama_dir)
+    w = write_random_eagle3(tmp_path, llama_dir, draft_vocab=64, fmt=fmt, seed=1)
+    head = load(tmp_path, target)
+    assert (head.num_layers, head.num_kv_heads, head.head_dim) == (1, 1, 16)
+    assert torch.equal(head.fc.weight, w["fc.weight"].float())
+    qkv = torch.cat([w[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"]).float()
+    assert torch.equal(head.layers[0].self_attn.qkv_proj.weight, qkv)
+    gate_up = torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]])
+    assert torch.equal(head.layers[0].mlp.gate_up_proj.weight, gate_up.float())
+    assert torch.equal(head.layers[0].hidden_norm.weight, w["midlayer.hidden_norm.weight"].float())
+    assert torch.equal(head.lm_head.weight, w["lm_head.weight"].float())
+    assert head.d2t.dtype == torch.int64 and torch.equal(head.d2t, w["d2t"])
+    assert torch.equal(head.t2d, w["t2d"])
+    draft_ids = torch.arange(64)
+    assert torch.equal(head.to_target_ids(draft_ids), draft_ids + w["d2t"])
+    assert torch.equal(
+        head.to_target_ids(torch.tensor([[3, 0]])), (torch.tensor([[3, 0]]) + w["d2t"][[3, 0]])
+    )
+
+
+def test_full_vocab_without_d2t_is_identity(tmp_path, llama_dir):
+    target = ModelConfig.from_dir(llama_dir)
+    w = write_random_eagle3(tmp_path, llama_dir, draft_vocab=None)
+    assert "d2t" not in w and "t2d" not in w
+    head = load(tmp_path, target)
+    assert head.identity_vocab and not head.d2t.any() and head.t2d.all()
+    ids = torch.tensor([0, 5, target.vocab_size - 1])
+    assert torch.equal(head.to_target_ids(ids), ids)
+    probs = torch.rand(2, target.vocab_size)
+    assert head.draft_probs_to_target(probs) is probs
+
+
+def test_draft_probs_scatter_into_target_vocab(tmp_path, llama_dir):
+    target = ModelConfig.from_dir(llama_dir)
+    w = write_random_eagle3(tmp_path, llama_dir, draft_vocab=48, seed=3)
+    head = load(tmp_path, target)
+    probs = torch.rand(2, 3, 48).softmax(-1)
+    out = head.draft_probs_to_target(probs)
+    target_ids = torch.arange(48) + w["d2t"]
+    assert out.shape == (2, 3, target.vocab_size)
+    assert torch.equal(out[..., target_ids], probs)
+    assert torch.allclose(out.sum(-1), torch.ones(2, 3))
+    assert not out[..., ~w["t2d"]].any()
+
+
+# ---------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize(
+    "num_layers,layer_keys,draft_vocab",
+    [(1, "midlayer", 64), (2, "midlayer", None), (3, "layers", 100)],
+)
+def test_forward_matches_published_formula(
+    tmp_path, llama_dir, num_layers, layer_keys, draft_vocab
+):
+    target = ModelConfig.from_dir(llama_dir)
+    w = write_random_eagle3(
+        tmp_path,
+        llama_dir,
+        draft_vocab=draft_vocab,
+        num_layers=num_layers,
+        layer_keys=layer_keys,
+        num_heads=4,
+        num_kv_heads=2,
+        seed=5,
+    )
+    hf = json.loads((tmp_path / "config.json").read_text())
+    head = load(tmp_path, target)
+    gen = torch.Generator().manual_seed(0)
+    N, H = 7, target.hidden_size
+    embeds, aux = torch.randn(N, H, generator=gen), torch.randn(N, 3 * H, generator=gen)
+    positions = torch.arange(N) + 3
+    stub = CausalAttentionStub()
+    with torch.no_grad():
+        out = head(embeds, aux, positions, stub)
+        logits = head.logits(out)
+    ref_out, ref_logits = reference(w, hf, embeds, aux, positions)
+    assert stub.layer_ids == list(range(num_layers))
+    assert logits.dtype == torch.float32 and logits.shape == (N, draft_vocab or target.vocab_size)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+    # The next draft step feeds the pre-norm output back: width H, so `fc` is skipped.
+    with torch.no_grad():
+        again = head(embeds.flip(0), out, positions + 1, CausalAttentionStub())
+    ref_again, _ = reference(w, hf, embeds.flip(0), ref_out, positions + 1, project=False)
+    torch.testing.assert_close(again, ref_again, rtol=1e-4, atol=1e-4)
+
+
+def test_dummy_weights(tmp_path, llama_dir):
+    target = ModelConfig.from_dir(llama_dir)
+    for draft_vocab, name in ((None, "full"), (40, "small")):
+        write_random_eagle3(tmp_path / name, llama_dir, draft_vocab=draft_vocab)
+        (tmp_path / name / "model.safetensors").unlink()
+        head = load(tmp_path / name, target, load_format="dummy")
+        ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size))
+        assert ids.unique().numel() == ids.numel() and 0 <= ids.min() and ids.max() < 512
+        assert torch.equal(ids, ids.sort().values)
+        assert head.identity_vocab == (draft_vocab is None)
+        with torch.no_grad():
+            out = head(
+                torch.randn(3, 64), torch.randn(3, 192), torch.arange(3), CausalAttentionStub()
+            )
+        assert torch.isfinite(head.logits(out)).all()
+
+
+# ---------------------------------------------------------------- aux layer ids
+
+
+@pytest.mark.parametrize(
+    "aux_ids,at,expected",
+    [
+        (None, None, (2, 16, 29)),  # SGLang's default [2, L//2, L-3], inputs of those layers
+        ([1, 15, 28], "eagle_config", (2, 16, 29)),  # SpecForge: outputs of layers -> +1
+        ([2, 16, 29], "top", (2, 16, 29)),  # vLLM / speculators: already inputs of layers
+        ([28, 1, 15], "eagle_config", (2, 16, 29)),  # captured in layer order
+        ([0, 16, 31], "eagle_config", (1, 17, 32)),  # 32: the last layer's output
+    ],
+)
+def test_aux_layer_ids(tmp_path, aux_ids, at, expected):
+    target = tiny_target_config(num_layers=32)
+    write_random_eagle3(tmp_path, target, aux_ids=aux_ids, aux_ids_at=at or "eagle_config")
+    assert Eagle3Config.from_dir(tmp_path, target).aux_layer_ids == expected
+
+
+def test_nested_aux_ids_win_over_top_level(tmp_path):
+    target = tiny_target_config(num_layers=32)
+    write_random_eagle3(
+        tmp_path,
+        target,
+        aux_ids=[3, 9, 20],
+        config_overrides={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},
+    )
+    assert Eagle3Config.from_dir(tmp_path, target).aux_layer_ids == (4, 10, 21)
+
+
+def test_default_aux_ids_fit_a_two_layer_target(llama_dir, tmp_path):
+    write_random_eagle3(tmp_path, llama_dir)
+    assert Eagle3Config.from_dir(tmp_path, ModelConfig.from_dir(llama_dir)).aux_layer_ids == (
+        0,
+        1,
+        2,
+    )
+
+
+# ---------------------------------------------------------------- errors
+
+
+def errors_for(tmp_path, target, pattern, *, load_weights=False, **kwargs):
+    write_random_eagle3(tmp_path, kwargs.pop("written_for", target), **kwargs)
+    with pytest.raises(SpeculantError, match=pattern):
+        if load_weights:
+            load(tmp_path, target)
+        else:
+            Eagle3Config.from_dir(tmp_path, target)
+
+
+def test_wrong_hidden_size(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(hidden=32),
+        r"hidden_size 64 .* target's 32",
+        written_for=tiny_target_config(hidden=64),
+    )
+
+
+def test_wrong_target_hidden_size(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(),
+        r"target_hidden_size 128",
+        config_overrides={"target_hidden_size": 128},
+    )
+
+
+def test_aux_id_out_of_range(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(num_layers=32),
+        r"out of range .* 32 layers",
+        aux_ids=[1, 15, 32],
+    )
+
+
+def test_aux_ids_need_three_layers(tmp_path):
+    errors_for(tmp_path, tiny_target_config(), r"3 distinct", aux_ids=[1, 15])
+
+
+def test_vocab_mismatch_without_d2t(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(vocab=300),
+        r"vocabulary 256 .* 300",
+        written_for=tiny_target_config(vocab=256),
+    )
+
+
+def test_missing_tensor_is_named(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(),
+        r"lacks the tensor 'midlayer.mlp.down_proj.weight'",
+        load_weights=True,
+        drop_keys=["midlayer.mlp.down_proj.weight"],
+    )
+
+
+def test_missing_d2t_with_small_draft_vocab(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(),
+        r"no 'd2t'",
+        load_weights=True,
+        draft_vocab=32,
+        drop_keys=["d2t"],
+    )
+
+
+def test_not_an_eagle_head(llama_dir):
+    with pytest.raises(SpeculantError, match="not an EAGLE-3 head"):
+        Eagle3Config.from_dir(llama_dir, ModelConfig.from_dir(llama_dir))
+
+
+def test_missing_folder_config_and_weights(tmp_path):
+    target = tiny_target_config()
+    with pytest.raises(SpeculantError, match="does not exist"):
+        Eagle3Config.from_dir(tmp_path / "nope", target)
+    with pytest.raises(SpeculantError, match="config.json"):
+        Eagle3Config.from_dir(tmp_path, target)
+    write_random_eagle3(tmp_path, target)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(SpeculantError, match="no model.safetensors or pytorch_model.bin"):
+        load(tmp_path, target)
