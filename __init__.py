@@ -5,5 +5,11 @@ from speculant.errors import SpeculantError
 from speculant.executor.engine import Engine
 from speculant.executor.request import RequestOutput, SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams",
-           "SpeculantError"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculantError",
+]

@@ -9,24 +9,34 @@ from pathlib import Path
 
 from speculant.errors import SpeculantError
 
-DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+DENSE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
 
 
 def read_hf_config(path: str | Path) -> dict:
     """Read `config.json` of a Hugging Face checkpoint directory, with clear errors."""
     path = Path(path)
     if not path.is_dir():
-        raise SpeculantError(f"checkpoint directory {str(path)!r} does not exist; pass a folder "
-                             "holding config.json and *.safetensors")
+        raise SpeculantError(
+            f"checkpoint directory {str(path)!r} does not exist; pass a folder "
+            "holding config.json and *.safetensors"
+        )
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise SpeculantError(f"{str(config_file)!r} is missing; {str(path)!r} is not a Hugging Face "
-                             "checkpoint (it needs config.json and *.safetensors)")
+        raise SpeculantError(
+            f"{str(config_file)!r} is missing; {str(path)!r} is not a Hugging Face "
+            "checkpoint (it needs config.json and *.safetensors)"
+        )
     try:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
-        raise SpeculantError(f"{str(config_file)!r} is not valid JSON ({exc}); re-export the "
-                             "checkpoint") from exc
+        raise SpeculantError(
+            f"{str(config_file)!r} is not valid JSON ({exc}); re-export the checkpoint"
+        ) from exc
 
 
 def _rope_settings(hf: dict) -> tuple[float, dict | None]:
@@ -73,8 +83,10 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in DENSE_ARCHITECTURES:
-            raise SpeculantError(f"architecture {arch!r} in {source} is not supported; supported: "
-                                 f"{', '.join(DENSE_ARCHITECTURES)}")
+            raise SpeculantError(
+                f"architecture {arch!r} in {source} is not supported; supported: "
+                f"{', '.join(DENSE_ARCHITECTURES)}"
+            )
         if hf.get("mlp_bias"):
             raise SpeculantError(f"mlp_bias=true in {source} is not supported")
         try:
@@ -103,8 +115,10 @@ class ModelConfig:
                 hf=hf,
             )
         except KeyError as exc:
-            raise SpeculantError(f"{source} lacks the field {exc.args[0]!r}; re-export the "
-                                 "checkpoint with transformers") from exc
+            raise SpeculantError(
+                f"{source} lacks the field {exc.args[0]!r}; re-export the "
+                "checkpoint with transformers"
+            ) from exc
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

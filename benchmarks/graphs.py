@@ -20,22 +20,44 @@ import torch
 from speculant import Engine, SamplingParams
 
 SHAPES = {
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
-                  max_position_embeddings=2048),
-    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                    max_position_embeddings=131072,
-                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8192}),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    ),
+    "llama8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 
 
 def write_config(shape: dict) -> str:
     path = Path(tempfile.mkdtemp())
-    config = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-              "torch_dtype": "bfloat16", "eos_token_id": 2, **shape}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 2,
+        **shape,
+    }
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
@@ -75,8 +97,10 @@ def check_equal(engine: Engine, vocab: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     result = {}
     for bs in (1, 3, 17, 64):
-        prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(4, 64, (bs,), generator=gen)]
+        prompts = [
+            torch.randint(3, vocab, (int(n),), generator=gen).tolist()
+            for n in torch.randint(4, 64, (bs,), generator=gen)
+        ]
         params = SamplingParams(max_new_tokens=16, ignore_eos=True)
         engine.graphs.use_graphs = engine.graphs.pad = True
         graph_tokens = [o.token_ids for o in engine.generate(prompts, params)]
@@ -98,11 +122,14 @@ def step_times(engine: Engine, vocab: int, context: int) -> dict:
             prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in chunk]
             engine.runner.forward_prefill(chunk, prompts, [0] * len(chunk))
         ids = torch.randint(3, vocab, (bs, 1), generator=gen).tolist()
-        engine.runner.buffers.fill(rows, ids, [0.0] * bs, [0] * bs, [1.0] * bs, [0] * bs, bs,
-                                   engine.kv.sentinel_row)
+        engine.runner.buffers.fill(
+            rows, ids, [0.0] * bs, [0] * bs, [1.0] * bs, [0] * bs, bs, engine.kv.sentinel_row
+        )
         graph = engine.graphs.graphs[("greedy", bs)]
-        out[bs] = {"graph_ms": time_ms(graph.replay, 50),
-                   "eager_ms": time_ms(lambda b=bs: engine.runner.decode_step(b, "greedy"), 10)}
+        out[bs] = {
+            "graph_ms": time_ms(graph.replay, 50),
+            "eager_ms": time_ms(lambda b=bs: engine.runner.decode_step(b, "greedy"), 10),
+        }
         for row in rows:
             engine.kv.free(row)
     return out
@@ -115,36 +142,57 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_TBps": bandwidth / 1e12,
-              "command": " ".join(["python"] + sys.argv), "models": {}}
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "copy_bandwidth_TBps": bandwidth / 1e12,
+        "command": " ".join(["python"] + sys.argv),
+        "models": {},
+    }
     for name in args.models.split(","):
         shape = SHAPES[name]
         t0 = time.perf_counter()
-        engine = Engine(write_config(shape), device="cuda", dtype="bfloat16", load_format="dummy",
-                        max_num_seqs=64, max_model_len=args.context + 512,
-                        capture_sizes=[1, 2, 4, 8, 16, 24, 32, 48, 64])
+        engine = Engine(
+            write_config(shape),
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            max_num_seqs=64,
+            max_model_len=args.context + 512,
+            capture_sizes=[1, 2, 4, 8, 16, 24, 32, 48, 64],
+        )
         build_s = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        entry = {"build_and_capture_s": build_s, "weight_GB": weight_bytes / 1e9,
-                 "graph_memory_GiB": engine.graphs.graph_memory_bytes / 2**30,
-                 "roofline_ms": weight_bytes / bandwidth * 1e3,
-                 "graph_equals_eager": check_equal(engine, shape["vocab_size"]),
-                 "steps": step_times(engine, shape["vocab_size"], args.context)}
+        entry = {
+            "build_and_capture_s": build_s,
+            "weight_GB": weight_bytes / 1e9,
+            "graph_memory_GiB": engine.graphs.graph_memory_bytes / 2**30,
+            "roofline_ms": weight_bytes / bandwidth * 1e3,
+            "graph_equals_eager": check_equal(engine, shape["vocab_size"]),
+            "steps": step_times(engine, shape["vocab_size"], args.context),
+        }
         report["models"][name] = entry
         del engine
         torch.cuda.empty_cache()
-    print(f"\n{report['gpu']}  torch {report['torch']}  copy bandwidth "
-          f"{report['copy_bandwidth_TBps']:.2f} TB/s  {report['date']}")
+    print(
+        f"\n{report['gpu']}  torch {report['torch']}  copy bandwidth "
+        f"{report['copy_bandwidth_TBps']:.2f} TB/s  {report['date']}"
+    )
     print("| model | bs | graph ms | eager ms | eager/graph | roofline ms | graph % of roofline |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, entry in report["models"].items():
         for bs, t in entry["steps"].items():
-            print(f"| {name} | {bs} | {t['graph_ms']:.3f} | {t['eager_ms']:.2f} | "
-                  f"{t['eager_ms'] / t['graph_ms']:.1f}x | {entry['roofline_ms']:.3f} | "
-                  f"{entry['roofline_ms'] / t['graph_ms']:.0%} |")
-        print(f"{name}: graph == eager {entry['graph_equals_eager']}; build+capture "
-              f"{entry['build_and_capture_s']:.1f} s; graph memory {entry['graph_memory_GiB']:.2f} GiB")
+            print(
+                f"| {name} | {bs} | {t['graph_ms']:.3f} | {t['eager_ms']:.2f} | "
+                f"{t['eager_ms'] / t['graph_ms']:.1f}x | {entry['roofline_ms']:.3f} | "
+                f"{entry['roofline_ms'] / t['graph_ms']:.0%} |"
+            )
+        print(
+            f"{name}: graph == eager {entry['graph_equals_eager']}; build+capture "
+            f"{entry['build_and_capture_s']:.1f} s; "
+            f"graph memory {entry['graph_memory_GiB']:.2f} GiB"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all(all(e["graph_equals_eager"].values()) for e in report["models"].values()) else 1

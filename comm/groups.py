@@ -57,5 +57,6 @@ class ParallelContext:
 
 def check_world(world_size: int, tp: int, dp: int) -> None:
     if tp < 1 or dp < 1 or world_size != tp * dp:
-        raise SpeculantError(f"world size {world_size} != dp {dp} x tp {tp}; launch dp*tp ranks "
-                             "or change --tp/--dp")
+        raise SpeculantError(
+            f"world size {world_size} != dp {dp} x tp {tp}; launch dp*tp ranks or change --tp/--dp"
+        )

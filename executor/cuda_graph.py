@@ -44,15 +44,18 @@ def dp_graph_batch_size(tokens_per_rank: list[int], tokens_per_req: int) -> int:
     return -(-max(tokens_per_rank) // tokens_per_req)
 
 
-def dp_can_use_graph(rank_is_decode_or_idle: list[bool], global_bs: int, sizes: list[int],
-                     disable_padding: bool) -> bool:
+def dp_can_use_graph(
+    rank_is_decode_or_idle: list[bool], global_bs: int, sizes: list[int], disable_padding: bool
+) -> bool:
     """Graphs replay only when every DP rank is decoding or idle and the size was captured."""
     if not all(rank_is_decode_or_idle) or global_bs == 0:
         return False
     return global_bs in sizes if disable_padding else global_bs <= max(sizes)
 
 
-def dp_capture_dummies(bs: int, tokens_per_req: int, world_size: int) -> tuple[list[int], list[int]]:
+def dp_capture_dummies(
+    bs: int, tokens_per_req: int, world_size: int
+) -> tuple[list[int], list[int]]:
     """Uniform per-rank token counts and batch sizes used while capturing under DP; leaving them
     unset or non-uniform makes the replayed collectives read stale sizes."""
     return [bs * tokens_per_req] * world_size, [bs] * world_size
@@ -70,8 +73,14 @@ class ReplayHook(Protocol):
 class GraphRunner:
     """Dispatches a decode batch to a graph replay (padded) or to the eager step."""
 
-    def __init__(self, runner: ModelRunner, cfg: GraphConfig, max_num_seqs: int,
-                 variants: tuple[str, ...], pctx: ParallelContext):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cfg: GraphConfig,
+        max_num_seqs: int,
+        variants: tuple[str, ...],
+        pctx: ParallelContext,
+    ):
         self.runner, self.cfg, self.pctx = runner, cfg, pctx
         self.sizes = capture_sizes(cfg, max_num_seqs, pctx.dp_size)
         self.variants = variants
@@ -100,8 +109,10 @@ class GraphRunner:
         key = (variant, padded_bs)
         if key not in self.graphs:
             captured = sorted({v for v, _ in self.graphs})
-            raise SpeculantError(f"no CUDA graph was captured for sampler variant {variant!r}; "
-                                 f"captured variants: {captured}")
+            raise SpeculantError(
+                f"no CUDA graph was captured for sampler variant {variant!r}; "
+                f"captured variants: {captured}"
+            )
         for hook in self.hooks:
             hook.replay()
         self.graphs[key].replay()
@@ -127,8 +138,13 @@ class GraphRunner:
             gc.unfreeze()
         self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         if self.pctx.rank == 0:
-            log.info("captured %d graphs (sizes %s, variants %s) using %.2f GiB", len(items),
-                     self.sizes, list(self.variants), self.graph_memory_bytes / 2**30)
+            log.info(
+                "captured %d graphs (sizes %s, variants %s) using %.2f GiB",
+                len(items),
+                self.sizes,
+                list(self.variants),
+                self.graph_memory_bytes / 2**30,
+            )
 
     def _capture_one(self, variant: str, bs: int, stream, pool):
         runner = self.runner
@@ -143,12 +159,15 @@ class GraphRunner:
         for hook in self.hooks:
             hook.capture()
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream,
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 out = runner.decode_step(bs, variant)
         except torch.OutOfMemoryError as exc:
-            raise SpeculantError(f"out of GPU memory capturing the CUDA graph for batch size {bs}; "
-                                 "lower --max-capture-size or --kv-cache-memory-fraction") from exc
+            raise SpeculantError(
+                f"out of GPU memory capturing the CUDA graph for batch size {bs}; "
+                "lower --max-capture-size or --kv-cache-memory-fraction"
+            ) from exc
         torch.cuda.synchronize()
         self.pctx.barrier()
         self.graphs[(variant, bs)] = graph

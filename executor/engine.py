@@ -4,7 +4,6 @@ and runs the step loop (`Engine.step`) that `generate` drives."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,6 +19,10 @@ from speculant.config import (
     ParallelConfig,
     SpecConfig,
 )
+from speculant.drafter.base import Drafter
+from speculant.drafter.draft_model import DraftModelDrafter
+from speculant.drafter.eagle import load_eagle3
+from speculant.drafter.eagle_drafter import Eagle3Drafter
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import GraphRunner, capture_sizes
 from speculant.executor.forward_batch import SamplingInfo
@@ -39,6 +42,8 @@ from speculant.models.loader import (
 
 log = logging.getLogger("speculant")
 DEFAULT_MAX_MODEL_LEN = 4096
+ALGOS = ("eagle3", "draft-model")
+MAX_DRAFT_TOKENS = 16
 
 
 def load_tokenizer(path: str | Path):
@@ -58,8 +63,9 @@ def resolve_device(device: str | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpeculantError(f"device {device!r} was asked for but CUDA is not available; pass "
-                             "--device cpu")
+        raise SpeculantError(
+            f"device {device!r} was asked for but CUDA is not available; pass --device cpu"
+        )
     if device != "cpu" and not device.startswith("cuda"):
         raise SpeculantError(f"device {device!r} is not supported; use cpu or cuda")
     return device
@@ -68,10 +74,20 @@ def resolve_device(device: str | None) -> str:
 def engine_config(target: str, **options) -> EngineConfig:
     """An EngineConfig from the flat keyword options `Engine` and the CLI take."""
     groups = {
-        "cache": (CacheConfig, {"page_size", "max_num_seqs", "max_model_len", "num_pages",
-                                "kv_cache_memory_fraction"}),
-        "graph": (GraphConfig, {"capture_sizes", "max_capture_size", "enforce_eager",
-                                "eager_padding", "disable_graph_padding"}),
+        "cache": (
+            CacheConfig,
+            {"page_size", "max_num_seqs", "max_model_len", "num_pages", "kv_cache_memory_fraction"},
+        ),
+        "graph": (
+            GraphConfig,
+            {
+                "capture_sizes",
+                "max_capture_size",
+                "enforce_eager",
+                "eager_padding",
+                "disable_graph_padding",
+            },
+        ),
         "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),
         "parallel": (ParallelConfig, {"tp", "dp"}),
     }
@@ -96,44 +112,104 @@ class Engine:
         self.pctx = pctx or ParallelContext.single()
         self.device = resolve_device(cfg.device)
         if cfg.load_format not in ("auto", "dummy"):
-            raise SpeculantError(f"load format {cfg.load_format!r} is not supported; use auto "
-                                 "or dummy")
-        if cfg.spec.algo is not None or cfg.spec.num_draft_tokens:
-            raise SpeculantError("speculative decoding (--algo/--num-draft-tokens) is not "
-                                 "available yet in this build; drop those options")
+            raise SpeculantError(
+                f"load format {cfg.load_format!r} is not supported; use auto or dummy"
+            )
+        self._check_spec(cfg.spec)
         self.model_config = mc = ModelConfig.from_dir(cfg.target)
         self.dtype = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
         cache = cfg.cache
-        self.max_model_len = cache.max_model_len or min(mc.max_position_embeddings,
-                                                        DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = cache.max_model_len or min(
+            mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+        )
         if self.max_model_len > mc.max_position_embeddings:
-            raise SpeculantError(f"max_model_len={self.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings={mc.max_position_embeddings}; lower "
-                                 "--max-model-len")
+            raise SpeculantError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}; lower "
+                "--max-model-len"
+            )
         if cache.page_size < 1 or cache.max_num_seqs < 1:
-            raise SpeculantError(f"page_size={cache.page_size} and max_num_seqs="
-                                 f"{cache.max_num_seqs} must be positive")
+            raise SpeculantError(
+                f"page_size={cache.page_size} and max_num_seqs="
+                f"{cache.max_num_seqs} must be positive"
+            )
         self._check_capture_sizes()
         self.tokens_per_req = cfg.spec.num_draft_tokens + 1
         self.model = self._build_model()
         self.tokenizer = load_tokenizer(cfg.target)
         self.kv = self._build_kv_cache()
-        self.runner = ModelRunner(self.model, self.kv, cache.max_num_seqs,
-                                  cfg.spec.num_draft_tokens)
-        self.graphs = GraphRunner(self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL),
-                                  self.pctx)
+        self.drafter = self._build_drafter()
+        self.runner = ModelRunner(
+            self.model, self.kv, cache.max_num_seqs, cfg.spec.num_draft_tokens, self.drafter
+        )
+        self.graphs = GraphRunner(
+            self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx
+        )
         self.graphs.capture()
         self.scheduler = Scheduler(self.kv, cache.max_num_seqs, self.tokens_per_req)
+
+    @staticmethod
+    def _check_spec(spec: SpecConfig) -> None:
+        if spec.algo is None:
+            if spec.num_draft_tokens or spec.draft:
+                raise SpeculantError(f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)})")
+            return
+        if spec.algo not in ALGOS:
+            raise SpeculantError(
+                f"algo {spec.algo!r} is not supported; use one of {', '.join(ALGOS)}"
+            )
+        if spec.draft is None:
+            raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
+        if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SpeculantError(
+                f"num_draft_tokens={spec.num_draft_tokens} must be in "
+                f"1..{MAX_DRAFT_TOKENS} with --algo"
+            )
+
+    def _build_drafter(self) -> Drafter | None:
+        spec, max_positions = self.config.spec, self.max_model_len + self.tokens_per_req
+        if spec.algo is None:
+            return None
+        if spec.algo == "eagle3":
+            head = load_eagle3(
+                spec.draft,
+                self.model_config,
+                self.device,
+                self.dtype,
+                self.pctx,
+                max_positions,
+                self.config.load_format,
+                self.config.seed + 1,
+            )
+            return Eagle3Drafter(head, self.model, self.kv, self.dtype, spec.num_draft_tokens)
+        draft_cfg = ModelConfig.from_dir(spec.draft)
+        with default_device_and_dtype(self.device, self.dtype):
+            draft_lm = CausalLM(draft_cfg, max_positions, self.pctx)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(draft_lm, self.config.seed + 1)
+        else:
+            load_weights(draft_lm, iter_safetensors(spec.draft), spec.draft)
+        return DraftModelDrafter(
+            draft_lm.eval(),
+            self.model_config.vocab_size,
+            self.kv,
+            self.dtype,
+            spec.num_draft_tokens,
+        )
 
     def _check_capture_sizes(self) -> None:
         graph, cap = self.config.graph, self.config.cache.max_num_seqs // self.config.parallel.dp
         if graph.capture_sizes and max(graph.capture_sizes) > cap:
-            raise SpeculantError(f"capture size {max(graph.capture_sizes)} exceeds max_num_seqs "
-                                 f"per DP rank ({cap}); lower --capture-sizes or raise "
-                                 "--max-num-seqs")
+            raise SpeculantError(
+                f"capture size {max(graph.capture_sizes)} exceeds max_num_seqs "
+                f"per DP rank ({cap}); lower --capture-sizes or raise "
+                "--max-num-seqs"
+            )
         if not capture_sizes(graph, self.config.cache.max_num_seqs, self.config.parallel.dp):
-            raise SpeculantError(f"no batch size to capture under --max-capture-size="
-                                 f"{graph.max_capture_size}; raise it to at least 1")
+            raise SpeculantError(
+                f"no batch size to capture under --max-capture-size="
+                f"{graph.max_capture_size}; raise it to at least 1"
+            )
 
     def _build_model(self) -> CausalLM:
         cfg, mc = self.config, self.model_config
@@ -149,12 +225,27 @@ class Engine:
         cache, mc = self.config.cache, self.model_config
         attn = self.model.model.layers[0].self_attn
         per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, self.dtype)
-        num_pages = choose_num_pages(cache.page_size, cache.max_num_seqs, self.max_model_len,
-                                     per_token, self.device, cache.kv_cache_memory_fraction,
-                                     cache.num_pages)
+        num_pages = choose_num_pages(
+            cache.page_size,
+            cache.max_num_seqs,
+            self.max_model_len,
+            per_token,
+            self.device,
+            cache.kv_cache_memory_fraction,
+            cache.num_pages,
+        )
         max_pages = -(-(self.max_model_len + self.tokens_per_req) // cache.page_size)
-        return PagedKVCache(mc.num_layers, num_pages, cache.page_size, attn.num_kv_heads,
-                            mc.head_dim, self.dtype, self.device, cache.max_num_seqs, max_pages)
+        return PagedKVCache(
+            mc.num_layers,
+            num_pages,
+            cache.page_size,
+            attn.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+            cache.max_num_seqs,
+            max_pages,
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -162,8 +253,10 @@ class Engine:
         params.validate()
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise SpeculantError(f"prompt {index} is text but {self.config.target!r} has no "
-                                     "tokenizer.json; pass token ids or a checkpoint with one")
+                raise SpeculantError(
+                    f"prompt {index} is text but {self.config.target!r} has no "
+                    "tokenizer.json; pass token ids or a checkpoint with one"
+                )
             ids = self.tokenizer.encode(prompt).ids
         else:
             ids = [int(t) for t in prompt]
@@ -171,24 +264,37 @@ class Engine:
         if not ids:
             raise SpeculantError(f"prompt {index} is empty; give at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise SpeculantError(f"prompt {index} has token id {max(ids) if max(ids) >= vocab else min(ids)} "
-                                 f"outside the vocabulary [0, {vocab}); fix the token ids")
+            raise SpeculantError(
+                f"prompt {index} has token id {max(ids) if max(ids) >= vocab else min(ids)} "
+                f"outside the vocabulary [0, {vocab}); fix the token ids"
+            )
         if len(ids) >= self.max_model_len:
-            raise SpeculantError(f"prompt {index} has {len(ids)} tokens, more than the context "
-                                 f"allows (max_model_len={self.max_model_len}); shorten it or "
-                                 "raise --max-model-len")
+            raise SpeculantError(
+                f"prompt {index} has {len(ids)} tokens, more than the context "
+                f"allows (max_model_len={self.max_model_len}); shorten it or "
+                "raise --max-model-len"
+            )
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
-        return Request(index=index, prompt_ids=ids, params=params, seed=int(seed),
-                       max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(ids)),
-                       stop_ids=frozenset(stop))
+        return Request(
+            index=index,
+            prompt_ids=ids,
+            params=params,
+            seed=int(seed),
+            max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(ids)),
+            stop_ids=frozenset(stop),
+        )
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False,
-                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order and
         are also passed to `on_output` as each request finishes. Every prompt is checked before
         any generation starts."""
@@ -197,10 +303,14 @@ class Engine:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise SpeculantError(f"{len(sampling_params)} sampling params for {len(prompts)} "
-                                 "prompts; give one, or one per prompt")
-        requests = [self._make_request(i, p, sp)
-                    for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
+            raise SpeculantError(
+                f"{len(sampling_params)} sampling params for {len(prompts)} "
+                "prompts; give one, or one per prompt"
+            )
+        requests = [
+            self._make_request(i, p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
+        ]
         for request in requests:
             self.scheduler.add(request)
         results: dict[int, RequestOutput] = {}
@@ -218,12 +328,23 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         text = self.tokenizer.decode(request.output_ids) if self.tokenizer else None
         steps = request.num_verify_steps
-        stats = {"num_prompt_tokens": len(request.prompt_ids),
-                 "num_output_tokens": len(request.output_ids),
-                 "num_verify_steps": steps,
-                 "accept_len": (len(request.output_ids) - 1) / steps if steps else None}
-        return RequestOutput(request.index, request.prompt_ids, request.output_ids, text,
-                             request.finish_reason, stats)
+        stats = {
+            "num_prompt_tokens": len(request.prompt_ids),
+            "num_output_tokens": len(request.output_ids),
+            "num_verify_steps": steps,
+            "accept_len": request.emitted_in_verify / steps if steps else None,
+            "per_position_acceptance": [a / steps for a in request.accepted_per_position]
+            if steps
+            else [],
+        }
+        return RequestOutput(
+            request.index,
+            request.prompt_ids,
+            request.output_ids,
+            text,
+            request.finish_reason,
+            stats,
+        )
 
     # ------------------------------------------------------------------ the step loop
 
@@ -244,32 +365,47 @@ class Engine:
         def col(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        return SamplingInfo(col([r.params.temperature for r in requests], torch.float32),
-                            col([r.params.top_k for r in requests], torch.int64),
-                            col([r.params.top_p for r in requests], torch.float32),
-                            col([r.seed for r in requests], torch.int64))
+        return SamplingInfo(
+            col([r.params.temperature for r in requests], torch.float32),
+            col([r.params.top_k for r in requests], torch.int64),
+            col([r.params.top_p for r in requests], torch.float32),
+            col([r.seed for r in requests], torch.int64),
+        )
 
     def _prefill(self, requests: list[Request]) -> None:
         variant = batch_variant([r.params.temperature for r in requests])
-        tokens = self.runner.prefill([r.row for r in requests], [r.prompt_ids for r in requests],
-                                     [0] * len(requests), self._sampling_info(requests), variant)
-        for request, token in zip(requests, tokens.tolist(), strict=True):
-            request.append([token])
-            request.next_input = [token]
+        tokens, drafts = self.runner.prefill(
+            [r.row for r in requests],
+            [r.prompt_ids for r in requests],
+            [0] * len(requests),
+            self._sampling_info(requests),
+            variant,
+        )
+        host = torch.cat([tokens[:, None], drafts], dim=1).tolist()  # one sync
+        for request, row in zip(requests, host, strict=True):
+            request.append(row[:1])
+            request.next_input = row
+            request.accepted_per_position = [0] * (len(row) - 1)
 
     def _decode(self, requests: list[Request]) -> None:
         bs = len(requests)
         padded_bs = self.graphs.padded_bs(bs)
         self.runner.buffers.fill(
-            [r.row for r in requests], [r.next_input for r in requests],
-            [r.params.temperature for r in requests], [r.params.top_k for r in requests],
-            [r.params.top_p for r in requests], [r.seed for r in requests], padded_bs,
-            self.kv.sentinel_row)
+            [r.row for r in requests],
+            [r.next_input for r in requests],
+            [r.params.temperature for r in requests],
+            [r.params.top_k for r in requests],
+            [r.params.top_p for r in requests],
+            [r.seed for r in requests],
+            padded_bs,
+            self.kv.sentinel_row,
+        )
         variant = batch_variant([r.params.temperature for r in requests])
         out = self.graphs.run(bs, padded_bs, variant)
-        host = torch.cat([out.tokens, out.accept_len.unsqueeze(1)], dim=1).tolist()  # one sync
-        for request, row in zip(requests, host, strict=True):
+        host = torch.cat([out.tokens, out.drafts, out.accept_len.unsqueeze(1)], dim=1).tolist()
+        T = self.tokens_per_req
+        for request, row in zip(requests, host, strict=True):  # one sync above
             emitted = row[: row[-1]]
-            request.num_verify_steps += 1
+            request.record_verify(len(emitted))
             request.append(emitted)
-            request.next_input = [emitted[-1]]
+            request.next_input = [emitted[-1]] + row[T:-1]

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+from speculant.drafter.base import Drafter, DraftInputs, gather_rows
 from speculant.executor.attention import TorchPagedAttention
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.input_buffers import InputBuffers
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.sampling import sample
+from speculant.executor.sampling import GREEDY, sample
 from speculant.executor.verify import verify
 
 
@@ -22,17 +23,34 @@ class StepOutput:
 
     tokens: torch.Tensor  # [bs, T] emitted tokens, -1 after the last
     accept_len: torch.Tensor  # [bs] tokens emitted per row (accepted drafts + 1)
+    drafts: torch.Tensor  # [bs, k] the next step's draft tokens
 
     def narrow(self, bs: int) -> StepOutput:
-        return StepOutput(self.tokens[:bs], self.accept_len[:bs])
+        return StepOutput(self.tokens[:bs], self.accept_len[:bs], self.drafts[:bs])
 
 
 class ModelRunner:
-    def __init__(self, model, kv: PagedKVCache, max_bs: int, num_draft_tokens: int = 0):
+    def __init__(
+        self,
+        model,
+        kv: PagedKVCache,
+        max_bs: int,
+        num_draft_tokens: int = 0,
+        drafter: Drafter | None = None,
+    ):
         self.model = model
         self.kv = kv
+        self.drafter = drafter
         self.device = kv.req_to_page.device
+        self.k = num_draft_tokens
         self.tokens_per_req = num_draft_tokens + 1
+        if drafter is not None:
+            model.aux_layer_ids = drafter.aux_layer_ids
+            # q of the drafts each request row holds, in target-vocabulary space (sampled drafts)
+            vocab = model.config.vocab_size
+            self.draft_probs = torch.zeros(
+                kv.max_requests + 1, self.k, vocab, dtype=torch.float32, device=self.device
+            )
         self.attn = TorchPagedAttention(kv.k, kv.v, kv.req_to_page, kv.page_size)
         self.buffers = InputBuffers(max_bs, self.tokens_per_req, self.device)
         self.offsets = torch.arange(self.tokens_per_req, device=self.device)
@@ -44,49 +62,93 @@ class ModelRunner:
         rows = buf.req_pool_indices[:bs]
         positions = kv.cache_lens[rows].unsqueeze(1) + self.offsets  # [bs, T]
         batch = ForwardBatch(
-            mode=ForwardMode.DECODE, bs=bs, tokens_per_req=T,
-            input_ids=buf.input_ids[:bs].reshape(-1), positions=positions.reshape(-1),
-            req_pool_indices=rows, out_cache_loc=kv.slots(rows, positions).reshape(-1),
-            kv_len=kv.max_tokens_per_req, sampling=buf.sampling(bs))
+            mode=ForwardMode.DECODE,
+            bs=bs,
+            tokens_per_req=T,
+            input_ids=buf.input_ids[:bs].reshape(-1),
+            positions=positions.reshape(-1),
+            req_pool_indices=rows,
+            out_cache_loc=kv.slots(rows, positions).reshape(-1),
+            kv_len=kv.max_tokens_per_req,
+            sampling=buf.sampling(bs),
+        )
         self.attn.prepare(batch)
-        hidden, _ = self.model(batch.input_ids, batch.positions, self.attn)
+        hidden, aux = self.model(batch.input_ids, batch.positions, self.attn)
         logits = self.model.compute_logits(hidden).view(bs, T, -1)
-        tokens, accept_len = verify(logits, buf.input_ids[:bs, 1:], None, batch.sampling,
-                                    positions, variant)
+        sampled_drafts = self.drafter is not None and variant != GREEDY
+        q = self.draft_probs[rows] if sampled_drafts else None
+        tokens, accept_len = verify(
+            logits, buf.input_ids[:bs, 1:], q, batch.sampling, positions, variant
+        )
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
-        return StepOutput(tokens, accept_len)
+        drafts = self._propose(
+            DraftInputs(batch, hidden, aux, tokens, accept_len - 1, self.attn.kv_slots), variant
+        )
+        return StepOutput(tokens, accept_len, drafts)
+
+    def _propose(self, inputs: DraftInputs, variant: str) -> torch.Tensor:
+        """The drafter's next k tokens per row ([bs, 0] without a drafter); records q."""
+        if self.drafter is None:
+            return inputs.next_tokens[:, :0]
+        proposal = self.drafter.propose(inputs, inputs.batch.sampling, variant)
+        if proposal.probs is not None:
+            self.draft_probs.index_copy_(0, inputs.batch.req_pool_indices, proposal.probs)
+        return proposal.tokens
 
     @torch.inference_mode()
-    def forward_prefill(self, rows: list[int], new_tokens: list[list[int]],
-                        prefix_lens: list[int]) -> tuple[torch.Tensor, list, ForwardBatch]:
+    def forward_prefill(
+        self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int]
+    ) -> tuple[torch.Tensor, list, ForwardBatch]:
         """Write the KV of each row's new tokens after its cached prefix. Returns the hidden
         states [bs * T, H] (rows padded to the longest), the auxiliary states and the batch."""
         bs, T = len(rows), max(len(t) for t in new_tokens)
         lengths = torch.tensor([len(t) for t in new_tokens])
         ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.int64)
         starts = torch.tensor(prefix_lens)
-        kv_len = self.kv.pages_for(int((starts + lengths).max())) * self.kv.page_size
+        # room for the drafter's chain steps past the prompt, which share these key slots
+        end = int((starts + lengths).max()) + self.tokens_per_req
+        kv_len = min(self.kv.pages_for(end), self.kv.max_pages_per_req) * self.kv.page_size
         rows_t = torch.tensor(rows, device=self.device)
         positions = (starts[:, None] + torch.arange(T)).to(self.device)
         valid = (torch.arange(T) < lengths[:, None]).to(self.device)
         slots = torch.where(valid, self.kv.slots(rows_t, positions), 0)  # padding -> dummy page
         batch = ForwardBatch(
-            mode=ForwardMode.PREFILL, bs=bs, tokens_per_req=T,
-            input_ids=ids.to(self.device).reshape(-1), positions=positions.reshape(-1),
-            req_pool_indices=rows_t, out_cache_loc=slots.reshape(-1), kv_len=kv_len,
-            num_new_tokens=lengths.to(self.device))
+            mode=ForwardMode.PREFILL,
+            bs=bs,
+            tokens_per_req=T,
+            input_ids=ids.to(self.device).reshape(-1),
+            positions=positions.reshape(-1),
+            req_pool_indices=rows_t,
+            out_cache_loc=slots.reshape(-1),
+            kv_len=kv_len,
+            num_new_tokens=lengths.to(self.device),
+        )
         self.attn.prepare(batch)
         hidden, aux = self.model(batch.input_ids, batch.positions, self.attn)
         self.kv.cache_lens[rows_t] = positions[:, 0] + batch.num_new_tokens
         return hidden, aux, batch
 
     @torch.inference_mode()
-    def prefill(self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int],
-                sampling: SamplingInfo, variant: str) -> torch.Tensor:
-        """Prefill and sample the next token of every row. Returns the tokens [bs]."""
-        hidden, _, batch = self.forward_prefill(rows, new_tokens, prefix_lens)
-        last = batch.num_new_tokens - 1 + torch.arange(batch.bs, device=self.device) * batch.tokens_per_req
-        logits = self.model.compute_logits(hidden[last])
+    def prefill(
+        self,
+        rows: list[int],
+        new_tokens: list[list[int]],
+        prefix_lens: list[int],
+        sampling: SamplingInfo,
+        variant: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill, sample the next token of every row and draft after it.
+        Returns the tokens [bs] and the drafts [bs, k]."""
+        hidden, aux, batch = self.forward_prefill(rows, new_tokens, prefix_lens)
+        batch.sampling = sampling
+        last_index = batch.num_new_tokens - 1
+        logits = self.model.compute_logits(gather_rows(hidden, batch.bs, last_index))
         next_positions = batch.positions.view(batch.bs, -1)[:, 0] + batch.num_new_tokens
-        return sample(logits, sampling, next_positions, variant)
+        tokens = sample(logits, sampling, next_positions, variant)
+        # the token after each input position: the prompt shifted left, then the sampled token
+        ids = batch.input_ids.view(batch.bs, -1)
+        following = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+        following.scatter_(1, last_index[:, None], tokens[:, None])
+        inputs = DraftInputs(batch, hidden, aux, following, last_index, self.attn.kv_slots)
+        return tokens, self._propose(inputs, variant)

@@ -43,8 +43,13 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, **self.stats}
+        return {
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            **self.stats,
+        }
 
 
 @dataclass
@@ -62,7 +67,15 @@ class Request:
     next_input: list[int] = field(default_factory=list)  # last token, then the drafts
     finish_reason: str | None = None
     num_verify_steps: int = 0
+    emitted_in_verify: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_verify(self, emitted: int) -> None:
+        """Count one verify step that emitted `emitted` tokens (accepted drafts + 1)."""
+        self.num_verify_steps += 1
+        self.emitted_in_verify += emitted
+        for position in range(emitted - 1):
+            self.accepted_per_position[position] += 1
 
     @property
     def num_tokens(self) -> int:

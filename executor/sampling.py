@@ -39,8 +39,9 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Te
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """softmax(logits / T) restricted to the top-k and top-p set and renormalised.
     logits [..., V]; parameters broadcast over the leading dims ([bs] or [bs, 1])."""
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
@@ -64,8 +65,9 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return index.clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor,
-           variant: str) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor, variant: str
+) -> torch.Tensor:
     """One token per row of logits [bs, V] emitted at `positions` [bs]."""
     greedy = logits.argmax(-1)
     if variant == GREEDY:

@@ -17,9 +17,14 @@ from speculant.executor.sampling import (
 )
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-           info: SamplingInfo, positions: torch.Tensor, variant: str,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    info: SamplingInfo,
+    positions: torch.Tensor,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [bs, T, V] at input positions [bs, T]; drafts [bs, T-1] are the inputs 1..T-1;
     draft_probs [bs, T-1, V] when drafts were sampled, None when they were argmax (one-hot q).
 
@@ -31,8 +36,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor
     candidates = target_argmax
     if variant != GREEDY:
         out_pos = positions + 1  # the position of the token each input predicts
-        p = filtered_probs(logits, info.temperature[:, None], info.top_k[:, None],
-                           info.top_p[:, None])
+        p = filtered_probs(
+            logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None]
+        )
         p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
         u_accept = uniform(info.seed[:, None], out_pos[:, 1:], STREAM_ACCEPT)
         if draft_probs is None:

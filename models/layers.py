@@ -75,7 +75,9 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) rows for `positions`, shaped [N, 1, d] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
 
     @staticmethod
     def apply(x: torch.Tensor, rope) -> torch.Tensor:
@@ -88,7 +90,9 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows over the TP group; outputs stay sharded.
     `output_sizes` lists the full sizes of merged sub-matrices (gate and up, say)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, pctx: ParallelContext):
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, pctx: ParallelContext
+    ):
         super().__init__()
         tp = pctx.tp_size
         for size in output_sizes:
@@ -125,8 +129,15 @@ class ColumnParallelLinear(nn.Module):
 class QKVParallelLinear(ColumnParallelLinear):
     """Merged q, k and v projections; KV heads are replicated when tp exceeds their number."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 pctx: ParallelContext):
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        pctx: ParallelContext,
+    ):
         tp = pctx.tp_size
         if num_heads % tp:
             raise ValueError(f"{num_heads} attention heads are not divisible by tp={tp}")
@@ -146,9 +157,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
         index = {"q": 0, "k": 1, "v": 2}[shard]
         if index > 0 and self.kv_replicas > 1:
-            loaded = loaded.repeat_interleave(self.kv_replicas, dim=0) if loaded.dim() == 1 else \
-                loaded.view(-1, self.head_dim, *loaded.shape[1:]).repeat_interleave(
-                    self.kv_replicas, dim=0).flatten(0, 1)
+            loaded = (
+                loaded.repeat_interleave(self.kv_replicas, dim=0)
+                if loaded.dim() == 1
+                else loaded.view(-1, self.head_dim, *loaded.shape[1:])
+                .repeat_interleave(self.kv_replicas, dim=0)
+                .flatten(0, 1)
+            )
         super()._load(param, loaded, index)
 
     def split(self, qkv: torch.Tensor):
@@ -175,7 +190,9 @@ class RowParallelLinear(nn.Module):
         full = (param.shape[0], self.in_shard * self.pctx.tp_size)
         if tuple(loaded.shape) != full:
             raise ValueError(f"expected shape {full}, got {tuple(loaded.shape)}")
-        _copy_checked(param.data, loaded.narrow(1, self.pctx.tp_rank * self.in_shard, self.in_shard))
+        _copy_checked(
+            param.data, loaded.narrow(1, self.pctx.tp_rank * self.in_shard, self.in_shard)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.pctx.all_reduce_tp(F.linear(x, self.weight))

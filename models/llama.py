@@ -27,8 +27,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
         super().__init__()
         self.layer_id = layer_id
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.qkv_bias, pctx)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, pctx
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, pctx)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -41,12 +42,14 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = RotaryEmbedding.apply(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), rope)
-            k = RotaryEmbedding.apply(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)),
-                                      rope)
+            k = RotaryEmbedding.apply(
+                self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), rope
+            )
         else:  # q and k are adjacent in qkv: rotate both in one pass
             heads = self.num_heads + self.num_kv_heads
-            qk = RotaryEmbedding.apply(qkv[:, : heads * self.head_dim].view(-1, heads,
-                                                                            self.head_dim), rope)
+            qk = RotaryEmbedding.apply(
+                qkv[:, : heads * self.head_dim].view(-1, heads, self.head_dim), rope
+            )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
@@ -80,8 +83,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, pctx: ParallelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -96,15 +98,22 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.pctx = pctx
         self.model = DecoderModel(cfg, max_positions, pctx)
-        self.lm_head = (self.model.embed_tokens if cfg.tie_word_embeddings
-                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pctx))
+        self.lm_head = (
+            self.model.embed_tokens
+            if cfg.tie_word_embeddings
+            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pctx)
+        )
         self.aux_layer_ids: tuple[int, ...] = ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-norm hidden states [N, H] and the requested auxiliary states."""
         x = self.embed(input_ids)
         rope = self.model.rotary.lookup(positions, x.dtype)

@@ -59,18 +59,23 @@ def safetensors_files(path: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as exc:
-            raise SpeculantError(f"{str(index)!r} is not a valid safetensors index ({exc}); "
-                                 "re-export the checkpoint") from exc
+            raise SpeculantError(
+                f"{str(index)!r} is not a valid safetensors index ({exc}); re-export the checkpoint"
+            ) from exc
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise SpeculantError(f"shard {missing[0]!r} named in {index.name} is missing; copy "
-                                 "all shards of the checkpoint")
+            raise SpeculantError(
+                f"shard {missing[0]!r} named in {index.name} is missing; copy "
+                "all shards of the checkpoint"
+            )
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise SpeculantError(f"no *.safetensors in {str(path)!r}; download the weights or pass "
-                             "--load-format dummy for random weights")
+        raise SpeculantError(
+            f"no *.safetensors in {str(path)!r}; download the weights or pass "
+            "--load-format dummy for random weights"
+        )
     return files
 
 
@@ -83,12 +88,18 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         except SpeculantError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise SpeculantError(f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
-                                 "truncated, download it again") from exc
+            raise SpeculantError(
+                f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
+                "truncated, download it again"
+            ) from exc
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], source: str,
-                 rename: Callable[[str], str] = lambda name: name) -> None:
+def load_weights(
+    model: nn.Module,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    source: str,
+    rename: Callable[[str], str] = lambda name: name,
+) -> None:
     """Copy checkpoint tensors into `model`, merging q/k/v and gate/up, checking that every
     parameter was loaded exactly once and that shapes match."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -107,15 +118,19 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         try:
             param.weight_loader(param, tensor.to(param.dtype), shard)
         except ValueError as exc:
-            raise SpeculantError(f"tensor {hf_name!r} in {source} has the wrong shape: {exc}; the "
-                                 "checkpoint does not match its config.json") from exc
+            raise SpeculantError(
+                f"tensor {hf_name!r} in {source} has the wrong shape: {exc}; the "
+                "checkpoint does not match its config.json"
+            ) from exc
         loaded.add((id(param), shard))
     for name, param in model.named_parameters():
         for shard in getattr(param, "shard_ids", (None,)):
             if (id(param), shard) not in loaded:
                 part = name if shard is None else f"{name} (part {shard})"
-                raise SpeculantError(f"{source} lacks the tensor for {part!r}; the checkpoint is "
-                                     "incomplete or for another architecture")
+                raise SpeculantError(
+                    f"{source} lacks the tensor for {part!r}; the checkpoint is "
+                    "incomplete or for another architecture"
+                )
 
 
 @torch.no_grad()

@@ -28,14 +28,19 @@ def test_mixed_batch_equals_each_alone(engine):
 
 def test_seeded_sampling_is_batch_invariant(engine):
     prompts = random_prompts(engine.model_config.vocab_size, (6, 11, 25, 4), seed=2)
-    params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_k=50, top_p=0.9,
-                             seed=100 + i, ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_new_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=100 + i, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
     batched = engine.generate(prompts, params)
     alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     # a different seed gives a different continuation (with near certainty over 20 tokens)
-    other = engine.generate([prompts[0]], SamplingParams(max_new_tokens=20, temperature=0.9,
-                                                         seed=999, ignore_eos=True))[0]
+    other = engine.generate(
+        [prompts[0]], SamplingParams(max_new_tokens=20, temperature=0.9, seed=999, ignore_eos=True)
+    )[0]
     assert other.token_ids != batched[0].token_ids
 
 
@@ -51,8 +56,9 @@ def test_mixed_greedy_and_sampled_batch(engine):
 def test_pages_run_out_requests_wait_and_all_pages_return(llama_dir):
     # 13 usable pages of 4 tokens: each request needs ceil((10 + 20 + 1) / 4) = 8 pages,
     # so only one runs at a time and the others wait.
-    engine = Engine(llama_dir, device="cpu", max_num_seqs=4, max_model_len=64, page_size=4,
-                    num_pages=14)
+    engine = Engine(
+        llama_dir, device="cpu", max_num_seqs=4, max_model_len=64, page_size=4, num_pages=14
+    )
     free_before = len(engine.kv.free_pages)
     prompts = random_prompts(engine.model_config.vocab_size, (10,) * 5, seed=4)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -66,8 +72,9 @@ def test_pages_run_out_requests_wait_and_all_pages_return(llama_dir):
 
 
 def test_request_larger_than_pool_is_a_clear_error(llama_dir):
-    engine = Engine(llama_dir, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4,
-                    num_pages=4)
+    engine = Engine(
+        llama_dir, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4, num_pages=4
+    )
     with pytest.raises(SpeculantError, match="--num-pages"):
         engine.generate([[5] * 10], SamplingParams(max_new_tokens=20))
 
@@ -77,8 +84,9 @@ def test_stop_tokens_and_length_limit(engine):
     free = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     stop_at = free.token_ids[4]
     first = free.token_ids.index(stop_at)
-    out = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True,
-                                                   stop_token_ids=(stop_at,)))[0]
+    out = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,))
+    )[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop"
     short = Engine(engine.config.target, device="cpu", max_num_seqs=2, max_model_len=16)
@@ -90,18 +98,23 @@ def test_text_prompt_round_trip(engine):
     out = engine.generate(["def add(a, b):"], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert out[0].text == engine.tokenizer.decode(out[0].token_ids)
     ids = engine.tokenizer.encode("def add(a, b):").ids
-    assert engine.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids \
+    assert (
+        engine.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
         == out[0].token_ids
+    )
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(prompts=[[]]), "empty"),
-    (dict(prompts=[[10**6]]), "outside the vocabulary"),
-    (dict(prompts=[[5] * 300]), "max_model_len"),
-    (dict(params=SamplingParams(max_new_tokens=0)), "max_new_tokens=0"),
-    (dict(params=SamplingParams(top_p=0.0)), "top_p=0.0"),
-    (dict(params=SamplingParams(temperature=-1)), "temperature=-1"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(prompts=[[]]), "empty"),
+        (dict(prompts=[[10**6]]), "outside the vocabulary"),
+        (dict(prompts=[[5] * 300]), "max_model_len"),
+        (dict(params=SamplingParams(max_new_tokens=0)), "max_new_tokens=0"),
+        (dict(params=SamplingParams(top_p=0.0)), "top_p=0.0"),
+        (dict(params=SamplingParams(temperature=-1)), "temperature=-1"),
+    ],
+)
 def test_bad_requests_are_refused_up_front(engine, bad, match):
     prompts = [[5, 6, 7]] + bad.get("prompts", [])
     with pytest.raises(SpeculantError, match=match):
@@ -109,13 +122,16 @@ def test_bad_requests_are_refused_up_front(engine, bad, match):
     assert not engine.scheduler.has_unfinished()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(target="/nonexistent/ckpt"), "does not exist"),
-    (dict(dtype="float8"), "dtype 'float8'"),
-    (dict(load_format="pt"), "load format 'pt'"),
-    (dict(max_model_len=100000), "max_position_embeddings"),
-    (dict(capture_sizes=[1, 64], max_num_seqs=8), "capture size 64"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(target="/nonexistent/ckpt"), "does not exist"),
+        (dict(dtype="float8"), "dtype 'float8'"),
+        (dict(load_format="pt"), "load format 'pt'"),
+        (dict(max_model_len=100000), "max_position_embeddings"),
+        (dict(capture_sizes=[1, 64], max_num_seqs=8), "capture size 64"),
+    ],
+)
 def test_bad_engine_options(llama_dir, kwargs, match):
     kwargs = {"target": llama_dir, "device": "cpu", **kwargs}
     with pytest.raises(SpeculantError, match=match):

@@ -112,7 +112,11 @@ class RecordingHook:
 def fake_captured(engine, log, variants):
     graphs = engine.graphs
     graphs.use_graphs = graphs.pad = True
-    out = StepOutput(torch.zeros(8, 1, dtype=torch.long), torch.ones(8, dtype=torch.long))
+    out = StepOutput(
+        torch.zeros(8, 1, dtype=torch.long),
+        torch.ones(8, dtype=torch.long),
+        torch.zeros(8, 0, dtype=torch.long),
+    )
     for variant in variants:
         for bs in graphs.sizes:
             graphs.graphs[(variant, bs)] = RecordingGraph(log)

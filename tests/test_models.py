@@ -51,9 +51,14 @@ def test_greedy_matches_transformers_generate(hf_model_dirs, name):
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         ids = torch.tensor([prompt])
-        expected = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                                do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+        expected = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == expected
         assert out.finish_reason == "length"
 

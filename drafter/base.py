@@ -1,0 +1,117 @@
+"""The drafter interface the runner and graph wrapper use, and what chain drafters share.
+
+A drafter owns a paged KV pool indexed by the target's `req_to_page` (shared block tables: the
+same rows, pages and slots as the target, so its attention reuses the target's per-step key-slot
+gather). It proposes k tokens per request after prefill and after every verify step. Drafts are
+argmax for greedy requests and sampled from the filtered draft distribution q otherwise; q is
+returned in target-vocabulary space so verify can run rejection sampling."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from speculant.executor.attention import TorchPagedAttention
+from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
+from speculant.executor.kv_cache import PagedKVCache
+from speculant.executor.sampling import GREEDY, STREAM_DRAFT, filtered_probs, sample_from, uniform
+
+
+@dataclass
+class Proposal:
+    """k draft tokens per row, and their distribution q when they were sampled."""
+
+    tokens: torch.Tensor  # [bs, k] target-vocabulary ids
+    probs: torch.Tensor | None  # [bs, k, V_target] or None (argmax drafts, one-hot q)
+
+
+@dataclass
+class DraftInputs:
+    """What the target step hands the drafter. For prefill: the prompt batch, its hidden and aux
+    states, and the sampled next token. For decode: the verify batch, verify outputs."""
+
+    batch: ForwardBatch
+    hidden: torch.Tensor  # [bs * T, H] target final-norm hidden states
+    aux: list[torch.Tensor]  # target residual entering each of `aux_layer_ids`, [bs * T, H] each
+    next_tokens: torch.Tensor  # [bs, T]: the token at position (input position + 1), -1 after
+    last_index: torch.Tensor  # [bs]: the input index whose successor is the newest token
+    target_slots: torch.Tensor  # the target attention's key slots for this batch (shared)
+
+
+class Drafter(ABC):
+    """Proposes `num_draft_tokens` tokens per request. Subclasses set `aux_layer_ids`."""
+
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        num_draft_tokens: int,
+    ):
+        self.k = num_draft_tokens
+        self.kv = kv
+        shape = (kv.num_pages * kv.page_size, num_kv_heads, head_dim)
+        device = kv.req_to_page.device
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.attn = TorchPagedAttention(self.k_pools, self.v_pools, kv.req_to_page, kv.page_size)
+
+    @abstractmethod
+    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+        """Catch up on the newly verified tokens and propose the next k drafts (capturable for
+        decode batches)."""
+
+    # ------------------------------------------------------------------ shared by chain drafters
+
+    def single_token_batch(
+        self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, kv_len: int
+    ) -> ForwardBatch:
+        """One token per row at `positions` [bs], writing the drafter's KV at those slots."""
+        pos = positions.unsqueeze(1)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            bs=rows.shape[0],
+            tokens_per_req=1,
+            input_ids=tokens,
+            positions=positions,
+            req_pool_indices=rows,
+            out_cache_loc=self.kv.slots(rows, pos).reshape(-1),
+            kv_len=kv_len,
+        )
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids to target ids (identity unless the drafter has its own vocab)."""
+        return draft_ids
+
+    def probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs
+
+    def pick(
+        self, logits: torch.Tensor, sampling: SamplingInfo, positions: torch.Tensor, variant: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token per row (target ids) from draft logits [bs, V_draft]: argmax for greedy
+        rows, else a sample from q (temperature, top-k, top-p applied) drawn with the draft
+        random stream at the drafted token's `positions`; q is returned in target space."""
+        greedy = self.to_target_ids(logits.argmax(-1))
+        if variant == GREEDY:
+            return greedy, None
+        q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        drawn = self.to_target_ids(sample_from(q, uniform(sampling.seed, positions, STREAM_DRAFT)))
+        return torch.where(sampling.is_greedy, greedy, drawn), self.probs_to_target(q)
+
+    @staticmethod
+    def proposal(drafts: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:
+        stacked = torch.stack(probs, dim=1) if probs[0] is not None else None
+        return Proposal(torch.stack(drafts, dim=1), stacked)
+
+
+def gather_rows(x: torch.Tensor, bs: int, index: torch.Tensor) -> torch.Tensor:
+    """Row `index[i]` of request i from a row-major [bs * T, ...] tensor."""
+    T = x.shape[0] // bs
+    return x[torch.arange(bs, device=x.device) * T + index]

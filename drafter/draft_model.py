@@ -1,0 +1,53 @@
+"""The classic draft-model algorithm: a smaller LM of the same tokenizer drafts for the target,
+with its own paged KV on the target's block tables. After prefill or verify it reads the same
+inputs the target just read (its KV for them), then decodes k tokens from the newest one. With
+the target as its own drafter, greedy drafts are always accepted: a test oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.drafter.base import Drafter, DraftInputs, Proposal, gather_rows
+from speculant.errors import SpeculantError
+from speculant.executor.forward_batch import SamplingInfo
+from speculant.executor.kv_cache import PagedKVCache
+from speculant.models.llama import CausalLM
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(
+        self,
+        draft_lm: CausalLM,
+        target_vocab: int,
+        kv: PagedKVCache,
+        dtype: torch.dtype,
+        num_draft_tokens: int,
+    ):
+        cfg = draft_lm.config
+        if cfg.vocab_size != target_vocab:
+            raise SpeculantError(
+                f"draft LM vocabulary {cfg.vocab_size} != target vocabulary "
+                f"{target_vocab}; the draft model must share the tokenizer"
+            )
+        attn = draft_lm.model.layers[0].self_attn
+        super().__init__(
+            kv, cfg.num_layers, attn.num_kv_heads, cfg.head_dim, dtype, num_draft_tokens
+        )
+        self.lm = draft_lm
+
+    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+        batch, bs = inputs.batch, inputs.batch.bs
+        self.attn.prepare(batch, shared_slots=inputs.target_slots)
+        self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
+        token = gather_rows(inputs.next_tokens.reshape(-1), bs, inputs.last_index)
+        position = gather_rows(batch.positions, bs, inputs.last_index) + 1
+        drafts, probs = [], []
+        for _ in range(self.k):
+            one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
+            self.attn.prepare(one, shared_slots=inputs.target_slots)
+            hidden, _ = self.lm(token, position, self.attn)
+            token, q = self.pick(self.lm.compute_logits(hidden), sampling, position + 1, variant)
+            drafts.append(token)
+            probs.append(q)
+            position = position + 1
+        return self.proposal(drafts, probs)

@@ -1,0 +1,52 @@
+"""EAGLE-3 chain drafting. The head's KV at position p holds (token p+1, target features at p):
+after prefill or a verify step it first catches up over every input position of the batch with
+the target's auxiliary states (rejected positions are rewritten later), then drafts k tokens, the
+first from the newest verified position and the rest from its own fed-back hidden state."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.drafter.base import Drafter, DraftInputs, Proposal, gather_rows
+from speculant.drafter.eagle import Eagle3Head
+from speculant.executor.forward_batch import SamplingInfo
+from speculant.executor.kv_cache import PagedKVCache
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(
+        self, head: Eagle3Head, target, kv: PagedKVCache, dtype: torch.dtype, num_draft_tokens: int
+    ):
+        super().__init__(
+            kv, head.num_layers, head.num_kv_heads, head.head_dim, dtype, num_draft_tokens
+        )
+        self.head, self.target = head, target
+        self.aux_layer_ids = tuple(head.config.aux_layer_ids)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(draft_ids)
+
+    def probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_probs_to_target(probs)
+
+    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+        batch, bs = inputs.batch, inputs.batch.bs
+        tokens = inputs.next_tokens.clamp(min=0).reshape(-1)
+        self.attn.prepare(batch, shared_slots=inputs.target_slots)
+        hidden = self.head(
+            self.target.embed(tokens), torch.cat(inputs.aux, dim=-1), batch.positions, self.attn
+        )
+        hidden = gather_rows(hidden, bs, inputs.last_index)
+        position = gather_rows(batch.positions, bs, inputs.last_index)
+        drafts, probs = [], []
+        for step in range(self.k):
+            token, q = self.pick(self.head.logits(hidden), sampling, position + 2, variant)
+            drafts.append(token)
+            probs.append(q)
+            if step == self.k - 1:
+                break
+            position = position + 1
+            one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
+            self.attn.prepare(one, shared_slots=inputs.target_slots)
+            hidden = self.head(self.target.embed(token), hidden, position, self.attn)
+        return self.proposal(drafts, probs)

@@ -1,0 +1,335 @@
+"""The `speculant` command: `speculant generate --target DIR --prompt TEXT`.
+
+Everything a user can get wrong (flags, the prompts file) is checked before any model
+loads; errors print as one line `speculant: error: ...` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+from speculant.errors import SpeculantError
+
+# Keys a --prompts line may carry besides its prompt; they override the CLI values.
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, like every other speculant error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _capture_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of positive integers such as 1,2,4,8"
+        )
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `speculant` command."""
+    parser = _Parser(prog="speculant", description="Speculative-decoding inference engine.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    gen = commands.add_parser("generate", help="generate completions for prompts")
+
+    src = gen.add_argument_group("model")
+    src.add_argument("--target", metavar="DIR", help="HF checkpoint dir of the target model")
+    src.add_argument(
+        "--demo-model",
+        action="store_true",
+        help="use a tiny random-weight Llama built into ~/.cache/speculant (gibberish output)",
+    )
+    src.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    src.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    src.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+
+    inp = gen.add_argument_group("prompts and output").add_mutually_exclusive_group()
+    inp.add_argument("--prompt", metavar="TEXT", help="one text prompt")
+    inp.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}, '
+        f"optionally with {', '.join(SAMPLING_KEYS)}",
+    )
+    gen.add_argument("--output", metavar="OUT.jsonl", help="write one JSON line per request")
+
+    samp = gen.add_argument_group("sampling (a --prompts line may override each)")
+    samp.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    samp.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    samp.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    samp.add_argument("--seed", type=int, metavar="S", help="sampling seed (and engine seed)")
+    samp.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+
+    eng = gen.add_argument_group("engine")
+    eng.add_argument("--page-size", type=_positive_int, metavar="N", default=16)
+    eng.add_argument("--max-num-seqs", type=_positive_int, metavar="N", default=64)
+    eng.add_argument(
+        "--max-model-len", type=_positive_int, metavar="N", help="default: from the checkpoint"
+    )
+    eng.add_argument(
+        "--num-pages", type=_positive_int, metavar="N", help="default: from memory fraction"
+    )
+    eng.add_argument("--kv-cache-memory-fraction", type=float, default=0.85, metavar="F")
+    eng.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    eng.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size")
+
+    spec = gen.add_argument_group("speculative decoding and CUDA graphs")
+    spec.add_argument("--draft", metavar="DIR", help="drafter checkpoint dir")
+    spec.add_argument("--algo", choices=["eagle3", "draft-model", "dflash"])
+    spec.add_argument("--num-draft-tokens", type=int, default=0, metavar="K")
+    spec.add_argument("--capture-sizes", type=_capture_sizes, metavar="1,2,4,8")
+    spec.add_argument("--max-capture-size", type=_positive_int, metavar="N")
+    spec.add_argument("--disable-graph-padding", action="store_true")
+    spec.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
+
+    gen.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+@dataclass
+class PromptSpec:
+    """One request from the command line or a --prompts line, with its sampling overrides."""
+
+    prompt: str | list[int]
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+_SAMPLING_RULES = {
+    "max_new_tokens": (int, lambda v: v > 0, "a positive integer"),
+    "temperature": ((int, float), lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_k": (int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "seed": (int, lambda v: True, "an integer"),
+}
+
+
+def sampling_problem(key: str, value: Any) -> str | None:
+    """What a valid `key` looks like, if `value` is not one; None when it is fine."""
+    kind, ok, expected = _SAMPLING_RULES[key]
+    if key == "seed" and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+        return expected
+    return None
+
+
+def read_prompts_file(path: str) -> list[PromptSpec]:
+    """Parse a --prompts JSONL file; any bad line is an error naming file:line."""
+    file = Path(path)
+    if not file.is_file():
+        raise SpeculantError(f"prompts file {path!r} does not exist; pass an existing .jsonl file")
+    specs = []
+    with file.open(encoding="utf-8") as lines:
+        for lineno, line in enumerate(lines, start=1):
+            if line.strip():
+                specs.append(_parse_prompt_line(line, f"{path}:{lineno}"))
+    if not specs:
+        raise SpeculantError(f"prompts file {path!r} has no prompts; add one JSON object per line")
+    return specs
+
+
+def _parse_prompt_line(line: str, where: str) -> PromptSpec:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SpeculantError(
+            f"{where}: not valid JSON ({exc.msg}); write one object per line"
+        ) from None
+    if not isinstance(obj, dict):
+        raise SpeculantError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(PROMPT_KEYS) - set(SAMPLING_KEYS))
+    if unknown:
+        allowed = ", ".join(PROMPT_KEYS + SAMPLING_KEYS)
+        raise SpeculantError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {allowed}")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise SpeculantError(f"{where}: give exactly one of 'prompt' or 'prompt_token_ids'")
+    prompt = obj.get("prompt", obj.get("prompt_token_ids"))
+    if "prompt" in obj and not (isinstance(prompt, str) and prompt):
+        raise SpeculantError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+    if "prompt_token_ids" in obj and not (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        raise SpeculantError(
+            f"{where}: 'prompt_token_ids' must be a non-empty list of token ids >= 0, "
+            f"got {prompt!r}"
+        )
+    overrides = {k: obj[k] for k in SAMPLING_KEYS if k in obj}
+    for key, value in overrides.items():
+        if expected := sampling_problem(key, value):
+            raise SpeculantError(f"{where}: {key}={value!r} is invalid; use {expected}")
+    return PromptSpec(prompt, overrides)
+
+
+def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
+    """All checks that need no model; returns the requests to run."""
+    if args.demo_model and args.target:
+        raise SpeculantError("pass either --target DIR or --demo-model, not both")
+    if not args.demo_model:
+        if not args.target:
+            raise SpeculantError("--target DIR is required; or pass --demo-model to try it out")
+        if not Path(args.target).is_dir():
+            raise SpeculantError(
+                f"--target {args.target!r} is not a directory; pass a HF checkpoint directory"
+            )
+    if args.draft and not Path(args.draft).is_dir():
+        raise SpeculantError(
+            f"--draft {args.draft!r} is not a directory; pass a drafter checkpoint"
+        )
+    if args.num_draft_tokens < 0:
+        raise SpeculantError(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
+    if not 0 < args.kv_cache_memory_fraction <= 1:
+        raise SpeculantError(
+            f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} must be in (0, 1]"
+        )
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise SpeculantError(
+            f"--output {args.output!r}: directory does not exist; create it or pick another path"
+        )
+    for key in SAMPLING_KEYS:
+        if expected := sampling_problem(key, getattr(args, key)):
+            flag = "--" + key.replace("_", "-")
+            raise SpeculantError(f"{flag} {getattr(args, key)} is invalid; use {expected}")
+    if args.prompts:
+        return read_prompts_file(args.prompts)
+    if args.prompt is None:
+        raise SpeculantError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl")
+    return [PromptSpec(args.prompt)]
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        seed=args.seed if args.seed is not None else 0,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_pages=args.num_pages,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        draft=args.draft,
+        algo=args.algo,
+        num_draft_tokens=args.num_draft_tokens,
+        capture_sizes=args.capture_sizes,
+        max_capture_size=args.max_capture_size,
+        disable_graph_padding=args.disable_graph_padding,
+        enforce_eager=args.enforce_eager,
+        eager_padding=args.eager_padding,
+        tp=args.tp,
+        dp=args.dp,
+    )
+
+
+def summary_line(outputs: list, seconds: float) -> str:
+    """`requests=N prompt_tokens=.. output_tokens=.. time=..s tokens/s=.. [accept_len=..]`."""
+    stats = [out.stats or {} for out in outputs]
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    output_tokens = sum(len(out.token_ids) for out in outputs)
+    line = (
+        f"requests={len(outputs)} prompt_tokens={prompt_tokens} output_tokens={output_tokens} "
+        f"time={seconds:.2f}s tokens/s={output_tokens / max(seconds, 1e-9):.1f}"
+    )
+    accept = [(s.get("accept_len"), s.get("num_verify_steps") or 0) for s in stats]
+    if accept and all(a is not None for a, _ in accept):
+        steps = sum(n for _, n in accept)  # weight each request by its verify steps
+        total = sum(a * n for a, n in accept)
+        mean = total / steps if steps else sum(a for a, _ in accept) / len(accept)
+        line += f" accept_len={mean:.2f}"
+    return line
+
+
+def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """Validate, load the engine, generate, write outputs and print the summary."""
+    specs = _prepare(args)
+    from speculant import Engine, SamplingParams  # after the checks: loads torch and the core
+
+    if args.demo_model:
+        from speculant.launch.demo import build_demo_model
+
+        args.target = str(build_demo_model())
+        print(f"demo model (random weights, gibberish output): {args.target}", file=stderr)
+    engine = Engine(target=args.target, **_engine_kwargs(args))
+    for i, spec in enumerate(specs):
+        if isinstance(spec.prompt, str) and engine.tokenizer is None:
+            raise SpeculantError(
+                f"prompt {i} is text but {args.target!r} has no tokenizer.json; add one or pass "
+                "prompt_token_ids in a --prompts file"
+            )
+    base = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
+
+    out_file = open(args.output, "w", encoding="utf-8") if args.output else None
+
+    def on_output(out: Any) -> None:
+        if out_file is not None:  # written and flushed as each request finishes
+            out_file.write(json.dumps(out.to_json()) + "\n")
+            out_file.flush()
+
+    try:
+        start = time.perf_counter()
+        outputs = engine.generate(
+            [s.prompt for s in specs], params, use_tqdm=True, on_output=on_output
+        )
+        seconds = time.perf_counter() - start
+    finally:
+        if out_file is not None:
+            out_file.close()
+    if out_file is None:
+        for out in outputs:
+            shown = out.text if out.text is not None else out.token_ids
+            print(f"[{out.index}] {shown}", file=stdout)
+    print(summary_line(outputs, seconds), file=stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `speculant` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run_generate(args, sys.stdout, sys.stderr)
+    except KeyboardInterrupt:
+        print("speculant: interrupted", file=sys.stderr)
+        return 130
+    except (SpeculantError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
+        return 2

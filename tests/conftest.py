@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny HF checkpoints (built once per session) and the `gpu` skip."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# tests/ has no __init__.py; make `import helpers_ckpt` work whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import helpers_ckpt  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` when CUDA is not available."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding only tokenizer.json (the demo model's byte-level BPE)."""
+    return helpers_ckpt.save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """Llama with llama3 RoPE scaling, legacy config keys and a tokenizer.json."""
+    return helpers_ckpt.build_llama(tmp_path_factory.mktemp("llama"), tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 (q/k/v biases), no tokenizer."""
+    return helpers_ckpt.build_qwen2(tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 (q/k norms), 3 layers, no tokenizer."""
+    return helpers_ckpt.build_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def llama_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with tie_word_embeddings=True, no tokenizer."""
+    return helpers_ckpt.build_llama_tied(tmp_path_factory.mktemp("llama_tied"))
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama in several safetensors shards plus model.safetensors.index.json, no tokenizer."""
+    return helpers_ckpt.build_llama_sharded(tmp_path_factory.mktemp("llama_sharded"))
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(
+    llama_dir: Path, qwen2_dir: Path, qwen3_dir: Path, llama_tied_dir: Path, llama_sharded_dir: Path
+) -> dict[str, Path]:
+    """Every tiny checkpoint by name."""
+    return {
+        "llama": llama_dir,
+        "qwen2": qwen2_dir,
+        "qwen3": qwen3_dir,
+        "llama_tied": llama_tied_dir,
+        "llama_sharded": llama_sharded_dir,
+    }
