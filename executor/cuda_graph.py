@@ -123,7 +123,7 @@ class GraphRunner:
         if not self.use_graphs:
             return
         device = self.runner.device
-        free_before, _ = torch.cuda.mem_get_info(device)
+        reserved_before = torch.cuda.memory_reserved(device)
         items = [(v, bs) for v in self.variants for bs in sorted(self.sizes, reverse=True)]
         bar = tqdm(items, disable=self.pctx.rank != 0, desc="capturing CUDA graphs")
         stream, pool = torch.cuda.Stream(device), None
@@ -136,7 +136,7 @@ class GraphRunner:
                 pool = self._capture_one(variant, bs, stream, pool)
         finally:
             gc.unfreeze()
-        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         if self.pctx.rank == 0:
             log.info(
                 "captured %d graphs (sizes %s, variants %s) using %.2f GiB",

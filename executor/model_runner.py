@@ -57,7 +57,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_step(self, bs: int, variant: str) -> StepOutput:
-        """Verify (or plainly decode) the bs rows of the input buffers; graph-capturable."""
+        """Verify (or plainly decode) the bs rows of the input buffers, then draft the next k
+        tokens; reads only static buffers and device state, so it is graph-capturable."""
+        inputs, accept_len = self.verify_step(bs, variant)
+        return StepOutput(inputs.next_tokens, accept_len, self._propose(inputs, variant))
+
+    def verify_step(self, bs: int, variant: str) -> tuple[DraftInputs, torch.Tensor]:
+        """The target half of the step: forward over T tokens per row, verify, grow the valid
+        cache lengths. Returns what the drafter needs and accept_len [bs]."""
         buf, kv, T = self.buffers, self.kv, self.tokens_per_req
         rows = buf.req_pool_indices[:bs]
         positions = kv.cache_lens[rows].unsqueeze(1) + self.offsets  # [bs, T]
@@ -82,10 +89,8 @@ class ModelRunner:
         )
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
-        drafts = self._propose(
-            DraftInputs(batch, hidden, aux, tokens, accept_len - 1, self.attn.kv_slots), variant
-        )
-        return StepOutput(tokens, accept_len, drafts)
+        inputs = DraftInputs(batch, hidden, aux, tokens, accept_len - 1, self.attn.kv_slots)
+        return inputs, accept_len
 
     def _propose(self, inputs: DraftInputs, variant: str) -> torch.Tensor:
         """The drafter's next k tokens per row ([bs, 0] without a drafter); records q."""

@@ -71,3 +71,45 @@ def test_graph_replay_equals_eager(llama_dir, dtype):
         engine.graphs.use_graphs = engine.graphs.pad = False
         eager_out = engine.generate(prompts, params)
         assert [o.token_ids for o in graph_out] == [o.token_ids for o in eager_out], bs
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "draft-model"])
+def test_speculative_graph_replay_equals_eager(llama_dir, tmp_path, algo):
+    from helpers_eagle import write_random_eagle3
+
+    if algo == "eagle3":
+        write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+        draft = str(tmp_path)
+    else:
+        draft = str(llama_dir)  # the target as its own drafter: every greedy draft is accepted
+    engine = Engine(
+        llama_dir,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=32,
+        max_model_len=256,
+        algo=algo,
+        draft=draft,
+        num_draft_tokens=3,
+    )
+    gen = torch.Generator().manual_seed(5)
+    for bs in (1, 5, 32):
+        prompts = [
+            torch.randint(3, 256, (int(n),), generator=gen).tolist()
+            for n in torch.randint(1, 40, (bs,), generator=gen)
+        ]
+        params = [
+            SamplingParams(max_new_tokens=17, ignore_eos=True, temperature=t, seed=i)
+            for i, t in enumerate([0.0, 0.9] * bs)
+        ][:bs]
+        engine.graphs.use_graphs = engine.graphs.pad = True
+        graph_out = engine.generate(prompts, params)
+        engine.graphs.use_graphs = engine.graphs.pad = False
+        eager_out = engine.generate(prompts, params)
+        assert [o.token_ids for o in graph_out] == [o.token_ids for o in eager_out], bs
+        if algo == "draft-model":
+            assert all(
+                o.stats["accept_len"] == 4
+                for o, p in zip(graph_out, params, strict=True)
+                if p.temperature == 0
+            )
