@@ -4,6 +4,7 @@ and runs the step loop (`Engine.step`) that `generate` drives."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -44,6 +45,7 @@ log = logging.getLogger("speculant")
 DEFAULT_MAX_MODEL_LEN = 4096
 ALGOS = ("eagle3", "draft-model")
 MAX_DRAFT_TOKENS = 16
+DEFAULT_DRAFT_TOKENS = 3
 
 
 def load_tokenizer(path: str | Path):
@@ -150,6 +152,7 @@ class Engine:
 
     @staticmethod
     def _check_spec(spec: SpecConfig) -> None:
+        """Validate the speculative options; k defaults to DEFAULT_DRAFT_TOKENS with an algo."""
         if spec.algo is None:
             if spec.num_draft_tokens or spec.draft:
                 raise SpeculantError(f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)})")
@@ -160,6 +163,8 @@ class Engine:
             )
         if spec.draft is None:
             raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
+        if spec.num_draft_tokens == 0:
+            spec.num_draft_tokens = DEFAULT_DRAFT_TOKENS
         if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpeculantError(
                 f"num_draft_tokens={spec.num_draft_tokens} must be in "
@@ -332,6 +337,7 @@ class Engine:
             "num_prompt_tokens": len(request.prompt_ids),
             "num_output_tokens": len(request.output_ids),
             "num_verify_steps": steps,
+            "decode_time_s": round(request.decode_seconds, 6),
             "accept_len": request.emitted_in_verify / steps if steps else None,
             "per_position_acceptance": [a / steps for a in request.accepted_per_position]
             if steps
@@ -401,10 +407,12 @@ class Engine:
             self.kv.sentinel_row,
         )
         variant = batch_variant([r.params.temperature for r in requests])
+        start = time.perf_counter()
         out = self.graphs.run(bs, padded_bs, variant)
         host = torch.cat([out.tokens, out.drafts, out.accept_len.unsqueeze(1)], dim=1).tolist()
-        T = self.tokens_per_req
+        T, seconds = self.tokens_per_req, time.perf_counter() - start
         for request, row in zip(requests, host, strict=True):  # one sync above
+            request.decode_seconds += seconds
             emitted = row[: row[-1]]
             request.record_verify(len(emitted))
             request.append(emitted)

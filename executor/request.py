@@ -68,6 +68,7 @@ class Request:
     finish_reason: str | None = None
     num_verify_steps: int = 0
     emitted_in_verify: int = 0
+    decode_seconds: float = 0.0  # wall time of the decode steps (verify + draft) it took part in
     accepted_per_position: list[int] = field(default_factory=list)
 
     def record_verify(self, emitted: int) -> None:

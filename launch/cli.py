@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -267,6 +268,13 @@ def summary_line(outputs: list, seconds: float) -> str:
         total = sum(a * n for a, n in accept)
         mean = total / steps if steps else sum(a for a, _ in accept) / len(accept)
         line += f" accept_len={mean:.2f}"
+        rates = [s.get("per_position_acceptance") or [] for s in stats]
+        if steps and rates and all(rates):
+            per_position = [
+                sum(r[j] * n for r, (_, n) in zip(rates, accept, strict=True)) / steps
+                for j in range(len(rates[0]))
+            ]
+            line += " per_position=" + ",".join(f"{r:.2f}" for r in per_position)
     return line
 
 
@@ -323,6 +331,9 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
+    )
     try:
         return run_generate(args, sys.stdout, sys.stderr)
     except KeyboardInterrupt:

@@ -81,9 +81,9 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, rope) -> torch.Tensor:
-        """x [N, heads, d]."""
+        """x [N, heads, d]. Rounds like the HF models: two products, then their sum."""
         cos, sin = rope
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class ColumnParallelLinear(nn.Module):

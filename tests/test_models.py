@@ -83,3 +83,16 @@ def test_qkv_split_over_two_ranks_reassembles(llama_dir):
     assert torch.equal(q, full["model.layers.0.self_attn.q_proj.weight"])
     down = torch.cat([m.model.layers[1].mlp.down_proj.weight for m in shards], dim=1)
     assert torch.equal(down, full["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_prefill_after_cached_prefix_matches_one_shot(llama_dir):
+    """A prompt prefilled in two chunks (the second attending to the cached first) gives the
+    same logits as one prefill."""
+    engine = Engine(llama_dir, device="cpu", max_num_seqs=2, max_model_len=128, page_size=4)
+    ids = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = our_logits(engine, ids)
+    row = engine.kv.allocate(40)
+    engine.runner.forward_prefill([row], [ids[:21]], [0])
+    hidden, _, _ = engine.runner.forward_prefill([row], [ids[21:]], [21])
+    engine.kv.free(row)
+    torch.testing.assert_close(engine.model.compute_logits(hidden), full[21:], rtol=1e-5, atol=1e-5)
