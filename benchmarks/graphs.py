@@ -133,20 +133,27 @@ def check_equal(engine: Engine, vocab: int, sizes=(1, 3, 17, 64)) -> dict:
     return result
 
 
+def live_rows(engine: Engine, bs: int, vocab: int, context: int, gen) -> list[int]:
+    """bs requests with `context` random tokens in the cache, their next step's inputs (random
+    tokens, greedy) in the input buffers. Free the returned rows afterwards."""
+    rows = [engine.kv.allocate(context + 400) for _ in range(bs)]
+    for i in range(0, bs, 8):
+        chunk = rows[i : i + 8]
+        prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in chunk]
+        engine.runner.forward_prefill(chunk, prompts, [0] * len(chunk))
+    ids = torch.randint(3, vocab, (bs, engine.tokens_per_req), generator=gen).tolist()
+    engine.runner.buffers.fill(
+        rows, ids, [0.0] * bs, [0] * bs, [1.0] * bs, [0] * bs, bs, engine.kv.sentinel_row
+    )
+    return rows
+
+
 def step_times(engine: Engine, vocab: int, context: int) -> dict:
     """Median decode step time (ms), graph and eager, with bs live requests at `context`."""
     out = {}
     gen = torch.Generator().manual_seed(1)
     for bs in (1, 16, 64):
-        rows = [engine.kv.allocate(context + 200) for _ in range(bs)]
-        for i in range(0, bs, 8):
-            chunk = rows[i : i + 8]
-            prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in chunk]
-            engine.runner.forward_prefill(chunk, prompts, [0] * len(chunk))
-        ids = torch.randint(3, vocab, (bs, 1), generator=gen).tolist()
-        engine.runner.buffers.fill(
-            rows, ids, [0.0] * bs, [0] * bs, [1.0] * bs, [0] * bs, bs, engine.kv.sentinel_row
-        )
+        rows = live_rows(engine, bs, vocab, context, gen)
         graph = engine.graphs.graphs[("greedy", bs)]
         out[bs] = {
             "graph_ms": time_ms(graph.replay, 50),

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from graphs import SHAPES, check_equal, time_ms, write_config
+from graphs import SHAPES, check_equal, live_rows, time_ms, write_config
 
 from speculant import Engine
 
@@ -63,15 +63,7 @@ def timings(engine: Engine, vocab: int, context: int, k: int) -> dict:
     out, gen = {}, torch.Generator().manual_seed(1)
     runner = engine.runner
     for bs in (1, 16, 64):
-        rows = [engine.kv.allocate(context + 400) for _ in range(bs)]
-        for i in range(0, bs, 8):
-            chunk = rows[i : i + 8]
-            prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in chunk]
-            runner.forward_prefill(chunk, prompts, [0] * len(chunk))
-        ids = torch.randint(3, vocab, (bs, k + 1), generator=gen).tolist()
-        runner.buffers.fill(
-            rows, ids, [0.0] * bs, [0] * bs, [1.0] * bs, [0] * bs, bs, engine.kv.sentinel_row
-        )
+        rows = live_rows(engine, bs, vocab, context, gen)
         whole = engine.graphs.graphs[("greedy", bs)]
         verify_only = capture(lambda b=bs: runner.verify_step(b, "greedy"))
         entry = {"step_ms": time_ms(whole.replay, 30), "verify_ms": time_ms(verify_only.replay, 30)}

@@ -52,25 +52,33 @@ def test_cuda_parity_with_transformers(hf_model_dirs, name, dtype, tol):
         assert out.token_ids == hf_generate(ref, prompt, 32)
 
 
+def graph_vs_eager(engine, bs, gen, max_new_tokens):
+    """Generate bs mixed greedy/sampled requests with graphs, then eagerly; the tokens must match.
+    Returns the graph outputs and their sampling params."""
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=gen).tolist()
+        for n in torch.randint(1, 40, (bs,), generator=gen)
+    ]
+    params = [
+        SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=t, seed=i)
+        for i, t in enumerate([0.0, 0.9] * bs)
+    ][:bs]
+    engine.graphs.use_graphs = engine.graphs.pad = True
+    graph_out = engine.generate(prompts, params)
+    engine.graphs.use_graphs = engine.graphs.pad = False
+    eager_out = engine.generate(prompts, params)
+    engine.graphs.use_graphs = engine.graphs.pad = True
+    assert [o.token_ids for o in graph_out] == [o.token_ids for o in eager_out], bs
+    return graph_out, params
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager(llama_dir, dtype):
     engine = Engine(llama_dir, device="cuda", dtype=dtype, max_num_seqs=64, max_model_len=256)
     assert engine.graphs.graphs, "no graphs were captured"
     gen = torch.Generator().manual_seed(3)
     for bs in (1, 3, 17, 64):
-        prompts = [
-            torch.randint(3, 256, (int(n),), generator=gen).tolist()
-            for n in torch.randint(1, 40, (bs,), generator=gen)
-        ]
-        params = [
-            SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=t, seed=i)
-            for i, t in enumerate([0.0, 1.0] * bs)
-        ][:bs]
-        engine.graphs.use_graphs = engine.graphs.pad = True
-        graph_out = engine.generate(prompts, params)
-        engine.graphs.use_graphs = engine.graphs.pad = False
-        eager_out = engine.generate(prompts, params)
-        assert [o.token_ids for o in graph_out] == [o.token_ids for o in eager_out], bs
+        graph_vs_eager(engine, bs, gen, max_new_tokens=16)
 
 
 @pytest.mark.parametrize("algo", ["eagle3", "draft-model"])
@@ -94,19 +102,7 @@ def test_speculative_graph_replay_equals_eager(llama_dir, tmp_path, algo):
     )
     gen = torch.Generator().manual_seed(5)
     for bs in (1, 5, 32):
-        prompts = [
-            torch.randint(3, 256, (int(n),), generator=gen).tolist()
-            for n in torch.randint(1, 40, (bs,), generator=gen)
-        ]
-        params = [
-            SamplingParams(max_new_tokens=17, ignore_eos=True, temperature=t, seed=i)
-            for i, t in enumerate([0.0, 0.9] * bs)
-        ][:bs]
-        engine.graphs.use_graphs = engine.graphs.pad = True
-        graph_out = engine.generate(prompts, params)
-        engine.graphs.use_graphs = engine.graphs.pad = False
-        eager_out = engine.generate(prompts, params)
-        assert [o.token_ids for o in graph_out] == [o.token_ids for o in eager_out], bs
+        graph_out, params = graph_vs_eager(engine, bs, gen, max_new_tokens=17)
         if algo == "draft-model":
             assert all(
                 o.stats["accept_len"] == 4
