@@ -11,8 +11,10 @@ hidden_norm(hidden)]) (2H wide) and ends with the usual post-attention norm and 
 on H, as in vLLM (SGLang loads one layer). The pre-final-norm output is fed back to the next draft
 step; logits come from lm_head(norm(out)) over the draft vocabulary. `d2t` holds int64 offsets
 (target = draft + d2t[draft], SGLang's hot_token_id); `t2d` is rebuilt from d2t (SGLang and vLLM
-skip it) and `embed_tokens.weight` is ignored (embeddings come from the target). Aux layers:
-`aux_layer_ids` names the target layers whose INPUT residual is taken, as SGLang's
+skip it). A head as wide as its target ignores `embed_tokens.weight` (embeddings come from the
+target); one whose hidden differs (`target_hidden_size` != `hidden_size`, SGLang's
+`llama_eagle3`) embeds with its own `embed_tokens` [vocab, H] and `fc` maps 3*H_target -> H.
+Aux layers: `aux_layer_ids` names the target layers whose INPUT residual is taken, as SGLang's
 `layers_to_capture` (default [2, L//2, L-3]); `eagle_config.eagle_aux_hidden_state_layer_ids`
 counts layer outputs, so SGLang's `set_eagle3_layers_to_capture` adds 1 and so do we; a top-level
 `eagle_aux_hidden_state_layer_ids` (vLLM / speculators, ignored by SGLang) already means the input
@@ -37,6 +39,7 @@ from speculant.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    VocabParallelEmbedding,
 )
 from speculant.models.llama import MLP, Attention, DecoderLayer
 from speculant.models.loader import (
@@ -68,6 +71,11 @@ class Eagle3Config:
     def hidden_size(self) -> int:
         return self.layer.hidden_size
 
+    @property
+    def own_embeddings(self) -> bool:
+        """A head narrower or wider than its target embeds tokens itself (`embed_tokens`)."""
+        return self.layer.hidden_size != self.target_hidden_size
+
     @classmethod
     def from_dir(cls, path: str | Path, target: ModelConfig) -> Eagle3Config:
         hf = read_hf_config(path)
@@ -87,10 +95,11 @@ class Eagle3Config:
             if hf.get(flag):
                 raise SpeculantError(f"{flag}=true in {source} is not supported for EAGLE-3 heads")
         layer = ModelConfig.from_hf({**hf, "architectures": ["LlamaForCausalLM"]}, source)
-        if layer.hidden_size != target.hidden_size:
+        if not hf.get("target_hidden_size") and layer.hidden_size != target.hidden_size:
             raise SpeculantError(
                 f"EAGLE-3 hidden_size {layer.hidden_size} in {source} != the "
-                f"target's {target.hidden_size}; the head is for another target"
+                f"target's {target.hidden_size} and no target_hidden_size is given; "
+                "the head is for another target"
             )
         target_hidden = int(hf.get("target_hidden_size") or layer.hidden_size)
         if target_hidden != target.hidden_size:
@@ -205,6 +214,12 @@ class Eagle3Head(nn.Module):
         self.pctx = pctx
         self.rotary = RotaryEmbedding(lc.head_dim, max_positions, lc.rope_theta, lc.rope_scaling)
         self.fc = ReplicatedLinear(3 * cfg.target_hidden_size, lc.hidden_size, cfg.fc_bias)
+        # SGLang's llama_eagle3: a head whose hidden differs from the target's has its own table.
+        self.embed_tokens = (
+            VocabParallelEmbedding(target_cfg.vocab_size, lc.hidden_size, pctx)
+            if cfg.own_embeddings
+            else None
+        )
         self.layers = nn.ModuleList(
             [Eagle3Midlayer(cfg, pctx)]
             + [DecoderLayer(lc, i, pctx) for i in range(1, cfg.num_layers)]
@@ -230,10 +245,17 @@ class Eagle3Head(nn.Module):
         self.t2d[ids.to(self.t2d.device)] = True
         self.identity_vocab = (d2t.numel() == self.target_vocab_size) and not bool(d2t.any())
 
+    def embed(self, tokens: torch.Tensor, target) -> torch.Tensor:
+        """[N, H] embeddings of target-vocabulary `tokens`: the head's own table when it has
+        one (hidden != target hidden), else the target's."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(tokens)
+        return target.embed(tokens)
+
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attn
     ) -> torch.Tensor:
-        """embeds [N, H] from the target; hidden [N, 3*H_target] (aux) or [N, H] (fed back)."""
+        """embeds [N, H] from `embed`; hidden [N, 3*H_target] (aux) or [N, H] (fed back)."""
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)
         rope = self.rotary.lookup(positions, embeds.dtype)
@@ -262,6 +284,7 @@ def published_keys(cfg: Eagle3Config, layer_prefix: str = "midlayer.") -> list[s
     """The tensor names a published head of this config holds (without d2t / t2d).
     `layer_prefix` is `midlayer.` (one layer), `midlayer.{i}.` or `layers.{i}.`."""
     keys = ["fc.weight", "norm.weight", "lm_head.weight"] + (["fc.bias"] if cfg.fc_bias else [])
+    keys += ["embed_tokens.weight"] if cfg.own_embeddings else []
     for i in range(cfg.num_layers):
         p = layer_prefix.format(i=i)
         keys += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]

@@ -34,7 +34,10 @@ class Eagle3Drafter(Drafter):
         tokens = inputs.next_tokens.clamp(min=0).reshape(-1)
         self.attn.prepare(batch, shared_slots=inputs.target_slots)
         hidden = self.head(
-            self.target.embed(tokens), torch.cat(inputs.aux, dim=-1), batch.positions, self.attn
+            self.head.embed(tokens, self.target),
+            torch.cat(inputs.aux, dim=-1),
+            batch.positions,
+            self.attn,
         )
         hidden = gather_rows(hidden, bs, inputs.last_index)
         position = gather_rows(batch.positions, bs, inputs.last_index)
@@ -48,5 +51,5 @@ class Eagle3Drafter(Drafter):
             position = position + 1
             one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
             self.attn.prepare(one, shared_slots=inputs.target_slots)
-            hidden = self.head(self.target.embed(token), hidden, position, self.attn)
+            hidden = self.head(self.head.embed(token, self.target), hidden, position, self.attn)
         return self.proposal(drafts, probs)

@@ -55,18 +55,23 @@ def write_random_eagle3(
     drop_keys: Iterable[str] = (),
     config_overrides: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    hidden: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write config.json and the weights of a random head for the target; return the tensors.
 
     `draft_vocab=None` writes neither `draft_vocab_size` nor d2t / t2d (full vocabulary);
     `aux_ids` go under `eagle_config` (SpecForge, output-of-layer ids) or at the top level
     (`aux_ids_at="top"`, vLLM's input-of-layer ids); `layer_keys` picks `midlayer` or `layers`
-    naming for several layers; `drop_keys` leaves tensors out (to test errors).
+    naming for several layers; `drop_keys` leaves tensors out (to test errors). `hidden` gives
+    the head its own hidden size (default: the target's); then config.json also holds
+    `target_hidden_size` and `embed_tokens.weight` is [vocab, hidden] (used, as in SGLang).
     """
     target = _target_config(target_dir_or_cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hidden, vocab = target.hidden_size, target.vocab_size
+    target_hidden, vocab = target.hidden_size, target.vocab_size
+    own_hidden = hidden is not None
+    hidden = hidden if own_hidden else target_hidden
     head_dim = hidden // num_heads
     inter = intermediate_size or 2 * hidden
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +83,7 @@ def write_random_eagle3(
     def norm_weight() -> torch.Tensor:
         return (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
 
-    tensors: dict[str, torch.Tensor] = {"fc.weight": rand(hidden, 3 * hidden)}
+    tensors: dict[str, torch.Tensor] = {"fc.weight": rand(hidden, 3 * target_hidden)}
     for i in range(num_layers):
         p = "midlayer." if num_layers == 1 and layer_keys == "midlayer" else f"{layer_keys}.{i}."
         width = 2 * hidden if i == 0 else hidden
@@ -95,7 +100,8 @@ def write_random_eagle3(
         tensors[f"{p}post_attention_layernorm.weight"] = norm_weight()
     tensors["norm.weight"] = norm_weight()
     tensors["lm_head.weight"] = rand(draft_vocab or vocab, hidden, scale=0.5)
-    tensors["embed_tokens.weight"] = rand(vocab, hidden, scale=1.0)  # saved, never used
+    # Saved by every head; used only when the head's hidden differs from the target's.
+    tensors["embed_tokens.weight"] = rand(vocab, hidden, scale=1.0)
     if draft_vocab is not None:
         if draft_vocab == vocab:
             target_ids = torch.arange(vocab)
@@ -126,6 +132,8 @@ def write_random_eagle3(
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if own_hidden:
+        config["target_hidden_size"] = target_hidden
     if draft_vocab is not None:
         config["draft_vocab_size"] = draft_vocab
     if aux_ids is not None and aux_ids_at == "top":

@@ -54,12 +54,16 @@ def rotate_half(x):
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def reference(w, hf, embeds, hidden, positions, project=True):
-    """The published EAGLE-3 forward in plain torch: returns (pre-norm output, logits)."""
+def reference(w, hf, embeds, hidden, positions, project=True, tokens=None):
+    """The published EAGLE-3 forward in plain torch: returns (pre-norm output, logits). With
+    `tokens` (and `embeds=None`) the head embeds them with its own `embed_tokens.weight`, as a
+    head whose hidden differs from the target's does (SGLang `llama_eagle3`)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     w = {k: v.float() for k, v in w.items()}
+    if tokens is not None:
+        embeds = w["embed_tokens.weight"][tokens]
     eps, n = hf["rms_norm_eps"], hf["num_hidden_layers"]
     heads, kv_heads, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
     rotary = LlamaRotaryEmbedding(
@@ -219,6 +223,79 @@ def test_dummy_weights(tmp_path, llama_dir):
         assert torch.isfinite(head.logits(out)).all()
 
 
+class TargetEmbedStub:
+    """Stands in for the target model: records `embed` calls and returns a marker."""
+
+    def __init__(self, hidden: int):
+        self.hidden, self.calls = hidden, 0
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.full((*tokens.shape, self.hidden), 7.0)
+
+
+def test_head_with_other_hidden_embeds_itself(tmp_path, llama_dir):
+    target = ModelConfig.from_dir(llama_dir)
+    w = write_random_eagle3(
+        tmp_path, llama_dir, draft_vocab=64, num_layers=2, hidden=32, num_kv_heads=2, seed=7
+    )
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert (hf["hidden_size"], hf["target_hidden_size"]) == (32, target.hidden_size)
+    assert w["embed_tokens.weight"].shape == (target.vocab_size, 32)
+    head = load(tmp_path, target)
+    assert head.config.hidden_size == 32 and head.config.target_hidden_size == 64
+    assert head.fc.weight.shape == (32, 3 * 64)
+    assert torch.equal(head.embed_tokens.weight, w["embed_tokens.weight"].float())
+
+    gen = torch.Generator().manual_seed(1)
+    N = 6
+    tokens = torch.randint(0, target.vocab_size, (N,), generator=gen)
+    aux = torch.randn(N, 3 * target.hidden_size, generator=gen)
+    positions = torch.arange(N) + 2
+    stub_target = TargetEmbedStub(target.hidden_size)
+    with torch.no_grad():
+        embeds = head.embed(tokens, stub_target)
+        out = head(embeds, aux, positions, CausalAttentionStub())
+        logits = head.logits(out)
+    assert stub_target.calls == 0 and embeds.shape == (N, 32)
+    ref_out, ref_logits = reference(w, hf, None, aux, positions, tokens=tokens)
+    assert out.shape == (N, 32) and logits.shape == (N, 64)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+    # Fed back: the output is already 32 wide, so `fc` is skipped.
+    with torch.no_grad():
+        embeds = head.embed(tokens.flip(0), stub_target)
+        again = head(embeds, out, positions + 1, CausalAttentionStub())
+    ref_again, _ = reference(
+        w, hf, None, ref_out, positions + 1, project=False, tokens=tokens.flip(0)
+    )
+    torch.testing.assert_close(again, ref_again, rtol=1e-4, atol=1e-4)
+
+
+def test_head_as_wide_as_target_uses_target_embeddings(tmp_path, llama_dir):
+    target = ModelConfig.from_dir(llama_dir)
+    write_random_eagle3(tmp_path, llama_dir)  # ships embed_tokens.weight, ignored
+    head = load(tmp_path, target)
+    assert head.embed_tokens is None
+    assert "embed_tokens.weight" not in dict(head.named_parameters())
+    stub_target = TargetEmbedStub(target.hidden_size)
+    embeds = head.embed(torch.tensor([1, 2, 3]), stub_target)
+    assert stub_target.calls == 1 and torch.equal(embeds, torch.full((3, 64), 7.0))
+
+
+def test_dummy_weights_head_with_other_hidden(tmp_path, llama_dir):
+    target = ModelConfig.from_dir(llama_dir)
+    write_random_eagle3(tmp_path, llama_dir, draft_vocab=40, hidden=32)
+    (tmp_path / "model.safetensors").unlink()
+    head = load(tmp_path, target, load_format="dummy")
+    assert head.embed_tokens.weight.shape == (target.vocab_size, 32)
+    with torch.no_grad():
+        embeds = head.embed(torch.arange(3), TargetEmbedStub(64))
+        out = head(embeds, torch.randn(3, 192), torch.arange(3), CausalAttentionStub())
+    assert out.shape == (3, 32) and torch.isfinite(head.logits(out)).all()
+
+
 # ---------------------------------------------------------------- aux layer ids
 
 
@@ -285,6 +362,34 @@ def test_wrong_target_hidden_size(tmp_path):
         tiny_target_config(),
         r"target_hidden_size 128",
         config_overrides={"target_hidden_size": 128},
+    )
+
+
+def test_other_hidden_for_another_target(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(hidden=64),
+        r"target_hidden_size 128 .* target hidden size 64",
+        hidden=32,
+        written_for=tiny_target_config(hidden=128),
+    )
+
+
+def test_other_hidden_accepted_with_target_hidden_size(tmp_path):
+    target = tiny_target_config(hidden=64)
+    write_random_eagle3(tmp_path, target, hidden=32)
+    cfg = Eagle3Config.from_dir(tmp_path, target)
+    assert (cfg.hidden_size, cfg.target_hidden_size, cfg.own_embeddings) == (32, 64, True)
+
+
+def test_missing_own_embed_tokens_is_named(tmp_path):
+    errors_for(
+        tmp_path,
+        tiny_target_config(),
+        r"lacks the tensor 'embed_tokens.weight'",
+        load_weights=True,
+        hidden=32,
+        drop_keys=["embed_tokens.weight"],
     )
 
 

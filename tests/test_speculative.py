@@ -162,3 +162,21 @@ def test_greedy_verify_takes_longest_matching_prefix():
     )
     assert accept_len.tolist() == [3, 1]
     assert out.tolist() == [[3, 4, 5, -1], [7, -1, -1, -1]]
+
+
+def test_eagle3_head_with_other_hidden_greedy_equals_plain(plain, llama_dir, tmp_path):
+    """A head with hidden 32 for the 64-wide target (own embed_tokens, fc 192 -> 32)."""
+    write_random_eagle3(tmp_path, llama_dir, draft_vocab=200, hidden=32, seed=4)
+    k = 3
+    prompts = prompts_of((3, 17, 1, 30, 9), seed=21)
+    spec = engine(
+        llama_dir, algo="eagle3", draft=str(tmp_path), num_draft_tokens=k, eager_padding=True
+    )
+    assert spec.drafter.head.embed_tokens.weight.shape[-1] == 32
+    ours = spec.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    for out in ours:
+        assert out.stats["num_verify_steps"] > 0
+        assert 1.0 <= out.stats["accept_len"] <= k + 1
+        assert len(out.stats["per_position_acceptance"]) == k
+    assert len(spec.kv.free_pages) == spec.kv.num_pages - 1
