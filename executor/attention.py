@@ -32,13 +32,7 @@ class TorchPagedAttention:
         """Per-step metadata: every row's key slots [bs, kv_len] and the position mask. A drafter
         on the same block table passes the target's slots (same rows, same shape) as
         `shared_slots` and skips its own gather."""
-        if shared_slots is not None and shared_slots.shape == (batch.bs, batch.kv_len):
-            self.kv_slots = shared_slots
-        else:
-            num_pages = batch.kv_len // self.page_size
-            pages = self.req_to_page[batch.req_pool_indices, :num_pages].long()
-            offsets = torch.arange(self.page_size, device=pages.device)
-            self.kv_slots = (pages.unsqueeze(-1) * self.page_size + offsets).view(batch.bs, -1)
+        self.kv_slots = key_slots(batch, self.req_to_page, self.page_size, shared_slots)
         key_pos = torch.arange(batch.kv_len, device=self.kv_slots.device)
         query_pos = batch.positions.view(batch.bs, 1, batch.tokens_per_req, 1)
         self.visible = key_pos <= query_pos  # [bs, 1, T, kv_len]
@@ -62,15 +56,107 @@ class TorchPagedAttention:
         v_pool.index_copy_(0, batch.out_cache_loc, v.to(v_pool.dtype))
         keys = k_pool[self.kv_slots].transpose(1, 2)  # [bs, kv_heads, kv_len, d]
         values = v_pool[self.kv_slots].transpose(1, 2)
-        bs, T, kv_heads, d = batch.bs, batch.tokens_per_req, k.shape[1], q.shape[-1]
-        group = q.shape[1] // kv_heads
-        # Fold the query heads of a KV head into the query axis: no K/V repeat for GQA.
-        queries = (
-            q.view(bs, T, kv_heads, group, d)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(bs, kv_heads, group * T, d)
-        )
-        out = F.scaled_dot_product_attention(
-            queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=self._mask(group, q.dtype)
-        )
-        return out.view(bs, kv_heads, group, T, d).permute(0, 3, 1, 2, 4).reshape(q.shape)
+        group = q.shape[1] // k.shape[1]
+        return folded_sdpa(q, keys, values, self._mask(group, q.dtype), batch.tokens_per_req)
+
+
+def key_slots(
+    batch: ForwardBatch,
+    req_to_page: torch.Tensor,
+    page_size: int,
+    shared_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every row's cache slots in position order, [bs, kv_len] (`shared_slots` when given and of
+    that shape: a drafter reuses the target's gather on the same block table)."""
+    if shared_slots is not None and shared_slots.shape == (batch.bs, batch.kv_len):
+        return shared_slots
+    pages = req_to_page[batch.req_pool_indices, : batch.kv_len // page_size].long()
+    offsets = torch.arange(page_size, device=pages.device)
+    return (pages.unsqueeze(-1) * page_size + offsets).view(batch.bs, -1)
+
+
+class BlockContextAttention:
+    """DFLASH's attention: each row's block of B query tokens attends to the row's cached
+    context (keys at positions before the block) and to the whole block, non-causally (or
+    causally when the drafter says so). Only context K/V are written to the pool; the block's
+    K/V live for one forward. Shapes depend only on (bs, T, B, kv_len): graph-capturable."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        req_to_page: torch.Tensor,
+        page_size: int,
+    ):
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.req_to_page, self.page_size = req_to_page, page_size
+
+    def prepare(
+        self,
+        context: ForwardBatch,
+        block_start: torch.Tensor,
+        block_len: int,
+        causal_block: bool = False,
+        shared_slots: torch.Tensor | None = None,
+    ) -> None:
+        """`context` writes its tokens' K/V (at `out_cache_loc`); `block_start` [bs] is each
+        row's first block position, so context keys at positions >= it (stale, rejected or not
+        yet verified) are hidden."""
+        bs, B = context.bs, block_len
+        self.context, self.block_len = context, B
+        self.kv_slots = key_slots(context, self.req_to_page, self.page_size, shared_slots)
+        key_pos = torch.arange(context.kv_len, device=block_start.device)
+        ctx_visible = (key_pos < block_start[:, None]).unsqueeze(1).expand(bs, B, -1)
+        block_visible = torch.ones(B, B, dtype=torch.bool, device=block_start.device)
+        if causal_block:
+            block_visible = block_visible.tril()
+        visible = torch.cat([ctx_visible, block_visible.expand(bs, B, B)], dim=-1)
+        self.visible = visible.unsqueeze(1)  # [bs, 1, B, kv_len + B]
+        self.masks = {}
+
+    def _mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (group, dtype)
+        if key not in self.masks:
+            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
+            bias.masked_fill_(~self.visible, float("-inf"))
+            self.masks[key] = bias.repeat(1, 1, group, 1)
+        return self.masks[key]
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_context: torch.Tensor,
+        v_context: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block q/k/v [bs * B, heads or kv_heads, d], context k/v [N_context, kv_heads, d]
+        -> [bs * B, heads, d]."""
+        k_pool, v_pool = self.k_pools[layer_id], self.v_pools[layer_id]
+        k_pool.index_copy_(0, self.context.out_cache_loc, k_context.to(k_pool.dtype))
+        v_pool.index_copy_(0, self.context.out_cache_loc, v_context.to(v_pool.dtype))
+        bs, B = self.context.bs, self.block_len
+        block_k = k.to(k_pool.dtype).view(bs, B, *k.shape[1:])
+        block_v = v.to(v_pool.dtype).view(bs, B, *v.shape[1:])
+        keys = torch.cat([k_pool[self.kv_slots], block_k], dim=1).transpose(1, 2)
+        values = torch.cat([v_pool[self.kv_slots], block_v], dim=1).transpose(1, 2)
+        group = q.shape[1] // k.shape[1]
+        return folded_sdpa(q, keys, values, self._mask(group, q.dtype), B)
+
+
+def folded_sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, T: int
+) -> torch.Tensor:
+    """SDPA of q [bs * T, heads, d] over keys/values [bs, kv_heads, L, d] with an additive
+    `bias` [bs, kv_heads or 1, group * T, L]; GQA folds the query heads of a KV head into the
+    query axis, so K/V are never repeated."""
+    bs, kv_heads, d = keys.shape[0], keys.shape[1], q.shape[-1]
+    group = q.shape[1] // kv_heads
+    queries = (
+        q.view(bs, T, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, group * T, d)
+    )
+    out = F.scaled_dot_product_attention(
+        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=bias
+    )
+    return out.view(bs, kv_heads, group, T, d).permute(0, 3, 1, 2, 4).reshape(q.shape)

@@ -21,6 +21,7 @@ from speculant.config import (
     SpecConfig,
 )
 from speculant.drafter.base import Drafter
+from speculant.drafter.dflash import DFlashDrafter, block_size_of, load_dflash
 from speculant.drafter.draft_model import DraftModelDrafter
 from speculant.drafter.eagle import load_eagle3
 from speculant.drafter.eagle_drafter import Eagle3Drafter
@@ -43,7 +44,7 @@ from speculant.models.loader import (
 
 log = logging.getLogger("speculant")
 DEFAULT_MAX_MODEL_LEN = 4096
-ALGOS = ("eagle3", "draft-model")
+ALGOS = ("eagle3", "draft-model", "dflash")
 MAX_DRAFT_TOKENS = 16
 DEFAULT_DRAFT_TOKENS = 3
 
@@ -163,8 +164,12 @@ class Engine:
             )
         if spec.draft is None:
             raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
-        if spec.num_draft_tokens == 0:
-            spec.num_draft_tokens = DEFAULT_DRAFT_TOKENS
+        if spec.num_draft_tokens == 0:  # DFLASH: the checkpoint's block minus the newest token
+            spec.num_draft_tokens = (
+                min(block_size_of(spec.draft) - 1, MAX_DRAFT_TOKENS)
+                if spec.algo == "dflash"
+                else DEFAULT_DRAFT_TOKENS
+            )
         if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpeculantError(
                 f"num_draft_tokens={spec.num_draft_tokens} must be in "
@@ -187,6 +192,18 @@ class Engine:
                 self.config.seed + 1,
             )
             return Eagle3Drafter(head, self.model, self.kv, self.dtype, spec.num_draft_tokens)
+        if spec.algo == "dflash":
+            drafter = load_dflash(
+                spec.draft,
+                self.model_config,
+                self.device,
+                self.dtype,
+                self.pctx,
+                max_positions,
+                self.config.load_format,
+                self.config.seed + 1,
+            )
+            return DFlashDrafter(drafter, self.model, self.kv, self.dtype, spec.num_draft_tokens)
         draft_cfg = ModelConfig.from_dir(spec.draft)
         with default_device_and_dtype(self.device, self.dtype):
             draft_lm = CausalLM(draft_cfg, max_positions, self.pctx)

@@ -1,0 +1,332 @@
+"""DFLASH: a block-diffusion drafter that proposes a whole block of tokens in one forward pass,
+conditioned on the target's hidden states (z-lab/dflash `DFlashDraftModel` checkpoints).
+
+Conventions, from the published `dflash/model.py`: the context features of position p are
+`hidden_norm(fc(cat(target layer outputs at p for id in target_layer_ids)))` (HF
+`hidden_states[id + 1]`, i.e. the OUTPUT of decoder layer id, which is our aux id `id + 1`: the
+residual entering layer id + 1; for the last layer HF hands the final-norm output, and so do
+we). Every draft layer projects them with its own k/v projections
+(KV injection; k gets the layer's k_norm and RoPE at the context position) and caches them; the
+block [newest token, mask x (B-1)] at the next B positions is embedded with the target's
+embedding table, its queries attend to the cached context before the block and to the whole
+block non-causally; the final norm and the target's lm_head give drafts for block positions
+1..B-1. Missing `target_layer_ids` default to the published spread: [L // 2] for one draft
+layer, else round(1 + i * (L - 4) / (n - 1)) for the n draft layers, L the target's layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import ModelConfig, read_hf_config
+from speculant.drafter.base import Drafter, DraftInputs, Proposal
+from speculant.drafter.eagle import ReplicatedLinear, read_head_weights
+from speculant.errors import SpeculantError
+from speculant.executor.attention import BlockContextAttention
+from speculant.executor.forward_batch import SamplingInfo
+from speculant.executor.kv_cache import PagedKVCache
+from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from speculant.models.llama import MLP
+from speculant.models.loader import default_device_and_dtype, init_dummy_weights, load_weights
+
+DEFAULT_BLOCK_SIZE = 16  # the published default when a config names none
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default: the middle layer for one draft layer, else evenly spread over
+    layers 1 .. L-3 (Python's round, as published)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    """A published DFLASH drafter, checked against the target it drafts for."""
+
+    layer: ModelConfig  # the draft layers' shapes, rope and eps (Qwen3 style, q/k norms)
+    num_layers: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]  # decoder layers whose OUTPUT is a context feature
+    causal_block: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    logit_softcap: float = 0.0
+    source: str = "config.json"
+
+    @classmethod
+    def from_dir(cls, path: str | Path, target: ModelConfig) -> DFlashConfig:
+        hf = read_hf_config(path)
+        source = str(Path(path) / "config.json")
+        archs = hf.get("architectures") or []
+        if archs and not any("dflash" in arch.lower() for arch in archs):
+            raise SpeculantError(
+                f"{source} describes {archs[0]!r}, not a DFLASH drafter (DFlashDraftModel); "
+                "pass the drafter's folder"
+            )
+        if any("dflash2" in arch.lower() for arch in archs):
+            raise SpeculantError(
+                f"{source} is a DFlash2 drafter (candidate selector, convolutions); only "
+                "DFlashDraftModel checkpoints are supported"
+            )
+        extra = hf.get("dflash_config") or {}
+
+        def value(name, default=None):
+            return extra.get(name, hf.get(name, default))
+
+        if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+            raise SpeculantError(
+                f"layer_types {hf['layer_types']} in {source}: only full-attention DFLASH "
+                "layers are supported (no sliding windows)"
+            )
+        layer = ModelConfig.from_hf({**hf, "architectures": ["Qwen3ForCausalLM"]}, source)
+        if layer.hidden_size != target.hidden_size:
+            raise SpeculantError(
+                f"DFLASH hidden_size {layer.hidden_size} in {source} != the target's "
+                f"{target.hidden_size}; the drafter shares the target's embeddings and lm_head, "
+                "so it is for another target"
+            )
+        mask_id = value("mask_token_id")
+        if mask_id is None or not 0 <= int(mask_id) < target.vocab_size:
+            raise SpeculantError(
+                f"dflash_config.mask_token_id={mask_id} in {source} must be a token id below the "
+                f"target vocabulary {target.vocab_size}; add the mask token to the config"
+            )
+        block = int(value("block_size", DEFAULT_BLOCK_SIZE))
+        if block < 2:
+            raise SpeculantError(f"block_size={block} in {source} must be at least 2")
+        ids = value("target_layer_ids")
+        L = target.num_layers
+        if ids is None:
+            ids = default_target_layer_ids(int(value("num_target_layers", L)), layer.num_layers)
+            key = f"the default target_layer_ids {ids}"
+        else:
+            key = f"dflash_config.target_layer_ids={ids}"
+        ids = [int(i) for i in ids]
+        if not ids or any(not 0 <= i < L for i in ids):
+            raise SpeculantError(
+                f"{key} in {source} is out of range for a target with {L} layers (0..{L - 1}); "
+                "the drafter is for another target"
+            )
+        if len(set(ids)) != len(ids):
+            raise SpeculantError(f"{key} in {source} repeats a layer; list distinct layers")
+        causal = value("is_causal")
+        return cls(
+            layer=layer,
+            num_layers=layer.num_layers,
+            block_size=block,
+            mask_token_id=int(mask_id),
+            target_layer_ids=tuple(ids),
+            causal_block=bool(causal) if causal is not None else False,
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            logit_softcap=float(value("final_logit_softcapping") or 0.0),
+            source=source,
+        )
+
+
+def block_size_of(path: str | Path) -> int:
+    """The block size a drafter folder declares (before the target is known)."""
+    hf = read_hf_config(path)
+    return int((hf.get("dflash_config") or {}).get("block_size", hf.get("block_size", 16)))
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys and values from the context features and the block, both
+    through this layer's projections (k_norm and RoPE on both)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, pctx
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, pctx)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, context, rope_context, x, rope_block, attn: BlockContextAttention):
+        n_context, d = context.shape[0], self.head_dim
+        # One projection over context and block rows; the context rows' q is not used.
+        q, k, v = self.qkv_proj.split(self.qkv_proj(torch.cat([context, x])))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, d))
+        v = v.view(-1, self.num_kv_heads, d)
+        k_context = RotaryEmbedding.apply(k[:n_context], rope_context)
+        k_block = RotaryEmbedding.apply(k[n_context:], rope_block)
+        q = RotaryEmbedding.apply(
+            self.q_norm(q[n_context:].view(-1, self.num_heads, d)), rope_block
+        )
+        out = attn.forward(self.layer_id, q, k_block, v[n_context:], k_context, v[:n_context])
+        return self.o_proj(out.reshape(-1, self.num_heads * d))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, layer_id, pctx)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, pctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, context, rope_context, h, rope_block, attn) -> torch.Tensor:
+        h = h + self.self_attn(context, rope_context, self.input_layernorm(h), rope_block, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights (embeddings and lm_head are the target's)."""
+
+    def __init__(self, cfg: DFlashConfig, max_positions: int, pctx: ParallelContext):
+        super().__init__()
+        lc = cfg.layer
+        self.config = cfg
+        self.rotary = RotaryEmbedding(lc.head_dim, max_positions, lc.rope_theta, lc.rope_scaling)
+        self.fc = ReplicatedLinear(
+            len(cfg.target_layer_ids) * lc.hidden_size, lc.hidden_size, False
+        )
+        self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(lc, i, pctx) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads  # per TP rank
+        self.head_dim = lc.head_dim
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        attn: BlockContextAttention,
+    ) -> torch.Tensor:
+        """features [N_context, n * H] (target layer outputs in target_layer_ids order), block
+        embeddings [bs * B, H] -> final-norm block hidden states [bs * B, H]."""
+        context = self.hidden_norm(self.fc(features))
+        rope_context = self.rotary.lookup(context_positions, block_embeds.dtype)
+        rope_block = self.rotary.lookup(block_positions, block_embeds.dtype)
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(context, rope_context, h, rope_block, attn)
+        return self.norm(h)
+
+
+def published_keys(cfg: DFlashConfig) -> list[str]:
+    keys = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        keys += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        keys += [f"{p}self_attn.{x}_norm.weight" for x in "qk"]
+        keys += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        keys += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+    return keys
+
+
+def load_dflash(
+    path: str | Path,
+    target_cfg: ModelConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    pctx: ParallelContext,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> DFlashModel:
+    """Build the drafter of folder `path` for `target_cfg` and load its published weights
+    (`load_format="dummy"`: random weights, no weight files needed)."""
+    if load_format not in ("auto", "dummy"):
+        raise SpeculantError(f"load format {load_format!r} is not supported; use auto or dummy")
+    cfg = DFlashConfig.from_dir(path, target_cfg)
+    with default_device_and_dtype(device, dtype):
+        model = DFlashModel(cfg, max_positions, pctx)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        return model.eval()
+    weights, source = read_head_weights(path)
+    for key in published_keys(cfg):
+        if key not in weights:
+            raise SpeculantError(
+                f"{source} lacks the tensor {key!r}; the drafter is incomplete or not a "
+                "DFLASH drafter in the published layout"
+            )
+    load_weights(model, iter(weights.items()), source)
+    return model.eval()
+
+
+class DFlashDrafter(Drafter):
+    """Writes the context K/V of every input position of the batch (rejected positions are
+    rewritten later and hidden meanwhile: the block only sees positions before it), then drafts
+    k = B - 1 tokens from one forward over the block [newest token, mask x k]."""
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        target,
+        kv: PagedKVCache,
+        dtype: torch.dtype,
+        num_draft_tokens: int,
+    ):
+        cfg = model.config
+        if not 1 <= num_draft_tokens <= cfg.block_size - 1:
+            raise SpeculantError(
+                f"num_draft_tokens={num_draft_tokens} does not fit the DFLASH block of "
+                f"{cfg.block_size} (at most {cfg.block_size - 1}); lower --num-draft-tokens"
+            )
+        super().__init__(
+            kv, model.config.num_layers, model.num_kv_heads, model.head_dim, dtype, num_draft_tokens
+        )
+        self.model, self.target = model, target
+        self.attn = BlockContextAttention(self.k_pools, self.v_pools, kv.req_to_page, kv.page_size)
+        # Layer outputs are our aux ids id + 1, handed in layer order (fc wants the config's
+        # order); the last layer's output is the final-norm hidden, as in HF's hidden_states.
+        last = target.config.num_layers - 1
+        self.aux_layer_ids = tuple(sorted(i + 1 for i in cfg.target_layer_ids if i != last))
+        self.feature_sources = [
+            None if i == last else self.aux_layer_ids.index(i + 1) for i in cfg.target_layer_ids
+        ]
+        self.mask = torch.full(
+            (1, num_draft_tokens), cfg.mask_token_id, device=kv.cache_lens.device
+        )
+        self.offsets = torch.arange(num_draft_tokens + 1, device=kv.cache_lens.device)
+
+    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+        batch, bs, cfg = inputs.batch, inputs.batch.bs, self.model.config
+        rows = torch.arange(bs, device=inputs.last_index.device)
+        newest = inputs.next_tokens[rows, inputs.last_index].clamp(min=0)
+        block_start = batch.positions.view(bs, -1)[rows, inputs.last_index] + 1
+        block_ids = torch.cat([newest[:, None], self.mask.expand(bs, -1)], dim=1)
+        block_positions = block_start[:, None] + self.offsets
+        self.attn.prepare(
+            batch, block_start, self.k + 1, cfg.causal_block, shared_slots=inputs.target_slots
+        )
+        embeds = self.target.embed(block_ids.reshape(-1))
+        if cfg.input_embedding_scale != 1.0:
+            embeds = embeds * cfg.input_embedding_scale
+        hidden = self.model(
+            torch.cat(
+                [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources],
+                dim=-1,
+            ),
+            batch.positions,
+            embeds,
+            block_positions.reshape(-1),
+            self.attn,
+        )
+        logits = self.target.compute_logits(hidden.view(bs, self.k + 1, -1)[:, 1:])
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.logit_softcap > 0:
+            logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+        drafts, probs = [], []
+        for i in range(self.k):  # draft i is the token at block_start + 1 + i
+            token, q = self.pick(logits[:, i], sampling, block_positions[:, i + 1], variant)
+            drafts.append(token)
+            probs.append(q)
+        return self.proposal(drafts, probs)

@@ -1,0 +1,228 @@
+"""DFLASH: a drafter in the published layout loads, drafts what the published forward pass drafts,
+and speculative output is lossless (greedy equals plain greedy; sampled output follows the
+target's distribution), eager and eager-padded, with padded rows inert."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers_dflash import reference_drafts, write_random_dflash
+from safetensors.torch import load_file
+from scipy.stats import chisquare
+from test_speculative import GREEDY, assert_lossless, engine, prompts_of
+
+from speculant import SamplingParams
+from speculant.drafter.dflash import default_target_layer_ids
+from speculant.errors import SpeculantError
+from speculant.executor.sampling import GREEDY as GREEDY_VARIANT
+from speculant.executor.sampling import filtered_probs
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory, llama_dir):
+    path = tmp_path_factory.mktemp("dflash")
+    write_random_dflash(path, llama_dir, num_layers=2, block_size=8, target_layer_ids=[1, 0])
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return engine(llama_dir)
+
+
+@pytest.mark.parametrize("k", [7, 3, 1])
+@pytest.mark.parametrize("padding", [False, True])
+def test_dflash_greedy_equals_plain(plain, llama_dir, dflash_dir, k, padding):
+    prompts = prompts_of((3, 17, 1, 30, 9), seed=40 + k)
+    spec = engine(
+        llama_dir, algo="dflash", draft=str(dflash_dir), num_draft_tokens=k, eager_padding=padding
+    )
+    assert_lossless(spec, plain, prompts, k)
+
+
+def test_dflash_block_size_sets_k_and_caps_it(llama_dir, dflash_dir):
+    spec = engine(llama_dir, algo="dflash", draft=str(dflash_dir))
+    assert spec.config.spec.num_draft_tokens == 7  # block 8 from the checkpoint
+    with pytest.raises(SpeculantError, match="num_draft_tokens=8 does not fit the DFLASH block"):
+        engine(llama_dir, algo="dflash", draft=str(dflash_dir), num_draft_tokens=8)
+
+
+def _hf_target(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+
+
+def test_dflash_drafts_match_the_published_forward(llama_dir, tmp_path):
+    """After prefill and after two verify steps, our drafts equal a float64 dense reference of
+    the published model fed with transformers' hidden states of the accepted sequence."""
+    k, ids = 5, [0, 1]  # layer 1 is the last: its output is the final-norm hidden, as in HF
+    tensors = write_random_dflash(tmp_path, llama_dir, 2, k + 1, target_layer_ids=ids, seed=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    hf = _hf_target(llama_dir)
+    target = load_file(str(llama_dir / "model.safetensors"))
+    embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
+    spec = engine(llama_dir, algo="dflash", draft=str(tmp_path), num_draft_tokens=k)
+    runner, info = spec.runner, spec._sampling_info
+    gen = torch.Generator().manual_seed(5)
+    for length in (6, 13):
+        prompt = torch.randint(3, 256, (length,), generator=gen).tolist()
+        row = spec.kv.allocate(length + 40)
+        request = type("R", (), {"params": GREEDY, "seed": 0})()
+        tokens, drafts = runner.prefill([row], [prompt], [0], info([request]), GREEDY_VARIANT)
+        sequence = prompt + tokens.tolist()
+        for _ in range(3):
+            with torch.no_grad():
+                states = hf(torch.tensor([sequence[:-1]]), output_hidden_states=True).hidden_states
+            expected = reference_drafts(
+                tensors, config, [s[0] for s in states], embed, lm_head, sequence, k
+            )
+            assert drafts[0].tolist() == expected, f"drafts after {len(sequence)} tokens"
+            runner.buffers.fill(
+                [row],
+                [[sequence[-1]] + drafts[0].tolist()],
+                [0.0],
+                [0],
+                [1.0],
+                [0],
+                1,
+                spec.kv.sentinel_row,
+            )
+            out = runner.decode_step(1, GREEDY_VARIANT)
+            sequence += out.tokens[0, : int(out.accept_len[0])].tolist()
+            drafts = out.drafts
+        spec.kv.free(row)
+
+
+def test_dflash_padded_rows_are_inert(llama_dir, dflash_dir, plain):
+    spec = engine(llama_dir, algo="dflash", draft=str(dflash_dir), eager_padding=True)
+    sentinel = spec.kv.sentinel_row
+    before = int(spec.kv.cache_lens[sentinel])
+    prompts = prompts_of((5, 11, 3), seed=77)  # bs 3 pads to 4: one sentinel row per step
+    outs = spec.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert int(spec.kv.cache_lens[sentinel]) == before
+    assert spec.kv.req_to_page[sentinel].eq(0).all()  # the sentinel row never gains pages
+
+
+def test_dflash_default_layer_ids_and_top_level_fields(tmp_path, qwen3_dir):
+    """Without target_layer_ids the published spread applies (here [1, 0]: unsorted, and fc
+    takes them in that order); fields at the top level of config.json are read too."""
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, 5 draft layers
+    assert default_target_layer_ids(3, 2) == [1, 0]
+    assert default_target_layer_ids(8, 1) == [4]
+    write_random_dflash(tmp_path, qwen3_dir, num_layers=2, block_size=4, ids_at="top")
+    spec = engine(qwen3_dir, algo="dflash", draft=str(tmp_path))
+    assert spec.drafter.model.config.target_layer_ids == (1, 0)
+    assert spec.drafter.aux_layer_ids == (1, 2)
+    prompts = prompts_of((7, 2, 19), seed=5)
+    assert_lossless(spec, engine(qwen3_dir), prompts, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"target_layer_ids": [0, 2]}, r"target_layer_ids=\[0, 2\] .* out of range"),
+        ({"mask_token_id": 5000}, "mask_token_id=5000 .* below the target vocabulary"),
+        ({"drop_keys": ["layers.1.self_attn.k_norm.weight"]}, "lacks the tensor"),
+        ({"config_overrides": {"hidden_size": 32}}, "hidden_size 32 .* for another target"),
+        ({"config_overrides": {"architectures": ["LlamaForCausalLMEagle3"]}}, "not a DFLASH"),
+        (
+            {"config_overrides": {"layer_types": ["sliding_attention"] * 2}},
+            "only full-attention",
+        ),
+    ],
+)
+def test_dflash_bad_checkpoints_raise_one_clear_error(tmp_path, llama_dir, kwargs, message):
+    kwargs.setdefault("target_layer_ids", [0, 1])
+    write_random_dflash(tmp_path, llama_dir, **kwargs)
+    with pytest.raises(SpeculantError, match=message):
+        engine(llama_dir, algo="dflash", draft=str(tmp_path))
+
+
+def test_dflash_sampling_follows_target_distribution(llama_dir, dflash_dir):
+    """Seeded sampled generation with DFLASH drafts: the second token (emitted by verify against
+    DFLASH's sampled drafts) follows the target's p given the first (temperature 0.9, top-p
+    0.9); the counts over many seeds are compared with the summed per-run distributions."""
+    spec = engine(llama_dir, algo="dflash", draft=str(dflash_dir), num_draft_tokens=3)
+    prompt = prompts_of((6,), seed=123)[0]
+    n = 800
+    params = [
+        SamplingParams(max_new_tokens=3, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True)
+        for s in range(n)
+    ]
+    outs = spec.generate([prompt] * n, params, use_tqdm=False)
+    plain = engine(llama_dir)
+    p_after: dict[int, torch.Tensor] = {}
+    expected = torch.zeros(plain.model_config.vocab_size, dtype=torch.float64)
+    counts = torch.zeros_like(expected)
+    for out in outs:
+        first, second = out.token_ids[:2]
+        if first not in p_after:
+            logits = _next_logits(plain, prompt + [first])[None]
+            p_after[first] = filtered_probs(
+                logits, torch.tensor([0.9]), torch.tensor([0]), torch.tensor([0.9])
+            )[0].double()
+        expected += p_after[first]
+        counts[second] += 1
+    assert counts[expected == 0].sum() == 0, "a token outside top-p was emitted"
+    order = expected.argsort(descending=True)
+    exp_sorted, obs_sorted = expected[order], counts[order]
+    keep = exp_sorted >= 5  # merge rare bins so the chi-square approximation holds
+    exp = torch.cat([exp_sorted[keep], exp_sorted[~keep].sum()[None]])
+    obs = torch.cat([obs_sorted[keep], obs_sorted[~keep].sum()[None]])
+    assert keep.sum() >= 10
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
+
+
+def _next_logits(eng, tokens: list[int]) -> torch.Tensor:
+    """The target's float32 logits for the token after `tokens`."""
+    row = eng.kv.allocate(len(tokens) + 4)
+    hidden, _, batch = eng.runner.forward_prefill([row], [tokens], [0])
+    logits = eng.model.compute_logits(hidden[len(tokens) - 1 : len(tokens)])[0]
+    eng.kv.free(row)
+    return logits
+
+
+def test_dflash_sampled_drafts_follow_the_q_handed_to_verify(llama_dir, dflash_dir):
+    """Rejection sampling is exact when q is the distribution each draft was drawn from: over
+    1024 seeds of one prompt, the rows that sampled the same first token share one block
+    context, and draft i is distributed as the q recorded for draft i (top-k 8)."""
+    from speculant import Engine
+    from speculant.executor.forward_batch import SamplingInfo
+    from speculant.executor.sampling import FULL
+
+    n, k = 1024, 3
+    spec = Engine(
+        llama_dir,
+        device="cpu",
+        max_num_seqs=n,
+        max_model_len=32,
+        page_size=8,
+        algo="dflash",
+        draft=str(dflash_dir),
+        num_draft_tokens=k,
+    )
+    prompt = prompts_of((6,), seed=9)[0]
+    rows = [spec.kv.allocate(16) for _ in range(n)]
+    info = SamplingInfo(
+        torch.full((n,), 0.9),
+        torch.full((n,), 8, dtype=torch.int64),
+        torch.ones(n),
+        torch.arange(n, dtype=torch.int64) * 7 + 1,
+    )
+    tokens, drafts = spec.runner.prefill(rows, [prompt] * n, [0] * n, info, FULL)
+    q = spec.runner.draft_probs[torch.tensor(rows)]
+    group = (tokens == tokens.mode().values).nonzero()[:, 0]
+    assert group.numel() >= 100
+    for i in range(k):
+        probs = q[group[0], i].double()
+        assert torch.allclose(q[group, i], q[group[0], i][None].expand(group.numel(), -1))
+        assert int((probs > 0).sum()) == 8  # top-k 8 applied to q
+        counts = torch.bincount(drafts[group, i], minlength=probs.numel()).double()
+        assert counts[probs == 0].sum() == 0, f"draft {i} outside the support of its q"
+        support = probs > 0
+        expected = probs[support] / probs[support].sum() * group.numel()
+        assert chisquare(counts[support], expected).pvalue > 0.001, f"draft {i}"
