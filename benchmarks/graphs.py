@@ -29,6 +29,18 @@ SHAPES = {
         vocab_size=4096,
         max_position_embeddings=2048,
     ),
+    "qwen3_8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
     "llama8b": dict(
         hidden_size=4096,
         intermediate_size=14336,

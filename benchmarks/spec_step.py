@@ -1,10 +1,11 @@
-"""Speculative step on one GPU with graphs: a Llama-3.1-8B-shape dummy target with an
-EAGLE-3-shape dummy head (1 layer, draft vocabulary 32000), k draft tokens. Checks graph replay
-against eager (bs 1, 5, 32) and times the whole step, its verify half (target forward over k+1
-tokens, verify) and the draft half (whole - verify), next to the plain (k = 0) step, at
-bs 1, 16, 64 and context 512.
+"""Speculative step on one GPU with graphs. `--algo eagle3`: a Llama-3.1-8B-shape dummy target
+with an EAGLE-3-shape dummy head (1 layer, draft vocabulary 32000), k draft tokens. `--algo
+dflash`: a Qwen3-8B-shape dummy target with a Qwen3-8B-DFlash-b16-shape dummy drafter (5 layers,
+block 16, k = 15 unless --k lowers it). Checks graph replay against eager (bs 1, 5, 32) and times
+the whole step, its verify half (target forward over k+1 tokens, verify) and the draft half
+(whole - verify), next to the plain (k = 0) step, at bs 1, 16, 64 and context 512.
 
-    python benchmarks/spec_step.py [--json OUT.json] [--k 3]
+    python benchmarks/spec_step.py [--algo eagle3|dflash] [--json OUT.json] [--k K]
 """
 
 from __future__ import annotations
@@ -47,6 +48,39 @@ def write_head(target: dict) -> str:
     return str(path)
 
 
+def write_dflash(target: dict, block_size: int = 16, num_layers: int = 5) -> str:
+    """A drafter config shaped like z-lab/Qwen3-8B-DFlash-b16 (weights: --load-format dummy)."""
+    path = Path(tempfile.mkdtemp())
+    n = target["num_hidden_layers"]
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": num_layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": target.get("rope_theta", 1000000.0),
+        "block_size": block_size,
+        "num_target_layers": n,
+        "dflash_config": {
+            "mask_token_id": target["vocab_size"] - 1,
+            "target_layer_ids": [round(1 + i * (n - 4) / (num_layers - 1)) for i in range(num_layers)],
+        },
+        "torch_dtype": "bfloat16",
+        **{
+            k: target[k]
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "vocab_size",
+                "max_position_embeddings",
+            )
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
 def capture(fn):
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -77,10 +111,12 @@ def timings(engine: Engine, vocab: int, context: int, k: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--algo", choices=["eagle3", "dflash"], default="eagle3")
+    parser.add_argument("--k", type=int, default=None, help="default: 3 (eagle3), 15 (dflash)")
     parser.add_argument("--context", type=int, default=512)
     args = parser.parse_args()
-    shape = SHAPES["llama8b"]
+    shape = SHAPES["qwen3_8b" if args.algo == "dflash" else "llama8b"]
+    args.k = args.k or (15 if args.algo == "dflash" else 3)
     target = write_config(shape)
     common = dict(
         device="cuda",
@@ -94,6 +130,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "algo": args.algo,
         "k": args.k,
         "command": " ".join(["python"] + sys.argv),
     }
@@ -101,10 +138,11 @@ def main() -> int:
     report["plain"] = timings(plain, shape["vocab_size"], args.context, 0)
     del plain
     torch.cuda.empty_cache()
-    spec = Engine(target, algo="eagle3", draft=write_head(shape), num_draft_tokens=args.k, **common)
+    draft = write_dflash(shape) if args.algo == "dflash" else write_head(shape)
+    spec = Engine(target, algo=args.algo, draft=draft, num_draft_tokens=args.k, **common)
     report["graph_equals_eager"] = check_equal(spec, shape["vocab_size"], sizes=(1, 5, 32))
     report["spec"] = timings(spec, shape["vocab_size"], args.context, args.k)
-    print(f"\n{report['gpu']}  torch {report['torch']}  {report['date']}  k={args.k}")
+    print(f"\n{report['gpu']}  torch {report['torch']}  {report['date']}  {args.algo} k={args.k}")
     print(
         "| bs | plain step ms | verify (k+1) ms | draft ms | spec step ms | verify/plain | "
         "draft/plain |"

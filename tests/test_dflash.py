@@ -226,3 +226,24 @@ def test_dflash_sampled_drafts_follow_the_q_handed_to_verify(llama_dir, dflash_d
         support = probs > 0
         expected = probs[support] / probs[support].sum() * group.numel()
         assert chisquare(counts[support], expected).pvalue > 0.001, f"draft {i}"
+
+
+def test_cli_dflash_reports_acceptance(capsys, llama_dir, dflash_dir, tmp_path):
+    """`speculant generate --algo dflash --draft DIR`: the block size comes from the checkpoint
+    (7 drafts per step), `--num-draft-tokens` lowers it; the output matches plain greedy."""
+    from speculant.launch.cli import main
+
+    out = {}
+    for name, extra in (("plain", []), ("dflash", ["--algo", "dflash", "--draft", dflash_dir])):
+        for k in ([], ["--num-draft-tokens", "2"]) if name == "dflash" else ([],):
+            path = tmp_path / f"{name}{len(k)}.jsonl"
+            args = ["generate", "--device", "cpu", "--target", llama_dir, "--prompt", "def f(x):"]
+            args += ["--max-new-tokens", "12", "--ignore-eos", "--output", path, *extra, *k]
+            assert main([str(a) for a in args]) == 0
+            err = capsys.readouterr().err
+            out[name, len(k)] = json.loads(path.read_text())
+            if name == "dflash":
+                per_position = err.split("per_position=")[1].split()[0].split(",")
+                assert len(per_position) == (2 if k else 7), err
+    assert out["dflash", 0]["token_ids"] == out["plain", 0]["token_ids"]
+    assert out["dflash", 2]["token_ids"] == out["plain", 0]["token_ids"]

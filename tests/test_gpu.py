@@ -81,12 +81,16 @@ def test_graph_replay_equals_eager(llama_dir, dtype):
         graph_vs_eager(engine, bs, gen, max_new_tokens=16)
 
 
-@pytest.mark.parametrize("algo", ["eagle3", "draft-model"])
+@pytest.mark.parametrize("algo", ["eagle3", "draft-model", "dflash"])
 def test_speculative_graph_replay_equals_eager(llama_dir, tmp_path, algo):
+    from helpers_dflash import write_random_dflash
     from helpers_eagle import write_random_eagle3
 
     if algo == "eagle3":
         write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+        draft = str(tmp_path)
+    elif algo == "dflash":
+        write_random_dflash(tmp_path, llama_dir, block_size=4, target_layer_ids=[0, 1])
         draft = str(tmp_path)
     else:
         draft = str(llama_dir)  # the target as its own drafter: every greedy draft is accepted
