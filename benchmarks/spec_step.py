@@ -61,7 +61,9 @@ def write_dflash(target: dict, block_size: int = 16, num_layers: int = 5) -> str
         "num_target_layers": n,
         "dflash_config": {
             "mask_token_id": target["vocab_size"] - 1,
-            "target_layer_ids": [round(1 + i * (n - 4) / (num_layers - 1)) for i in range(num_layers)],
+            "target_layer_ids": [
+                round(1 + i * (n - 4) / (num_layers - 1)) for i in range(num_layers)
+            ],
         },
         "torch_dtype": "bfloat16",
         **{
