@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from speculant.errors import SpeculantError
+from speculant.launch import accept_rate
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
 
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
+    accept_rate.add_parser(commands)
     return parser
 
 
@@ -335,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
     )
     try:
+        if args.command == "accept-rate":
+            return accept_rate.run_accept_rate(args, sys.stdout, sys.stderr)
         return run_generate(args, sys.stdout, sys.stderr)
     except KeyboardInterrupt:
         print("speculant: interrupted", file=sys.stderr)

@@ -1,0 +1,332 @@
+"""`speculant accept-rate`: the acceptance-rate regression check releases are gated on.
+
+Runs speculative decoding over a prompt set, checks greedy output against plain greedy output
+token for token (any mismatch fails), reports the acceptance length (mean tokens emitted per
+verify step) and the per-position acceptance rates, and compares them with a baseline report:
+a metric below `baseline * (1 - rtol)` is a regression. Exit status: 0 pass, 1 regression or
+lossless failure, 2 bad input (one line, like every speculant error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from speculant.errors import SpeculantError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
+# A baseline is comparable only when these match.
+RUN_KEYS = ("algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature")
+
+
+def bundled(name: str) -> Path:
+    """A bundled model folder (assets/NAME), with a clear error when the install lacks it."""
+    path = ASSETS / name
+    if not (path / "config.json").is_file():
+        raise SpeculantError(
+            f"the bundled model {name!r} is missing from {ASSETS}; reinstall speculant or pass "
+            "--target/--draft explicitly"
+        )
+    return path
+
+
+@dataclass
+class AcceptReport:
+    """What one accept-rate run measured (the JSON report and the baseline format)."""
+
+    algo: str
+    target: str
+    draft: str
+    num_prompts: int
+    num_draft_tokens: int
+    max_new_tokens: int
+    temperature: float
+    acceptance_length: float
+    per_position_acceptance: list[float]
+    lossless: bool | None  # greedy only: speculative output == plain output for every prompt
+    mismatched_prompts: list[int] = field(default_factory=list)
+    num_verify_steps: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    date: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def aggregate(outputs: list) -> tuple[float, list[float], int]:
+    """Acceptance length and per-position rates over all requests, each weighted by its verify
+    steps (a request that ran longer counts more), and the total number of verify steps."""
+    stats = [out.stats or {} for out in outputs]
+    steps = sum(s.get("num_verify_steps") or 0 for s in stats)
+    if steps == 0:
+        raise SpeculantError(
+            "no verify step ran (every request finished at prefill); raise --max-new-tokens"
+        )
+    length = sum(s["accept_len"] * s["num_verify_steps"] for s in stats) / steps
+    k = len(stats[0]["per_position_acceptance"])
+    per_position = [
+        sum(s["per_position_acceptance"][j] * s["num_verify_steps"] for s in stats) / steps
+        for j in range(k)
+    ]
+    return length, per_position, steps
+
+
+@dataclass
+class Regression:
+    metric: str
+    baseline: float
+    current: float
+
+    @property
+    def change(self) -> float:
+        return (self.current - self.baseline) / self.baseline if self.baseline else 0.0
+
+
+def check_run_shape(baseline: dict, run: dict, source: str) -> None:
+    """Refuse a baseline measured with other settings (`run` holds some of RUN_KEYS)."""
+    for key, value in run.items():
+        if key not in baseline:
+            raise SpeculantError(f"baseline {source} lacks {key!r}; write it with --write-baseline")
+        if baseline[key] != value:
+            raise SpeculantError(
+                f"baseline {source} was measured with {key}={baseline[key]!r}, this run has "
+                f"{value!r}; run with the same settings or write a new baseline"
+            )
+
+
+def compare(report: AcceptReport, baseline: dict, rtol: float, source: str) -> list[Regression]:
+    """Metrics that fell below baseline * (1 - rtol). Refuses a baseline of another run shape."""
+    check_run_shape(baseline, {key: getattr(report, key) for key in RUN_KEYS}, source)
+    pairs = [("acceptance_length", baseline["acceptance_length"], report.acceptance_length)]
+    pairs += [
+        (f"per_position_acceptance[{i}]", b, c)
+        for i, (b, c) in enumerate(
+            zip(baseline["per_position_acceptance"], report.per_position_acceptance, strict=True)
+        )
+    ]
+    return [Regression(m, b, c) for m, b, c in pairs if c < b * (1 - rtol)]
+
+
+def format_table(report: AcceptReport, baseline: dict | None, regressions: list) -> str:
+    """A markdown table of every metric, with the baseline and a REGRESSED mark when given."""
+    regressed = {r.metric for r in regressions}
+    rows = [("acceptance_length", report.acceptance_length)]
+    rows += [
+        (f"per_position_acceptance[{i}]", v) for i, v in enumerate(report.per_position_acceptance)
+    ]
+    base = {"acceptance_length": (baseline or {}).get("acceptance_length")}
+    for i, v in enumerate((baseline or {}).get("per_position_acceptance", [])):
+        base[f"per_position_acceptance[{i}]"] = v
+    lines = ["| metric | current | baseline | |", "| --- | --- | --- | --- |"]
+    for metric, value in rows:
+        b = base.get(metric)
+        shown = "-" if b is None else f"{b:.4f}"
+        mark = "REGRESSED" if metric in regressed else ""
+        lines.append(f"| {metric} | {value:.4f} | {shown} | {mark} |")
+    return "\n".join(lines)
+
+
+def plot(report: AcceptReport, path: str) -> None:
+    """A bar chart of per-position acceptance (needs matplotlib: `pip install speculant[plot]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SpeculantError(
+            f"--plot {path} needs matplotlib; pip install 'speculant[plot]' or drop --plot"
+        ) from exc
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rates = report.per_position_acceptance
+    ax.bar(range(1, len(rates) + 1), rates)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(
+        f"{report.algo} k={report.num_draft_tokens}: accept_len {report.acceptance_length:.2f}"
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Register `speculant accept-rate` on the CLI's subcommands."""
+    p = commands.add_parser(
+        "accept-rate", help="measure acceptance rates, check losslessness, compare to a baseline"
+    )
+    p.add_argument("--target", metavar="DIR", help="default: the bundled target")
+    p.add_argument("--draft", metavar="DIR", help="default: the bundled drafter for --algo")
+    p.add_argument("--algo", choices=sorted(BUNDLED_DRAFTS), default="eagle3")
+    p.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='{"prompt": ...} or {"prompt_token_ids": [...]} per line (default: the bundled '
+        "held-out prompt set)",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=0, metavar="K")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="per-prompt seeds start here")
+    p.add_argument("--baseline", metavar="B.json", help="fail (exit 1) on a regression vs this")
+    p.add_argument("--rtol", type=float, default=0.05, help="allowed relative drop (0.05)")
+    p.add_argument("--write-baseline", metavar="B.json", help="save this run as the baseline")
+    p.add_argument("--report", metavar="R.json", help="write the JSON report")
+    p.add_argument("--plot", metavar="R.png", help="bar chart of per-position acceptance")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=32, metavar="N")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.max_new_tokens <= 1:
+        raise SpeculantError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no verify step; use 2 or more"
+        )
+    if args.num_draft_tokens < 0:
+        raise SpeculantError(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
+    if args.temperature < 0:
+        raise SpeculantError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    if not 0 <= args.rtol < 1:
+        raise SpeculantError(f"--rtol {args.rtol} must be in [0, 1)")
+    for flag in ("target", "draft"):
+        value = getattr(args, flag)
+        if value and not Path(value).is_dir():
+            raise SpeculantError(f"--{flag} {value!r} is not a directory; pass a checkpoint dir")
+    if args.baseline and not Path(args.baseline).is_file():
+        raise SpeculantError(f"--baseline {args.baseline!r} does not exist; write one first")
+    for flag in ("report", "write_baseline", "plot"):
+        value = getattr(args, flag)
+        if value and not Path(value).resolve().parent.is_dir():
+            name = "--" + flag.replace("_", "-")
+            raise SpeculantError(f"{name} {value!r}: directory does not exist")
+
+
+def _read_baseline(path: str) -> dict:
+    try:
+        baseline = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise SpeculantError(f"--baseline {path} is not valid JSON ({exc})") from exc
+    if not isinstance(baseline, dict) or "acceptance_length" not in baseline:
+        raise SpeculantError(f"--baseline {path} is not an accept-rate report")
+    return baseline
+
+
+def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """Validate, run plain and speculative decoding, report, compare; returns the exit status."""
+    from speculant.launch.cli import read_prompts_file  # the same prompt format as generate
+
+    _check(args)
+    baseline = _read_baseline(args.baseline) if args.baseline else None
+    target = args.target or str(bundled("target"))
+    draft = args.draft or str(bundled(BUNDLED_DRAFTS[args.algo]))
+    prompts_path = args.prompts or str(bundled("prompts") / "heldout_prompts.jsonl")
+    specs = read_prompts_file(prompts_path)
+    if baseline:  # fail before loading models; k is checked after (DFLASH's comes from its block)
+        known = dict(
+            algo=args.algo,
+            num_prompts=len(specs),
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+        )
+        if args.num_draft_tokens:
+            known["num_draft_tokens"] = args.num_draft_tokens
+        check_run_shape(baseline, known, args.baseline)
+
+    import torch
+
+    from speculant import Engine, SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    common = dict(
+        device=device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+    )
+    params = [
+        SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed + i,
+            ignore_eos=True,  # every prompt runs the same number of steps
+        )
+        for i in range(len(specs))
+    ]
+    prompts = [s.prompt for s in specs]
+    spec_engine = Engine(
+        target, algo=args.algo, draft=draft, num_draft_tokens=args.num_draft_tokens, **common
+    )
+    start = time.perf_counter()
+    outputs = spec_engine.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    length, per_position, steps = aggregate(outputs)
+    lossless, mismatched = None, []
+    if args.temperature == 0:
+        del spec_engine
+        plain = Engine(target, **common).generate(prompts, params, use_tqdm=True)
+        mismatched = [
+            i
+            for i, (a, b) in enumerate(zip(outputs, plain, strict=True))
+            if a.token_ids != b.token_ids
+        ]
+        lossless = not mismatched
+    report = AcceptReport(
+        algo=args.algo,
+        target=target,
+        draft=draft,
+        num_prompts=len(specs),
+        num_draft_tokens=len(per_position),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        acceptance_length=length,
+        per_position_acceptance=per_position,
+        lossless=lossless,
+        mismatched_prompts=mismatched,
+        num_verify_steps=steps,
+        output_tokens=sum(len(o.token_ids) for o in outputs),
+        seconds=seconds,
+        date=time.strftime("%Y-%m-%d"),
+    )
+    regressions = compare(report, baseline, args.rtol, args.baseline) if baseline else []
+    for path in (args.report, args.write_baseline):
+        if path:
+            Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.plot:
+        plot(report, args.plot)
+    print(format_table(report, baseline, regressions), file=stdout)
+    summary = (
+        f"algo={report.algo} k={report.num_draft_tokens} prompts={report.num_prompts} "
+        f"accept_len={length:.3f} per_position="
+        + ",".join(f"{r:.2f}" for r in per_position)
+        + (f" lossless={lossless}" if lossless is not None else "")
+    )
+    print(summary, file=stderr)
+    status = 0
+    if lossless is False:
+        print(
+            f"speculant: FAIL: greedy speculative output differs from plain greedy output for "
+            f"prompts {mismatched[:10]}",
+            file=stderr,
+        )
+        status = 1
+    if regressions:
+        worst = min(regressions, key=lambda r: r.change)
+        print(
+            f"speculant: FAIL: {len(regressions)} metric(s) regressed beyond rtol={args.rtol} "
+            f"(worst: {worst.metric} {worst.baseline:.4f} -> {worst.current:.4f}, "
+            f"{worst.change:+.1%})",
+            file=stderr,
+        )
+        status = 1
+    return status
