@@ -15,6 +15,8 @@ DENSE_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -55,9 +57,26 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def _moe_settings(hf: dict, num_layers: int) -> dict:
+    """Qwen3-MoE fields with transformers' defaults; `moe_layer_ids` are the layers whose MLP is
+    sparse (not in mlp_only_layers, and every decoder_sparse_step-th layer)."""
+    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 128)))
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_layer_ids=tuple(sparse) if num_experts > 0 else (),
+    )
+
+
 @dataclass
 class ModelConfig:
-    """The architecture of a dense decoder (Llama / Qwen2 / Qwen3) as read from config.json."""
+    """The architecture of a decoder (Llama / Qwen2 / Qwen3, and Qwen3-MoE's expert fields) as
+    read from config.json."""
 
     architecture: str
     hidden_size: int
@@ -76,16 +95,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    num_experts: int = 0  # MoE only: routed experts per sparse layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layer_ids: tuple[int, ...] = ()  # layers with a sparse MoE block instead of the MLP
     hf: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layer_ids)
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> ModelConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
-        if arch not in DENSE_ARCHITECTURES:
+        if arch not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES:
             raise SpeculantError(
                 f"architecture {arch!r} in {source} is not supported; supported: "
-                f"{', '.join(DENSE_ARCHITECTURES)}"
+                f"{', '.join(DENSE_ARCHITECTURES + MOE_ARCHITECTURES)}"
             )
         if hf.get("mlp_bias"):
             raise SpeculantError(f"mlp_bias=true in {source} is not supported")
@@ -94,10 +122,12 @@ class ModelConfig:
             theta, scaling = _rope_settings(hf)
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            num_layers = int(hf["num_hidden_layers"])
+            moe = _moe_settings(hf, num_layers) if arch in MOE_ARCHITECTURES else {}
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
-                num_layers=int(hf["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                 head_dim=int(hf.get("head_dim") or hidden // heads),
@@ -108,10 +138,11 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in QK_NORM_ARCHITECTURES,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+                **moe,
                 hf=hf,
             )
         except KeyError as exc:
@@ -166,6 +197,16 @@ class ParallelConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Expert parallelism for MoE targets: how tokens reach the rank holding their expert
+    (`auto`: local on one rank, else DeepEP on CUDA when installed, else all2all) and the most
+    tokens one rank dispatches at once (None: one decode step, max_num_seqs // dp * (k + 1))."""
+
+    backend: str = "auto"  # auto | local | all2all | deepep
+    max_tokens_per_rank: int | None = None
+
+
+@dataclass
 class EngineConfig:
     """Everything an Engine needs."""
 
@@ -174,7 +215,10 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0
+    # auto (triton on CUDA when it imports, else torch) | triton | torch
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)

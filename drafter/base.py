@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.executor.attention import TorchPagedAttention
+from speculant.executor.attention import paged_attention_backend
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.sampling import GREEDY, STREAM_DRAFT, filtered_probs, sample_from, uniform
@@ -53,6 +53,7 @@ class Drafter(ABC):
         head_dim: int,
         dtype: torch.dtype,
         num_draft_tokens: int,
+        attention_backend: str = "torch",
     ):
         self.k = num_draft_tokens
         self.kv = kv
@@ -60,7 +61,9 @@ class Drafter(ABC):
         device = kv.req_to_page.device
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.attn = TorchPagedAttention(self.k_pools, self.v_pools, kv.req_to_page, kv.page_size)
+        self.attn = paged_attention_backend(
+            attention_backend, self.k_pools, self.v_pools, kv.req_to_page, kv.page_size
+        )
 
     @abstractmethod
     def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:

@@ -22,6 +22,7 @@ class DraftModelDrafter(Drafter):
         kv: PagedKVCache,
         dtype: torch.dtype,
         num_draft_tokens: int,
+        attention_backend: str = "torch",
     ):
         cfg = draft_lm.config
         if cfg.vocab_size != target_vocab:
@@ -31,7 +32,13 @@ class DraftModelDrafter(Drafter):
             )
         attn = draft_lm.model.layers[0].self_attn
         super().__init__(
-            kv, cfg.num_layers, attn.num_kv_heads, cfg.head_dim, dtype, num_draft_tokens
+            kv,
+            cfg.num_layers,
+            attn.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            num_draft_tokens,
+            attention_backend,
         )
         self.lm = draft_lm
 

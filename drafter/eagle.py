@@ -194,11 +194,14 @@ class Eagle3Midlayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
 
     def forward(self, rope, embeds: torch.Tensor, hidden: torch.Tensor, attn) -> torch.Tensor:
-        normed = self.hidden_norm(hidden)
+        ops = attn.ops  # the backend's element-wise ops (fused kernels with triton)
+        normed = self.hidden_norm(hidden, ops)
         residual = normed if self.norm_before_residual else hidden  # vLLM's norm_before_residual
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        h = residual + self.self_attn(rope, x, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = torch.cat([self.input_layernorm(embeds, ops), normed], dim=-1)
+        normed, h = self.post_attention_layernorm.add_forward(
+            self.self_attn(rope, x, attn), residual, ops
+        )
+        return h + self.mlp(normed, ops)
 
 
 class Eagle3Head(nn.Module):

@@ -15,10 +15,22 @@ from speculant.executor.kv_cache import PagedKVCache
 
 class Eagle3Drafter(Drafter):
     def __init__(
-        self, head: Eagle3Head, target, kv: PagedKVCache, dtype: torch.dtype, num_draft_tokens: int
+        self,
+        head: Eagle3Head,
+        target,
+        kv: PagedKVCache,
+        dtype: torch.dtype,
+        num_draft_tokens: int,
+        attention_backend: str = "torch",
     ):
         super().__init__(
-            kv, head.num_layers, head.num_kv_heads, head.head_dim, dtype, num_draft_tokens
+            kv,
+            head.num_layers,
+            head.num_kv_heads,
+            head.head_dim,
+            dtype,
+            num_draft_tokens,
+            attention_backend,
         )
         self.head, self.target = head, target
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)

@@ -1,18 +1,63 @@
 """Attention backends over the paged KV cache. `torch` works on CPU and GPU for prefill (with a
-cached prefix), decode and multi-token verify, and is the reference for faster backends."""
+cached prefix), decode and multi-token verify, and is the reference for faster backends;
+`triton` (executor/triton_attention.py) reads only live pages with fused kernels. A backend
+declares the element-wise ops the layers run around it as `ops` (kernels/ops.py)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
+from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import ForwardBatch
+from speculant.kernels.ops import TORCH_OPS
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """`auto` is triton on CUDA when it imports, else torch; `triton` without triton installed
+    is an error. On the CPU, triton runs its torch fallbacks (or the interpreter under
+    TRITON_INTERPRET=1)."""
+    if name not in ATTENTION_BACKENDS:
+        raise SpeculantError(
+            f"attention backend {name!r} is not supported; use one of "
+            f"{', '.join(ATTENTION_BACKENDS)}"
+        )
+    installed = importlib.util.find_spec("triton") is not None  # without importing it
+    if name == "auto":
+        return "triton" if installed and str(device).startswith("cuda") else "torch"
+    if name == "triton" and not installed:
+        raise SpeculantError(
+            "--attention-backend triton needs the triton package; pip install triton, or use "
+            "--attention-backend torch"
+        )
+    return name
+
+
+def paged_attention_backend(
+    name: str,
+    k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor],
+    req_to_page: torch.Tensor,
+    page_size: int,
+):
+    """The paged attention backend `name` (resolved: triton or torch) over these pools."""
+    if name == "triton":
+        from speculant.executor.triton_attention import TritonPagedAttention
+
+        return TritonPagedAttention(k_pools, v_pools, req_to_page, page_size)
+    return TorchPagedAttention(k_pools, v_pools, req_to_page, page_size)
 
 
 class TorchPagedAttention:
     """Writes the step's K/V into their slots, gathers each row's pages in position order, and
     runs masked SDPA: a query at position p sees keys at positions <= p. Shapes depend only on
     (bs, T, kv_len), so the decode step is graph-capturable."""
+
+    ops = TORCH_OPS
 
     def __init__(
         self,

@@ -90,6 +90,22 @@ class GraphRunner:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], StepOutput] = {}
         self.graph_memory_bytes = 0
+        self.capture_order: list[tuple[str, int]] = []  # (variant, bs) as captured, in order
+
+    def capture_plan(self) -> list[tuple[str, int]]:
+        """Every (variant, bs) to capture, in capture order: per variant, largest size first."""
+        return [(v, bs) for v in self.variants for bs in sorted(self.sizes, reverse=True)]
+
+    def check_same_plan(self, plan: list[tuple[str, int]]) -> None:
+        """Every rank must capture the same list in the same order (the graphs hold collectives
+        that must line up); a mismatch is an error on every rank instead of a hang."""
+        plans = self.pctx.all_gather_object(plan)
+        for rank, other in enumerate(plans):
+            if other != plans[0]:
+                raise SpeculantError(
+                    f"rank {rank} would capture graphs {other} but rank 0 {plans[0]}; give "
+                    "every rank the same --max-num-seqs, --capture-sizes and --dp"
+                )
 
     def padded_bs(self, bs: int) -> int:
         """The size a batch of bs runs at: the smallest captured size >= bs (exact sizes only with
@@ -102,9 +118,10 @@ class GraphRunner:
     def will_replay(self, padded_bs: int) -> bool:
         return self.use_graphs and padded_bs in self.sizes
 
-    def run(self, bs: int, padded_bs: int, variant: str) -> StepOutput:
-        """Run the step for the first padded_bs rows of the input buffers (already filled)."""
-        if not self.will_replay(padded_bs):
+    def run(self, bs: int, padded_bs: int, variant: str, allow_graph: bool = True) -> StepOutput:
+        """Run the step for the first padded_bs rows of the input buffers (already filled);
+        `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform)."""
+        if not allow_graph or not self.will_replay(padded_bs):
             return self.runner.decode_step(padded_bs, variant).narrow(bs)
         key = (variant, padded_bs)
         if key not in self.graphs:
@@ -119,12 +136,19 @@ class GraphRunner:
         return self.outputs[key].narrow(bs)
 
     def capture(self) -> None:
-        """Capture every (variant, size), largest size first, into one shared memory pool."""
+        """Capture every (variant, size), largest size first, into one shared memory pool. With
+        several ranks and no graphs (CPU, --enforce-eager) the same lockstep runs each step once
+        eagerly, so the capture protocol is exercised there too."""
+        items = self.capture_plan()
+        if self.pctx.world_size > 1:
+            self.check_same_plan(items)
         if not self.use_graphs:
+            if self.pctx.world_size > 1:
+                for variant, bs in items:
+                    self._lockstep_eager(variant, bs)
             return
         device = self.runner.device
         reserved_before = torch.cuda.memory_reserved(device)
-        items = [(v, bs) for v in self.variants for bs in sorted(self.sizes, reverse=True)]
         bar = tqdm(items, disable=self.pctx.rank != 0, desc="capturing CUDA graphs")
         stream, pool = torch.cuda.Stream(device), None
         gc.collect()
@@ -134,6 +158,7 @@ class GraphRunner:
                 free = torch.cuda.mem_get_info(device)[0] / 2**30
                 bar.set_description(f"capturing bs={bs} variant={variant} free={free:.1f} GiB")
                 pool = self._capture_one(variant, bs, stream, pool)
+                self.capture_order.append((variant, bs))
         finally:
             gc.unfreeze()
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
@@ -145,6 +170,14 @@ class GraphRunner:
                 list(self.variants),
                 self.graph_memory_bytes / 2**30,
             )
+
+    def _lockstep_eager(self, variant: str, bs: int) -> None:
+        """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
+        self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)
+        self.pctx.barrier()
+        self.runner.decode_step(bs, variant)
+        self.pctx.barrier()
+        self.capture_order.append((variant, bs))
 
     def _capture_one(self, variant: str, bs: int, stream, pool):
         runner = self.runner

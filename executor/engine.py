@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from speculant.comm.groups import ParallelContext
+from speculant.comm.groups import ParallelContext, resolve_context
 from speculant.config import (
     CacheConfig,
     EngineConfig,
     GraphConfig,
     ModelConfig,
+    MoeConfig,
     ParallelConfig,
     SpecConfig,
 )
@@ -26,7 +27,9 @@ from speculant.drafter.draft_model import DraftModelDrafter
 from speculant.drafter.eagle import load_eagle3
 from speculant.drafter.eagle_drafter import Eagle3Drafter
 from speculant.errors import SpeculantError
+from speculant.executor.attention import resolve_attention_backend
 from speculant.executor.cuda_graph import GraphRunner, capture_sizes
+from speculant.executor.dp import DPCoordinator, generate_distributed
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
 from speculant.executor.model_runner import ModelRunner
@@ -35,6 +38,7 @@ from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
+    build_causal_lm,
     default_device_and_dtype,
     init_dummy_weights,
     iter_safetensors,
@@ -93,14 +97,17 @@ def engine_config(target: str, **options) -> EngineConfig:
         ),
         "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),
         "parallel": (ParallelConfig, {"tp", "dp"}),
+        "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
     }
     sections = {}
     for section, (cls, names) in groups.items():
         values = {n: options.pop(n) for n in list(options) if n in names}
         if "disable_graph_padding" in values:
             values["disable_padding"] = values.pop("disable_graph_padding")
+        if section == "moe":
+            values = {n.removeprefix("moe_"): v for n, v in values.items()}
         sections[section] = cls(**values)
-    unknown = set(options) - {"device", "dtype", "load_format", "seed"}
+    unknown = set(options) - {"device", "dtype", "load_format", "seed", "attention_backend"}
     if unknown:
         raise TypeError(f"unknown Engine option(s): {sorted(unknown)}")
     return EngineConfig(target=target, **options, **sections)
@@ -112,8 +119,11 @@ class Engine:
     def __init__(self, target: str, *, pctx: ParallelContext | None = None, **options):
         cfg = engine_config(str(target), **options)
         self.config = cfg
-        self.pctx = pctx or ParallelContext.single()
         self.device = resolve_device(cfg.device)
+        self.pctx = resolve_context(pctx, cfg.parallel.tp, cfg.parallel.dp, self.device)
+        cfg.parallel = ParallelConfig(tp=self.pctx.tp_size, dp=self.pctx.dp_size)
+        if self.device.startswith("cuda") and self.pctx.world_size > 1:
+            self.device = f"cuda:{self.pctx.local_rank}"  # one GPU per rank
         if cfg.load_format not in ("auto", "dummy"):
             raise SpeculantError(
                 f"load format {cfg.load_format!r} is not supported; use auto or dummy"
@@ -136,20 +146,34 @@ class Engine:
                 f"page_size={cache.page_size} and max_num_seqs="
                 f"{cache.max_num_seqs} must be positive"
             )
+        self.max_num_seqs = cache.max_num_seqs // cfg.parallel.dp  # per DP rank
+        if self.max_num_seqs < 1:
+            raise SpeculantError(
+                f"max_num_seqs={cache.max_num_seqs} is less than dp={cfg.parallel.dp}; raise "
+                "--max-num-seqs (it counts requests over all DP ranks)"
+            )
         self._check_capture_sizes()
         self.tokens_per_req = cfg.spec.num_draft_tokens + 1
+        self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device)
         self.model = self._build_model()
         self.tokenizer = load_tokenizer(cfg.target)
         self.kv = self._build_kv_cache()
         self.drafter = self._build_drafter()
         self.runner = ModelRunner(
-            self.model, self.kv, cache.max_num_seqs, cfg.spec.num_draft_tokens, self.drafter
+            self.model,
+            self.kv,
+            self.max_num_seqs,
+            cfg.spec.num_draft_tokens,
+            self.drafter,
+            self.attention_backend,
         )
         self.graphs = GraphRunner(
             self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx
         )
+        self.graphs.hooks.extend(self.model.replay_hooks())  # DeepEP's mode reset
         self.graphs.capture()
-        self.scheduler = Scheduler(self.kv, cache.max_num_seqs, self.tokens_per_req)
+        self.dp = DPCoordinator(self.pctx, self.graphs, self.tokens_per_req, mc.is_moe)
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.tokens_per_req)
 
     @staticmethod
     def _check_spec(spec: SpecConfig) -> None:
@@ -191,7 +215,9 @@ class Engine:
                 self.config.load_format,
                 self.config.seed + 1,
             )
-            return Eagle3Drafter(head, self.model, self.kv, self.dtype, spec.num_draft_tokens)
+            return Eagle3Drafter(
+                head, self.model, self.kv, self.dtype, spec.num_draft_tokens, self.attention_backend
+            )
         if spec.algo == "dflash":
             drafter = load_dflash(
                 spec.draft,
@@ -217,6 +243,7 @@ class Engine:
             self.kv,
             self.dtype,
             spec.num_draft_tokens,
+            self.attention_backend,
         )
 
     def _check_capture_sizes(self) -> None:
@@ -236,7 +263,13 @@ class Engine:
     def _build_model(self) -> CausalLM:
         cfg, mc = self.config, self.model_config
         with default_device_and_dtype(self.device, self.dtype):
-            model = CausalLM(mc, self.max_model_len + self.tokens_per_req, self.pctx)
+            model = build_causal_lm(
+                mc,
+                self.max_model_len + self.tokens_per_req,
+                self.pctx,
+                cfg.moe,
+                decode_tokens=self.max_num_seqs * self.tokens_per_req,
+            )
         if cfg.load_format == "dummy":
             init_dummy_weights(model, cfg.seed)
         else:
@@ -249,7 +282,7 @@ class Engine:
         per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, self.dtype)
         num_pages = choose_num_pages(
             cache.page_size,
-            cache.max_num_seqs,
+            self.max_num_seqs,
             self.max_model_len,
             per_token,
             self.device,
@@ -265,7 +298,7 @@ class Engine:
             mc.head_dim,
             self.dtype,
             self.device,
-            cache.max_num_seqs,
+            self.max_num_seqs,
             max_pages,
         )
 
@@ -319,7 +352,17 @@ class Engine:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order and
         are also passed to `on_output` as each request finishes. Every prompt is checked before
-        any generation starts."""
+        any generation starts. With several ranks, every rank calls this; rank 0's prompts are
+        spread over the DP ranks and rank 0 returns all outputs (see executor/dp.py)."""
+        if self.pctx.world_size > 1:
+            return generate_distributed(
+                self, prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output
+            )
+        requests = self.make_requests(prompts, sampling_params)
+        return self.run(requests, use_tqdm=use_tqdm, on_output=on_output)
+
+    def make_requests(self, prompts, sampling_params=None) -> list[Request]:
+        """Checked requests (index = position in `prompts`) for one or one-per-prompt params."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -329,21 +372,33 @@ class Engine:
                 f"{len(sampling_params)} sampling params for {len(prompts)} "
                 "prompts; give one, or one per prompt"
             )
-        requests = [
+        return [
             self._make_request(i, p, sp)
             for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
         ]
+
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        use_tqdm: bool = False,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Step until these requests (and, under DP, every other DP rank's) have finished;
+        outputs in the order of `requests`."""
         for request in requests:
             self.scheduler.add(request)
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
-        while self.scheduler.has_unfinished():
+        while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
             for request in self.step():
                 out = self._output(request)
                 results[request.index] = out
                 if on_output is not None:
                     on_output(out)
                 bar.update(1)
+            if self.dp.last.all_idle:
+                break
         bar.close()
         return [results[r.index] for r in requests]
 
@@ -374,11 +429,16 @@ class Engine:
     def step(self) -> list[Request]:
         """Prefill newly admitted requests, or else decode every running one; returns the
         requests that finished in this step."""
-        admitted = self.scheduler.admit()
+        admitted, running = self.scheduler.admit(), self.scheduler.running
+        has_work = self.scheduler.has_unfinished()
+        plan = self.dp.plan(len(admitted), 0 if admitted else len(running), has_work)
         if admitted:
             self._prefill(admitted)
-        else:
-            self._decode(self.scheduler.running)
+        elif running:
+            self._decode(running, plan.decode_bs, plan.allow_graph)
+        elif plan.decode_bs:  # idle under DP: a dummy batch keeps the ranks' steps aligned
+            self.runner.buffers.fill([], [], [], [], [], [], plan.decode_bs, self.kv.sentinel_row)
+            self.graphs.run(0, plan.decode_bs, GREEDY, plan.allow_graph)
         finished = [r for r in self.scheduler.running if r.finish_reason is not None]
         for request in finished:
             self.scheduler.finish(request)
@@ -410,9 +470,8 @@ class Engine:
             request.next_input = row
             request.accepted_per_position = [0] * (len(row) - 1)
 
-    def _decode(self, requests: list[Request]) -> None:
+    def _decode(self, requests: list[Request], padded_bs: int, allow_graph: bool = True) -> None:
         bs = len(requests)
-        padded_bs = self.graphs.padded_bs(bs)
         self.runner.buffers.fill(
             [r.row for r in requests],
             [r.next_input for r in requests],
@@ -425,7 +484,7 @@ class Engine:
         )
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
-        out = self.graphs.run(bs, padded_bs, variant)
+        out = self.graphs.run(bs, padded_bs, variant, allow_graph)
         host = torch.cat([out.tokens, out.drafts, out.accept_len.unsqueeze(1)], dim=1).tolist()
         T, seconds = self.tokens_per_req, time.perf_counter() - start
         for request, row in zip(requests, host, strict=True):  # one sync above

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from speculant.drafter.base import Drafter, DraftInputs, gather_rows
-from speculant.executor.attention import TorchPagedAttention
+from speculant.executor.attention import paged_attention_backend
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.input_buffers import InputBuffers
 from speculant.executor.kv_cache import PagedKVCache
@@ -37,6 +37,7 @@ class ModelRunner:
         max_bs: int,
         num_draft_tokens: int = 0,
         drafter: Drafter | None = None,
+        attention_backend: str = "torch",
     ):
         self.model = model
         self.kv = kv
@@ -51,7 +52,9 @@ class ModelRunner:
             self.draft_probs = torch.zeros(
                 kv.max_requests + 1, self.k, vocab, dtype=torch.float32, device=self.device
             )
-        self.attn = TorchPagedAttention(kv.k, kv.v, kv.req_to_page, kv.page_size)
+        self.attn = paged_attention_backend(
+            attention_backend, kv.k, kv.v, kv.req_to_page, kv.page_size
+        )
         self.buffers = InputBuffers(max_bs, self.tokens_per_req, self.device)
         self.offsets = torch.arange(self.tokens_per_req, device=self.device)
 

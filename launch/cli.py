@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--kv-cache-memory-fraction", type=float, default=0.85, metavar="F")
     eng.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     eng.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size")
+    eng.add_argument(
+        "--dist-timeout",
+        type=_positive_int,
+        default=300,
+        metavar="S",
+        help="seconds a rank waits for the others before the run fails (default 300)",
+    )
 
     spec = gen.add_argument_group("speculative decoding and CUDA graphs")
     spec.add_argument("--draft", metavar="DIR", help="drafter checkpoint dir")
@@ -109,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--disable-graph-padding", action="store_true")
     spec.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
+    spec.add_argument(
+        "--attention-backend",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="attention and fused kernels (default: triton on CUDA when installed, else torch)",
+    )
 
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
     accept_rate.add_parser(commands)
@@ -250,6 +264,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         disable_graph_padding=args.disable_graph_padding,
         enforce_eager=args.enforce_eager,
         eager_padding=args.eager_padding,
+        attention_backend=args.attention_backend,
         tp=args.tp,
         dp=args.dp,
     )
@@ -283,6 +298,10 @@ def summary_line(outputs: list, seconds: float) -> str:
 def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """Validate, load the engine, generate, write outputs and print the summary."""
     specs = _prepare(args)
+    if args.tp * args.dp > 1 and "RANK" not in os.environ:  # start the ranks, one per GPU
+        from speculant.launch.spawn import launch_cli
+
+        return launch_cli(args.argv, args.tp * args.dp, _engine_kwargs(args)["device"], stderr)
     from speculant import Engine, SamplingParams  # after the checks: loads torch and the core
 
     if args.demo_model:
@@ -290,7 +309,14 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 
         args.target = str(build_demo_model())
         print(f"demo model (random weights, gibberish output): {args.target}", file=stderr)
-    engine = Engine(target=args.target, **_engine_kwargs(args))
+    kwargs = _engine_kwargs(args)
+    pctx = None  # one process; else this process is one rank of the job (launch/spawn.py)
+    if args.tp * args.dp > 1:
+        from speculant.comm.groups import ParallelContext
+
+        pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout)
+    engine = Engine(target=args.target, pctx=pctx, **kwargs)
+    main_rank = pctx is None or pctx.rank == 0  # reads the prompts, writes the outputs
     for i, spec in enumerate(specs):
         if isinstance(spec.prompt, str) and engine.tokenizer is None:
             raise SpeculantError(
@@ -306,7 +332,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     )
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
 
-    out_file = open(args.output, "w", encoding="utf-8") if args.output else None
+    out_file = open(args.output, "w", encoding="utf-8") if args.output and main_rank else None
 
     def on_output(out: Any) -> None:
         if out_file is not None:  # written and flushed as each request finishes
@@ -322,6 +348,10 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     finally:
         if out_file is not None:
             out_file.close()
+    if pctx is not None:
+        pctx.close()
+    if not main_rank:
+        return 0
     if out_file is None:
         for out in outputs:
             shown = out.text if out.text is not None else out.token_ids
@@ -333,6 +363,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
     )

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
+from speculant.kernels.ops import TORCH_OPS, TorchOps
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -29,7 +30,8 @@ def _plain_loader(param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x), computed in float32 and cast back like the HF models."""
+    """y = w * x / rms(x), computed in float32 and cast back like the HF models. `ops` (the
+    attention backend's) picks the torch reference or the fused kernel."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -37,9 +39,14 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim)
         self.weight.weight_loader = _plain_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: TorchOps = TORCH_OPS
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -6,12 +6,14 @@ metadata (slots, block tables, masks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig
+from speculant.kernels.ops import TORCH_OPS, TorchOps
 from speculant.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -40,6 +42,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = self.qkv_proj.split(qkv)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if attn.ops.fuses_rope:
+            return self._forward_rope_in_backend(rope, q, k, v, attn)
         if self.q_norm is not None:
             q = RotaryEmbedding.apply(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), rope)
             k = RotaryEmbedding.apply(
@@ -54,6 +58,15 @@ class Attention(nn.Module):
         out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
+    def _forward_rope_in_backend(self, rope, q, k, v, attn) -> torch.Tensor:
+        """The backend rotates q and k as it writes the KV cache (one fused kernel)."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q, attn.ops), self.k_norm(k, attn.ops)
+        out = attn.forward(self.layer_id, q, k, v, rope)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, pctx: ParallelContext):
@@ -61,30 +74,57 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], False, pctx)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, pctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext, mlp: nn.Module | None = None
+    ):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, pctx)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, pctx)
+        self.mlp = mlp if mlp is not None else MLP(cfg.hidden_size, cfg.intermediate_size, pctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, rope, x: torch.Tensor, attn) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.forward_split(rope, x, None, attn)
+        return residual + h
+
+    def forward_split(
+        self, rope, h: torch.Tensor, residual: torch.Tensor | None, attn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on a residual stream held as h + residual (residual None: h alone), so
+        each residual add is fused into the next norm; returns the output the same way."""
+        ops = attn.ops
+        if residual is None:
+            residual, normed = h, self.input_layernorm(h, ops)
+        else:
+            normed, residual = self.input_layernorm.add_forward(h, residual, ops)
+        h = self.self_attn(rope, normed, attn)
+        normed, residual = self.post_attention_layernorm.add_forward(h, residual, ops)
+        mlp_out = self.mlp(normed, ops) if isinstance(self.mlp, MLP) else self.mlp(normed)
+        return mlp_out, residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, pctx: ParallelContext):
+    """`make_mlp(layer_id)` builds a layer's feed-forward block (None: the dense MLP); MoE
+    targets pass their expert blocks this way."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        pctx: ParallelContext,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, pctx, make_mlp(i)) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -93,17 +133,28 @@ class CausalLM(nn.Module):
     those layers (what EAGLE-3 and DFLASH drafters condition on); layer id L means the output
     of the last layer before the final norm."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, pctx: ParallelContext):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        pctx: ParallelContext,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None,
+    ):
         super().__init__()
         self.config = cfg
         self.pctx = pctx
-        self.model = DecoderModel(cfg, max_positions, pctx)
+        self.model = DecoderModel(cfg, max_positions, pctx, make_mlp)
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings
             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pctx)
         )
         self.aux_layer_ids: tuple[int, ...] = ()
+
+    def replay_hooks(self) -> list:
+        """Code to run around CUDA-graph capture and replay (executor/cuda_graph.ReplayHook);
+        the DeepEP-backed MoE target returns its adapter."""
+        return []
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -115,16 +166,20 @@ class CausalLM(nn.Module):
         attn,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-norm hidden states [N, H] and the requested auxiliary states."""
-        x = self.embed(input_ids)
-        rope = self.model.rotary.lookup(positions, x.dtype)
-        aux = []
+        h = self.embed(input_ids)
+        rope = self.model.rotary.lookup(positions, h.dtype)
+        aux, residual = [], None  # the residual stream is h + residual (see forward_split)
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
-                aux.append(x)
-            x = layer(rope, x, attn)
+                h, residual = (h if residual is None else residual + h), None
+                aux.append(h)
+            h, residual = layer.forward_split(rope, h, residual, attn)
         if len(self.model.layers) in self.aux_layer_ids:
-            aux.append(x)
-        return self.model.norm(x), aux
+            h, residual = residual + h, None
+            aux.append(h)
+        if residual is None:
+            return self.model.norm(h, attn.ops), aux
+        return self.model.norm.add_forward(h, residual, attn.ops)[0], aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits in float32 (gathered over TP)."""

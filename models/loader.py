@@ -14,7 +14,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from speculant.comm.groups import ParallelContext
+from speculant.config import ModelConfig, MoeConfig
 from speculant.errors import SpeculantError
+from speculant.models.llama import CausalLM
+from speculant.models.qwen3_moe import Qwen3MoeForCausalLM, make_dispatcher
 
 # HF name fragment -> (our fragment, shard id) for merged projections.
 STACKED_PARAMS = (
@@ -24,6 +28,10 @@ STACKED_PARAMS = (
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 )
+# Per-expert HF tensors (`mlp.experts.7.up_proj.weight`) -> the fused expert parameter and the
+# shard (expert, part); transformers-5 style fused tensors (`mlp.experts.gate_up_proj`) load whole.
+EXPERT_PARAM = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 IGNORED = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|\.masked_bias$")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,10 +116,15 @@ def load_weights(
         if IGNORED.search(hf_name):
             continue
         name, shard = rename(hf_name), None
-        for hf_part, our_part, shard_id in STACKED_PARAMS:
-            if hf_part in name:
-                name, shard = name.replace(hf_part, our_part), shard_id
-                break
+        expert = EXPERT_PARAM.search(name)
+        if expert:
+            fused, part = EXPERT_FUSED.get(expert[2], ("down_proj", None))
+            name, shard = f"{name[: expert.start()]}.experts.{fused}", (int(expert[1]), part)
+        else:
+            for hf_part, our_part, shard_id in STACKED_PARAMS:
+                if hf_part in name:
+                    name, shard = name.replace(hf_part, our_part), shard_id
+                    break
         if name not in params:
             continue  # tensors the model does not use
         param = params[name]
@@ -125,7 +138,8 @@ def load_weights(
         loaded.add((id(param), shard))
     for name, param in model.named_parameters():
         for shard in getattr(param, "shard_ids", (None,)):
-            if (id(param), shard) not in loaded:
+            # a whole tensor (shard None) fills every part, e.g. fused experts
+            if (id(param), shard) not in loaded and (id(param), None) not in loaded:
                 part = name if shard is None else f"{name} (part {shard})"
                 raise SpeculantError(
                     f"{source} lacks the tensor for {part!r}; the checkpoint is "
@@ -143,3 +157,20 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         else:
             fan_in = param.shape[-1] if param.dim() > 1 else 1
             param.normal_(0.0, fan_in**-0.5 if param.dim() > 1 else 0.02, generator=gen)
+
+
+def build_causal_lm(
+    cfg: ModelConfig,
+    max_positions: int,
+    pctx: ParallelContext,
+    moe: MoeConfig | None = None,
+    decode_tokens: int = 1,
+) -> CausalLM:
+    """The target model for `cfg.architecture` on the ambient device and dtype (see
+    default_device_and_dtype): a dense CausalLM, or Qwen3MoeForCausalLM with its experts split
+    over all ranks and the dispatcher `moe` names (`decode_tokens`: max_bs * (k + 1))."""
+    if not cfg.is_moe:
+        return CausalLM(cfg, max_positions, pctx)
+    device = torch.get_default_device()
+    dispatcher = make_dispatcher(cfg, pctx, moe or MoeConfig(), decode_tokens, device)
+    return Qwen3MoeForCausalLM(cfg, max_positions, pctx, dispatcher)

@@ -15,6 +15,7 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig
 from speculant.drafter.eagle import Eagle3Config, load_eagle3
 from speculant.errors import SpeculantError
+from speculant.executor.attention import TorchPagedAttention
 
 
 def load(head_dir, target_cfg, **kwargs):
@@ -30,7 +31,10 @@ def load(head_dir, target_cfg, **kwargs):
 
 
 class CausalAttentionStub:
-    """Test double of the paged backend's protocol: causal SDPA over the N tokens it is given."""
+    """Test double of the paged backend's protocol: causal SDPA over the N tokens it is given,
+    with the torch backend's element-wise ops."""
+
+    ops = TorchPagedAttention.ops
 
     def __init__(self):
         self.layer_ids: list[int] = []

@@ -1,0 +1,289 @@
+"""Paged attention over the KV cache for decode (T = 1), multi-token verify (T = k + 1) and
+prefill (T = the longest new-token count), reading pages through `req_to_page` like the torch
+backend. A query at position p sees keys at positions <= p of its row, so each row's live length
+comes from the device (its positions): only live pages are read and the launch shapes depend on
+(bs, T, kv_len) alone, which keeps it graph-capturable.
+
+Layout: one program per (row, tile of query rows, KV head, split). The query rows of a tile are
+the (token, head) pairs of one KV head's GQA group, so K and V are read once per group. Long
+contexts are split over `num_splits` programs (split-K); a second kernel merges their partial
+outputs by log-sum-exp. Kernels compute in float32 with bf16/fp16 tensor-core dots."""
+
+import functools
+import math
+
+import torch
+
+from speculant.kernels import reference
+from speculant.kernels.runtime import next_power_of_2, runs_triton, tl, triton
+
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_block(
+    q, k_pool_ptr, v_pool_ptr, table, block, end, pos, kv_head, d, d_ok, m_i, l_i, acc,
+    stride_slot, stride_head, scale_log2,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N keys from `block` (online softmax update of m_i, l_i, acc)."""
+    n = block + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    page = tl.load(table + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + n % PAGE_SIZE
+    kv_offsets = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit(do_not_specialize=["tokens_per_req", "kv_len", "num_splits", "m_tiles"])
+def _paged_attention_kernel(
+    q_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    req_to_page_ptr,
+    rows_ptr,
+    positions_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_slot,
+    stride_head,
+    stride_table,
+    scale_log2,
+    tokens_per_req,
+    kv_len,
+    num_splits,
+    m_tiles,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = pid // m_tiles
+    m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = token * GROUP + head
+    m_ok = m < GROUP * tokens_per_req
+    token = row.to(tl.int64) * tokens_per_req + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    pos = tl.load(positions_ptr + token, mask=m_ok, other=-1)
+
+    # this program's keys: an equal share (in whole blocks) of the tile's live length
+    seq_len = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    table = req_to_page_ptr + tl.load(rows_ptr + row).to(tl.int64) * stride_table
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    if UPCAST:  # the interpreter has no bf16 arithmetic
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay 0
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if UPCAST:  # the interpreter cannot take tensor loop bounds (numpy 2): a while loop
+        block = start
+        while block < end:
+            m_i, l_i, acc = _attend_block(
+                q, k_pool_ptr, v_pool_ptr, table, block, end, pos, kv_head, d, d_ok, m_i, l_i,
+                acc, stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, UPCAST, IEEE,
+            )  # fmt: skip
+            block += BLOCK_N
+    else:
+        for block in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, k_pool_ptr, v_pool_ptr, table, block, end, pos, kv_head, d, d_ok, m_i, l_i,
+                acc, stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, UPCAST, IEEE,
+            )  # fmt: skip
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        part = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=m_ok)
+    else:
+        dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_on,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
+    token, head = pid // NUM_HEADS, pid % NUM_HEADS
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    lse = tl.load(part_lse_ptr + pid * num_splits + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    parts = tl.load(
+        part_out_ptr + (pid * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + token * stride_on + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
+    """Splits per (row, tile, KV head): about two waves of programs over the SMs, and at least
+    MIN_KEYS_PER_SPLIT of the kv_len keys a row may hold per split."""
+    by_occupancy = -(-2 * _num_sms(device) // max(programs, 1))
+    by_length = -(-kv_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_page: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+    kv_len: int,
+    tokens_per_req: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """q [bs * T, heads, d] (row-major: T query tokens per row), pools [num_slots, kv_heads, d],
+    req_to_page [rows, max_pages] int32, req_pool_indices [bs], positions [bs * T]; keys at
+    positions < kv_len (a multiple of page_size) are reachable. Returns [bs * T, heads, d].
+    `num_splits` / `block_n` override the split-K plan and key block (tests)."""
+    if not runs_triton(q):
+        return reference.paged_attention(
+            q, k_pool, v_pool, req_to_page, req_pool_indices, positions, page_size, kv_len,
+            tokens_per_req,
+        )  # fmt: skip
+    n, heads, d = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    bs, T = req_pool_indices.shape[0], tokens_per_req
+    assert n == bs * T and heads == group * kv_heads, (q.shape, bs, T, kv_heads)
+    assert k_pool.is_contiguous() and v_pool.stride() == k_pool.stride()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_m = min(64, max(16, next_power_of_2(group * T)))
+    m_tiles = -(-group * T // block_m)
+    block_d = max(16, next_power_of_2(d))
+    block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)  # shared memory
+    splits = num_splits or choose_num_splits(bs * m_tiles * kv_heads, kv_len, q.device)
+    out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    if splits > 1:
+        part_out = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    _paged_attention_kernel[(bs * m_tiles, kv_heads, splits)](
+        q,
+        k_pool,
+        v_pool,
+        req_to_page,
+        req_pool_indices,
+        positions,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        req_to_page.stride(0),
+        math.log2(math.e) / math.sqrt(d),
+        T,
+        kv_len,
+        splits,
+        m_tiles,
+        NUM_HEADS=heads,
+        GROUP=group,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        SPLIT=splits > 1,
+        UPCAST=not q.is_cuda,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(n * heads,)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            NUM_HEADS=heads,
+            HEAD_DIM=d,
+            BLOCK_S=max(2, next_power_of_2(splits)),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
+    return out

@@ -1,0 +1,71 @@
+"""The torch references of the kernels: the exact code the models ran before the kernels (the
+CPU path, and each kernel's fallback where Triton cannot run). Imports no triton."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * x / rms(x), computed in float32 and cast back like the HF models."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x)."""
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate-up output [N, 2I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE of x [N, heads, d] by cos/sin [N, 1, d] (`sin` carries rotate_half's sign):
+    two products in x's dtype, then their sum, like the HF models."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def rope_and_write_kv(q, k, v, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+    """Rotate q and k, write k and v at `slots` of the pools, return the rotated q."""
+    k_pool.index_copy_(0, slots, rotate(k, cos, sin).to(k_pool.dtype))
+    v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+    return rotate(q, cos, sin)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_page: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+    kv_len: int,
+    tokens_per_req: int,
+) -> torch.Tensor:
+    """Paged attention in float32: gathers each row's kv_len keys in position order and masks
+    keys after each query's position (q [bs * T, heads, d] -> [bs * T, heads, d])."""
+    bs, T = req_pool_indices.shape[0], tokens_per_req
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    pages = req_to_page[req_pool_indices, : kv_len // page_size].long()
+    offsets = torch.arange(page_size, device=q.device)
+    slots = (pages.unsqueeze(-1) * page_size + offsets).view(bs, -1)
+    keys, values = k_pool[slots].float(), v_pool[slots].float()  # [bs, L, kv_heads, d]
+    queries = q.float().view(bs, T, kv_heads, group, d)
+    scores = torch.einsum("btkgd,blkd->bkgtl", queries, keys) / math.sqrt(d)
+    key_pos = torch.arange(slots.shape[1], device=q.device)
+    visible = key_pos <= positions.view(bs, T, 1)  # [bs, T, L]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    out = torch.einsum("bkgtl,blkd->btkgd", scores.softmax(-1), values)
+    return out.reshape(q.shape).to(q.dtype)

@@ -1,0 +1,355 @@
+"""Triton kernels against their torch references (kernels/reference.py), and the Triton
+attention backend against the torch one. On a machine without CUDA the kernels run through
+Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported) with tiny shapes;
+the `cuda` variants (marked gpu) run compiled with bigger shapes. Every check draws fresh random
+inputs, requires finite outputs, and a relative error below 1e-2 for bf16 operands (1e-4 for
+fp32)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, when first imported
+
+from speculant.errors import SpeculantError  # noqa: E402
+from speculant.executor.attention import (  # noqa: E402
+    TorchPagedAttention,
+    resolve_attention_backend,
+)
+from speculant.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from speculant.executor.triton_attention import TritonPagedAttention  # noqa: E402
+from speculant.kernels import activation, norm, reference, rope, runtime  # noqa: E402
+from speculant.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
+
+NO_TRITON = "triton is not installed (the kernels' torch references run)"
+CPU = pytest.param(
+    "cpu",
+    marks=[
+        pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON),
+        pytest.mark.skipif(
+            runtime.HAS_TRITON and not runtime.INTERPRET,
+            reason="CPU variants need Triton's interpreter (TRITON_INTERPRET=1 before triton's "
+            "import); with CUDA the cuda variants check the kernels",
+        ),
+    ],
+)
+DEVICES = [CPU, pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+def generator(*key) -> torch.Generator:
+    """A generator seeded by the check's parameters: each check gets its own fresh inputs."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(gen, *shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = ""):
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    assert torch.isfinite(ref).all(), f"{what}: non-finite reference"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12)).item()
+    assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------------------- paged attention
+
+
+class PagedScenario:
+    """A random paged cache: `bs - 1` live rows with random page tables and context lengths
+    (one ending just before a page boundary, one at the longest), plus a padded row on the zero
+    sentinel row (context 0: its first query sees one key)."""
+
+    def __init__(self, gen, bs, T, kv_heads, head_dim, page_size, max_pages, dtype, device):
+        self.bs, self.T, self.page_size = bs, T, page_size
+        self.kv_len = max_pages * page_size
+        num_pages = (bs - 1) * max_pages + 2
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.k_pool = randn(gen, *shape, dtype=dtype, device=device)
+        self.v_pool = randn(gen, *shape, dtype=dtype, device=device)
+        pages = (torch.randperm(num_pages - 1, generator=gen) + 1).int()
+        table = torch.zeros(bs, max_pages, dtype=torch.int32)
+        table[: bs - 1] = pages[: (bs - 1) * max_pages].view(bs - 1, max_pages)
+        self.req_to_page = table.to(device)  # last row: the sentinel (all page 0)
+        self.rows = torch.arange(bs, device=device)
+        lengths = torch.randint(0, self.kv_len - T + 1, (bs,), generator=gen)
+        lengths[0] = page_size - 1  # the row's queries cross a page boundary
+        if bs > 2:
+            lengths[1] = self.kv_len - T  # the longest context a row can hold
+        lengths[-1] = 0
+        self.positions = (lengths[:, None] + torch.arange(T)).reshape(-1).to(device)
+
+    def run(self, q, **kwargs):
+        args = (self.req_to_page, self.rows, self.positions, self.page_size, self.kv_len, self.T)
+        out = paged_attention(q, self.k_pool, self.v_pool, *args, **kwargs)
+        ref = reference.paged_attention(q, self.k_pool, self.v_pool, *args)
+        return out, ref
+
+
+SHAPES = {  # device: (bs, kv_heads, page_size, max_pages, block_n, forced splits)
+    "cpu": (3, 2, 16, 5, 16, 3),
+    "cuda": (9, 8, 16, 160, None, 7),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "group, head_dim, T", list(itertools.product((1, 4, 8), (64, 128), (1, 4)))
+)
+def test_paged_attention_matches_reference(device, dtype, group, head_dim, T):
+    bs, kv_heads, page_size, max_pages, block_n, splits = SHAPES[device]
+    gen = generator("attention", device, dtype, group, head_dim, T)
+    case = PagedScenario(gen, bs, T, kv_heads, head_dim, page_size, max_pages, dtype, device)
+    for num_splits in (None, splits):  # the automatic plan, and splits crossing pages
+        q = randn(gen, bs * T, group * kv_heads, head_dim, dtype=dtype, device=device)
+        out, ref = case.run(q, num_splits=num_splits, block_n=block_n)
+        assert_close(out, ref, dtype, f"splits={num_splits}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_prefill_tiles_and_strided_queries(device):
+    """Many query tokens per row (several query tiles per KV head), page size 4, and q as a
+    strided view of a fused QKV output."""
+    dtype, group, head_dim, T, kv_heads = torch.bfloat16, 4, 64, 20, 2
+    gen = generator("prefill", device)
+    case = PagedScenario(gen, 3, T, kv_heads, head_dim, 4, 12, dtype, device)
+    heads = group * kv_heads
+    qkv = randn(gen, 3 * T, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
+    for num_splits in (None, 2):
+        out, ref = case.run(q, num_splits=num_splits, block_n=16)
+        assert_close(out, ref, dtype, f"splits={num_splits}")
+
+
+def test_resolve_attention_backend(monkeypatch):
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("torch", "cuda") == "torch"
+    with pytest.raises(SpeculantError, match="not supported"):
+        resolve_attention_backend("flash", "cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no triton
+    assert resolve_attention_backend("auto", "cuda") == "torch"
+    with pytest.raises(SpeculantError, match="pip install triton"):
+        resolve_attention_backend("triton", "cpu")
+
+
+def test_cli_passes_the_attention_backend():
+    from speculant.launch.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--demo-model", "--prompt", "x", "--device", "cpu"]
+    )
+    assert _engine_kwargs(args)["attention_backend"] == "auto"
+    args = build_parser().parse_args(
+        ["generate", "--demo-model", "--prompt", "x", "--attention-backend", "triton"]
+    )
+    assert _engine_kwargs(args)["attention_backend"] == "triton"
+
+
+def test_split_plan_covers_the_gpu_and_long_contexts():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(programs=1000, kv_len=4096, device=cpu) == 1
+    assert choose_num_splits(programs=1, kv_len=100, device=cpu) == 1  # short: no split
+    assert 1 < choose_num_splits(programs=2, kv_len=8192, device=cpu) <= 64
+
+
+# ---------------------------------------------------------------------------- element-wise
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(device, dtype):
+    hidden, tokens = (256, 5) if device == "cpu" else (4096, 67)
+    gen = generator("norm", device, dtype)
+    weight = randn(gen, hidden, dtype=dtype, device=device, scale=0.5) + 1
+    x = randn(gen, tokens, hidden, dtype=dtype, device=device)
+    residual = randn(gen, tokens, hidden, dtype=dtype, device=device, scale=4.0)
+    assert_close(norm.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), dtype)
+    normed, summed = norm.add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_summed = reference.add_rms_norm(x, residual, weight, 1e-5)
+    assert_close(summed, ref_summed, dtype, "residual")
+    assert_close(normed, ref_normed, dtype, "normed")
+    # q/k norms: per-head rows of a strided view (heads of dim 64 inside a wider row)
+    head_weight = randn(gen, 64, dtype=dtype, device=device, scale=0.5) + 1
+    wide = randn(gen, tokens, 6 * 64, dtype=dtype, device=device)
+    heads = wide[:, : 4 * 64].view(tokens, 4, 64)
+    out = norm.rms_norm(heads, head_weight, 1e-6)
+    assert_close(out, reference.rms_norm(heads, head_weight, 1e-6), dtype, "per-head")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_and_kv_write(device, dtype, head_dim):
+    from speculant.models.layers import RotaryEmbedding
+
+    tokens, heads, kv_heads = (6, 4, 2) if device == "cpu" else (70, 32, 8)
+    gen = generator("rope", device, dtype, head_dim)
+    rotary = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(device)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(device)
+    cos, sin = rotary.lookup(positions, dtype)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = randn(gen, tokens, width, dtype=dtype, device=device)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(4 * tokens, generator=gen)[:tokens].to(device)
+    pools = [randn(gen, 4 * tokens, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"]
+    ref_pools = [p.clone() for p in pools]
+    q_out = rope.rope_and_write_kv(q, k, v, cos, sin, *pools, slots)
+    ref_q = reference.rope_and_write_kv(q, k, v, cos, sin, *ref_pools, slots)
+    assert_close(q_out, ref_q, dtype, "q")
+    assert_close(pools[0][slots], ref_pools[0][slots], dtype, "k written")
+    assert torch.equal(pools[1][slots], ref_pools[1][slots]), "v written"
+    untouched = torch.ones(4 * tokens, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert torch.equal(pools[0][untouched], ref_pools[0][untouched]), "other slots changed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(device, dtype):
+    tokens, width = (5, 1200) if device == "cpu" else (67, 14336)  # crosses the 1024-wide block
+    gen = generator("silu", device, dtype)
+    gate_up = randn(gen, tokens, 2 * width, dtype=dtype, device=device, scale=3.0)
+    out = activation.silu_and_mul(gate_up)
+    assert_close(out, reference.silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
+def test_fallbacks_where_triton_cannot_run(monkeypatch):
+    """CPU tensors without the interpreter: every op is exactly its torch reference."""
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    gen = generator("fallback")
+    x, w = torch.randn(3, 32, generator=gen), torch.randn(32, generator=gen)
+    assert torch.equal(norm.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    gate_up = torch.randn(3, 64, generator=gen)
+    assert torch.equal(activation.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    case = PagedScenario(gen, 3, 2, 2, 16, 4, 3, torch.float32, "cpu")
+    q = torch.randn(6, 4, 16, generator=gen)
+    out, ref = case.run(q)
+    assert torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------------------- the backend
+
+
+def decode_batch(case: PagedScenario, device) -> ForwardBatch:
+    positions = case.positions.view(case.bs, case.T)
+    pages = torch.gather(case.req_to_page[case.rows].long(), 1, positions // case.page_size)
+    slots = pages * case.page_size + positions % case.page_size
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        bs=case.bs,
+        tokens_per_req=case.T,
+        input_ids=torch.zeros(case.bs * case.T, dtype=torch.int64, device=device),
+        positions=case.positions,
+        req_pool_indices=case.rows,
+        out_cache_loc=slots.reshape(-1),
+        kv_len=case.kv_len,
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_backend_matches_torch_backend(device, dtype, T):
+    """TritonPagedAttention (RoPE fused into the KV write) against TorchPagedAttention on the
+    same verify batch: same outputs, same K/V written."""
+    from speculant.models.layers import RotaryEmbedding
+
+    bs, kv_heads, page_size, max_pages, _, _ = SHAPES[device]
+    group, head_dim = 4, 64
+    gen = generator("backend", device, dtype, T)
+    case = PagedScenario(gen, bs, T, kv_heads, head_dim, page_size, max_pages, dtype, device)
+    batch = decode_batch(case, device)
+    n = bs * T
+    q = randn(gen, n, group * kv_heads, head_dim, dtype=dtype, device=device)
+    k = randn(gen, n, kv_heads, head_dim, dtype=dtype, device=device)
+    v = randn(gen, n, kv_heads, head_dim, dtype=dtype, device=device)
+    rotary = RotaryEmbedding(head_dim, case.kv_len, 10000.0, None).to(device)
+    cos_sin = rotary.lookup(batch.positions, dtype)
+
+    pools = ([case.k_pool.clone()], [case.v_pool.clone()])
+    triton_attn = TritonPagedAttention(*pools, case.req_to_page, page_size)
+    triton_attn.prepare(batch)
+    out = triton_attn.forward(0, q, k, v, cos_sin)
+
+    ref_pools = ([case.k_pool.clone()], [case.v_pool.clone()])
+    torch_attn = TorchPagedAttention(*ref_pools, case.req_to_page, page_size)
+    torch_attn.prepare(batch)
+    ref = torch_attn.forward(
+        0, RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin), v
+    )
+    assert_close(out, ref, dtype, "attention")  # the padded row included
+    assert_close(pools[0][0], ref_pools[0][0], dtype, "k pool")
+    assert torch.equal(pools[1][0], ref_pools[1][0]), "v pool"
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def _generate(target, backend, device, **options):
+    from speculant import Engine, SamplingParams
+
+    engine = Engine(
+        target,
+        device=device,
+        max_num_seqs=4,
+        max_model_len=96,
+        page_size=4,
+        attention_backend=backend,
+        **options,
+    )
+    expected = TritonPagedAttention if backend == "triton" else TorchPagedAttention
+    assert isinstance(engine.runner.attn, expected)
+    if options.get("algo") == "eagle3":
+        assert isinstance(engine.drafter.attn, expected)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 11)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_greedy_triton_equals_torch(qwen3_dir, device):
+    """Qwen3 (q/k norms before the fused RoPE), padded eager batches: the Triton backend's
+    greedy tokens equal the torch backend's."""
+    options = dict(eager_padding=True) if device == "cpu" else {}
+    ours = _generate(qwen3_dir, "triton", device, **options)
+    assert ours == _generate(qwen3_dir, "torch", device, **options)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_eagle3_triton_equals_torch(llama_dir, tmp_path, device):
+    """EAGLE-3 drafting on the Triton backend (target and head) is lossless: greedy tokens equal
+    the torch backend's plain decoding."""
+    from helpers_eagle import write_random_eagle3
+
+    write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+    spec = dict(algo="eagle3", draft=str(tmp_path), num_draft_tokens=3)
+    assert _generate(llama_dir, "triton", device, **spec) == _generate(llama_dir, "torch", device)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_with_triton(llama_dir):
+    from test_gpu import graph_vs_eager
+
+    from speculant import Engine
+
+    engine = Engine(llama_dir, device="cuda", max_num_seqs=64, max_model_len=256)
+    assert engine.attention_backend == "triton"
+    gen = torch.Generator().manual_seed(3)
+    for bs in (1, 3, 17, 64):
+        graph_vs_eager(engine, bs, gen, max_new_tokens=16)

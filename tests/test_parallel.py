@@ -1,0 +1,357 @@
+"""Tensor and data parallelism on the CPU with real gloo process groups (one process per rank):
+TP=2, DP=2 and TP2 x DP2 give the same tokens as one rank, the DP ranks agree on every step's
+batch size (an idle rank runs dummy batches), every rank runs the same capture sequence, and the
+`speculant generate --tp/--dp` launcher fails a run with a dead or stuck rank instead of hanging.
+
+On the CPU there are no CUDA graphs: `capture_order` records the lockstep eager run of every
+(variant, size) that capture does with barriers on each rank (launch with graphs on a GPU:
+benchmarks/parallel_gpu.py). Every multi-process run has bounded collective and launch timeouts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_eagle import write_random_eagle3
+
+from speculant import Engine, SamplingParams, SpeculantError
+from speculant.comm.groups import ParallelContext, check_world
+from speculant.config import GraphConfig
+from speculant.executor.cuda_graph import capture_sizes
+from speculant.executor.dp import assign_requests
+from speculant.launch.spawn import RankFailure, run_ranks
+
+COLLECTIVE_TIMEOUT_S = 60  # a rank waits this long for the others before failing
+LAUNCH_TIMEOUT_S = 150  # every rank of a run_ranks launch is killed after this
+ENGINE = dict(device="cpu", max_num_seqs=8, max_model_len=160, page_size=4)
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+def prompts_of(lengths, seed, vocab=256):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy requests and one seeded sampled request (the sampler's counter hash makes it
+    independent of batching and of TP)."""
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    return [GREEDY] * (n - 1) + [sampled]
+
+
+def generate_in_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
+    """The body of every rank: join the (dp, tp) mesh, then for each case (name, target,
+    options, prompts, params) build an engine and generate. Only rank 0 passes the prompts."""
+    pctx = ParallelContext.from_env(tp, dp, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    seen = {}
+    for name, target, options, prompts, params in cases:
+        engine = Engine(str(target), pctx=pctx, **ENGINE, **options)
+        is_source = pctx.rank == 0
+        outs = engine.generate(prompts if is_source else None, params if is_source else None)
+        seen[name] = dict(
+            tokens={o.index: o.token_ids for o in outs},
+            capture_order=engine.graphs.capture_order,
+            uniform_sizes=engine.dp.uniform_sizes,
+            dummy_steps=engine.dp.dummy_steps,
+            pages_returned=len(engine.kv.free_pages) == engine.kv.num_pages - 1,
+            dp_rank=pctx.dp_rank,
+        )
+    pctx.close()
+    return seen
+
+
+def reference(cases: list[tuple]) -> dict[str, dict[int, list[int]]]:
+    """Each case on one in-process rank."""
+    out = {}
+    for name, target, options, prompts, params in cases:
+        outs = Engine(str(target), **ENGINE, **options).generate(prompts, params)
+        out[name] = {o.index: o.token_ids for o in outs}
+    return out
+
+
+def launch(tp: int, dp: int, cases: list[tuple]) -> list[dict]:
+    return run_ranks(generate_in_rank, tp * dp, (tp, dp, cases), timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def expected_capture_order(dp: int) -> list[tuple[str, int]]:
+    sizes = sorted(capture_sizes(GraphConfig(), ENGINE["max_num_seqs"], dp), reverse=True)
+    return [(variant, bs) for variant in ("greedy", "full") for bs in sizes]
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, llama_dir):
+    path = tmp_path_factory.mktemp("eagle3_tp")
+    # one KV head: at tp=2 it is replicated on both ranks
+    write_random_eagle3(path, llama_dir, draft_vocab=200, num_kv_heads=1, seed=3)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- TP=2
+
+
+@pytest.fixture(scope="module")
+def tp_cases(llama_dir, llama_tied_dir, qwen3_dir, eagle_dir):
+    prompts = prompts_of((3, 17, 1, 30, 9), seed=1)
+    eagle = dict(algo="eagle3", draft=str(eagle_dir), num_draft_tokens=3)
+    drafted = dict(algo="draft-model", draft=str(qwen3_dir), num_draft_tokens=2)
+    return [
+        ("plain", llama_dir, {}, prompts, mixed_params(5)),
+        ("eagle3", llama_dir, eagle, prompts, mixed_params(5)),
+        ("draft_model", llama_tied_dir, drafted, prompts, [GREEDY] * 5),
+        ("eagle3_padded", llama_dir, {**eagle, "eager_padding": True}, prompts[:3], GREEDY),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tp_cases):
+    return reference(tp_cases), launch(2, 1, tp_cases)
+
+
+@pytest.mark.parametrize("case", ["plain", "eagle3", "draft_model", "eagle3_padded"])
+def test_tp2_equals_tp1(tp2_run, case):
+    expected, ranks = tp2_run
+    assert ranks[0][case]["tokens"] == expected[case]
+    assert ranks[1][case]["tokens"] == expected[case]  # every TP rank holds the same tokens
+    assert all(rank[case]["pages_returned"] for rank in ranks)
+
+
+def test_dflash_tp2_equals_tp1(tmp_path, llama_dir):
+    """DFLASH at TP=2 (its checkpoint writer lives in tests/helpers_dflash.py)."""
+    if (
+        importlib.util.find_spec("speculant.drafter.dflash") is None
+        or not (Path(__file__).parent / "helpers_dflash.py").is_file()
+    ):
+        pytest.skip("DFLASH is not in this tree yet")
+    from helpers_dflash import write_random_dflash
+
+    write_random_dflash(
+        tmp_path, llama_dir, num_layers=2, block_size=4, target_layer_ids=[1, 0], num_kv_heads=1
+    )
+    cases = [
+        (
+            "dflash",
+            llama_dir,
+            dict(algo="dflash", draft=str(tmp_path), num_draft_tokens=3),
+            prompts_of((3, 17, 9), seed=7),
+            GREEDY,
+        )
+    ]
+    expected, ranks = reference(cases), launch(2, 1, cases)
+    assert ranks[0]["dflash"]["tokens"] == ranks[1]["dflash"]["tokens"] == expected["dflash"]
+
+
+# ---------------------------------------------------------------------------------------- DP=2
+
+
+@pytest.fixture(scope="module")
+def dp_cases(llama_dir, eagle_dir):
+    eagle = dict(algo="eagle3", draft=str(eagle_dir), num_draft_tokens=3, eager_padding=True)
+    return [
+        # one request: DP rank 1 gets none and runs dummy batches until rank 0 is done
+        ("one_request", llama_dir, dict(eager_padding=True), prompts_of((11,), seed=2), GREEDY),
+        # one long request against four short ones: 1 and 4 requests
+        ("uneven", llama_dir, eagle, prompts_of((60, 3, 5, 2, 4), seed=3), mixed_params(5)),
+        ("unpadded", llama_dir, {}, prompts_of((7, 2, 19), seed=4), mixed_params(3)),
+        ("empty", llama_dir, {}, [], GREEDY),
+    ]
+
+
+@pytest.fixture(scope="module")
+def dp2_run(dp_cases):
+    return reference(dp_cases), launch(1, 2, dp_cases)
+
+
+@pytest.mark.parametrize("case", ["one_request", "uneven", "unpadded", "empty"])
+def test_dp2_equals_dp1(dp2_run, case):
+    expected, ranks = dp2_run
+    assert ranks[0][case]["tokens"] == expected[case]  # all requests, none lost or duplicated
+    assert all(rank[case]["pages_returned"] for rank in ranks)
+    # the DP ranks ran the same batch size in every uniform step
+    assert ranks[0][case]["uniform_sizes"] == ranks[1][case]["uniform_sizes"]
+
+
+def test_dp2_shares_are_uneven_and_the_idle_rank_runs_dummy_batches(dp2_run):
+    _, ranks = dp2_run
+    assert ranks[1]["one_request"]["tokens"] == {}  # DP rank 1 had no request ...
+    assert ranks[1]["one_request"]["dummy_steps"] > 0  # ... and ran dummy batches
+    assert ranks[0]["one_request"]["dummy_steps"] == 0
+    # rank 0 returns every output; DP rank 1 took the four short requests
+    assert sorted(ranks[1]["uneven"]["tokens"]) == [1, 2, 3, 4]
+    assert sorted(ranks[0]["uneven"]["tokens"]) == [0, 1, 2, 3, 4]
+    assert ranks[0]["uneven"]["uniform_sizes"]  # the exchange decided the sizes
+
+
+def test_assign_requests_balances_tokens():
+    shares = assign_requests([100, 10, 20, 30, 5], dp=2)
+    assert shares == [[0], [1, 2, 3, 4]]
+    assert assign_requests([7], dp=3) == [[0], [], []]
+    shares = assign_requests([5, 5, 5, 5, 5, 5, 5], dp=3)
+    assert sorted(i for share in shares for i in share) == list(range(7))
+    assert sorted(len(s) for s in shares) == [2, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------- TP2 x DP2
+
+
+@pytest.fixture(scope="module")
+def mesh_cases(llama_dir, eagle_dir):
+    prompts = prompts_of((23, 4, 9), seed=5)
+    eagle = dict(algo="eagle3", draft=str(eagle_dir), num_draft_tokens=2, eager_padding=True)
+    return [
+        ("plain", llama_dir, dict(eager_padding=True), prompts, mixed_params(3)),
+        ("eagle3", llama_dir, eagle, prompts, GREEDY),
+    ]
+
+
+@pytest.fixture(scope="module")
+def mesh_run(mesh_cases):
+    return reference(mesh_cases), launch(2, 2, mesh_cases)
+
+
+@pytest.mark.parametrize("case", ["plain", "eagle3"])
+def test_tp2_dp2_equals_one_rank(mesh_run, case):
+    expected, ranks = mesh_run
+    assert [rank[case]["dp_rank"] for rank in ranks] == [0, 0, 1, 1]  # TP innermost
+    assert ranks[0][case]["tokens"] == expected[case]  # rank 0 gathers every output
+    # the other ranks return their DP rank's share; TP peers hold the same tokens
+    assert ranks[2][case]["tokens"] == ranks[3][case]["tokens"] != {}
+    shares = [ranks[r][case]["tokens"] for r in (1, 2)]
+    assert sorted(i for share in shares for i in share) == sorted(expected[case])
+    assert all(expected[case][i] == t for share in shares for i, t in share.items())
+    assert len({str(rank[case]["uniform_sizes"]) for rank in ranks}) == 1
+
+
+# ---------------------------------------------------------------------------------------- capture
+
+
+def test_capture_order_is_identical_on_every_rank(tp2_run, dp2_run, mesh_run):
+    for (_, ranks), dp in ((tp2_run, 1), (dp2_run, 2), (mesh_run, 2)):
+        for case in ranks[0]:
+            orders = [rank[case]["capture_order"] for rank in ranks]
+            assert orders[0] == expected_capture_order(dp), case
+            assert all(order == orders[0] for order in orders), case
+
+
+def build_engine_in_rank(capture_sizes_by_rank: list[list[int] | None]) -> None:
+    pctx = ParallelContext.from_env(2, 1, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    target = os.environ["SPECULANT_TEST_TARGET"]
+    Engine(target, pctx=pctx, **ENGINE, capture_sizes=capture_sizes_by_rank[pctx.rank])
+
+
+def test_ranks_with_different_capture_sizes_fail_instead_of_hanging(llama_dir, monkeypatch):
+    monkeypatch.setenv("SPECULANT_TEST_TARGET", str(llama_dir))
+    with pytest.raises(RankFailure, match=r"rank 1 would capture graphs .* but rank 0"):
+        run_ranks(build_engine_in_rank, 2, ([None, [1, 2]],), timeout_s=LAUNCH_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+def join_mesh(tp: int, dp: int) -> None:
+    ParallelContext.from_env(tp, dp, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+
+
+def test_world_size_must_equal_dp_times_tp(llama_dir, monkeypatch):
+    with pytest.raises(RankFailure, match=r"world size 2 != dp 2 x tp 2"):
+        run_ranks(join_mesh, 2, (2, 2), timeout_s=LAUNCH_TIMEOUT_S)
+    with pytest.raises(SpeculantError, match=r"world size 3 != dp 1 x tp 2"):
+        check_world(3, tp=2, dp=1)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SpeculantError, match=r"needs 2 processes .*speculant generate --tp 2"):
+        Engine(str(llama_dir), tp=2, **ENGINE)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def cli(*args: object, **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
+
+
+def test_cli_tp2_and_dp2_match_one_rank(llama_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "def f(x):"}, {"prompt_token_ids": [5, 6, 7, 8]}, {"prompt": "import"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = {}
+    for flags in ([], ["--tp", 2], ["--dp", 2]):
+        out = tmp_path / f"out{len(results)}.jsonl"
+        proc = cli("--target", llama_dir, "--prompts", prompts, "--output", out, "--ignore-eos",
+                   "--max-new-tokens", 10, "--dist-timeout", 60, *flags)  # fmt: skip
+        code, _, err = finish(proc)
+        assert code == 0, err
+        assert err.strip().splitlines()[-1].startswith("requests=3 ")  # rank 0's summary only
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        results[" ".join(map(str, flags))] = {line["index"]: line["token_ids"] for line in lines}
+    assert results["--tp 2"] == results[""] and results["--dp 2"] == results[""]
+    assert sorted(results[""]) == [0, 1, 2]
+
+
+def rank_pid(parent: int, rank: int, timeout: float = 60) -> int:
+    """The pid of the child of `parent` whose environment says RANK=rank."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and f"RANK={rank}".encode() in env:
+                return int(entry.name)
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} of {parent} did not start")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank processes in /proc")
+@pytest.mark.parametrize("how", ["dead", "stuck"])
+def test_cli_fails_on_a_dead_or_stuck_rank(llama_dir, how):
+    """Once the engines are built, rank 1 is killed (dead) or stopped (stuck: rank 0's next
+    collective times out): the run ends with status 1 and a last line naming rank 1, long
+    before the 490 tokens would be done (and well within the timeouts)."""
+    proc = cli("--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
+               "--max-num-seqs", 1, "--tp", 2, "--dist-timeout", 5)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    start = time.monotonic()
+    victim = rank_pid(proc.pid, 1)
+    while not any("KV cache" in line for line in lines):  # rank 0 has built its engine
+        assert proc.poll() is None and time.monotonic() - start < 60, "".join(lines)
+        time.sleep(0.02)
+    os.kill(victim, signal.SIGKILL if how == "dead" else signal.SIGSTOP)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    err = "".join(lines)
+    last = err.strip().splitlines()[-1]
+    assert code == 1, err
+    assert last.startswith("speculant: error: rank"), err
+    expected = "rank 1 was killed by SIGKILL" if how == "dead" else "rank(s) 1 did not exit"
+    assert expected in last, err
+    assert "exceeds" not in err and "requests=1" not in err  # it failed, and for this reason
+    assert time.monotonic() - start < 60
