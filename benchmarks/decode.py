@@ -223,7 +223,7 @@ def spec_stage(target, backend, args) -> dict:
     spec = dict(algo="eagle3", draft=write_head(shape), num_draft_tokens=args.k)
     engine = build_engine(target, backend, args.spec_context, args.batch_sizes, **spec)
     try:
-        return timings(engine, shape["vocab_size"], args.spec_context, args.k)
+        return timings(engine, shape["vocab_size"], args.spec_context, args.k, args.batch_sizes)
     finally:
         free(engine)
 
