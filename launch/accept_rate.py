@@ -35,6 +35,16 @@ def bundled(name: str) -> Path:
     return path
 
 
+def bundled_prompts() -> Path:
+    """The bundled held-out prompt set (first lines of Python files never trained on)."""
+    path = ASSETS / "prompts" / "heldout_prompts.jsonl"
+    if not path.is_file():
+        raise SpeculantError(
+            f"the bundled prompt set {str(path)!r} is missing; reinstall or pass --prompts"
+        )
+    return path
+
+
 @dataclass
 class AcceptReport:
     """What one accept-rate run measured (the JSON report and the baseline format)."""
@@ -230,7 +240,7 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
     baseline = _read_baseline(args.baseline) if args.baseline else None
     target = args.target or str(bundled("target"))
     draft = args.draft or str(bundled(BUNDLED_DRAFTS[args.algo]))
-    prompts_path = args.prompts or str(bundled("prompts") / "heldout_prompts.jsonl")
+    prompts_path = args.prompts or str(bundled_prompts())
     specs = read_prompts_file(prompts_path)
     if baseline:  # fail before loading models; k is checked after (DFLASH's comes from its block)
         known = dict(

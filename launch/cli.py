@@ -22,6 +22,7 @@ from speculant.launch import accept_rate
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+DEFAULT_PROMPT = "def fibonacci(n):\n"  # the bundled default run's prompt (a Python-code model)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate completions for prompts")
 
     src = gen.add_argument_group("model")
-    src.add_argument("--target", metavar="DIR", help="HF checkpoint dir of the target model")
+    src.add_argument(
+        "--target",
+        metavar="DIR",
+        help="HF checkpoint dir of the target model (default: the bundled code model, with its "
+        "EAGLE-3 head unless --algo/--draft say otherwise, and a default prompt)",
+    )
     src.add_argument(
         "--demo-model",
         action="store_true",
@@ -209,9 +215,14 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     """All checks that need no model; returns the requests to run."""
     if args.demo_model and args.target:
         raise SpeculantError("pass either --target DIR or --demo-model, not both")
+    bundled_run = not args.demo_model and not args.target
+    if bundled_run:  # the default run: the bundled code model, EAGLE-3 unless told otherwise
+        args.target = str(accept_rate.bundled("target"))
+        if args.algo is None and args.draft is None:
+            args.algo = "eagle3"
+        if args.algo is not None and args.draft is None:
+            args.draft = str(accept_rate.bundled(accept_rate.BUNDLED_DRAFTS[args.algo]))
     if not args.demo_model:
-        if not args.target:
-            raise SpeculantError("--target DIR is required; or pass --demo-model to try it out")
         if not Path(args.target).is_dir():
             raise SpeculantError(
                 f"--target {args.target!r} is not a directory; pass a HF checkpoint directory"
@@ -236,6 +247,8 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
             raise SpeculantError(f"{flag} {getattr(args, key)} is invalid; use {expected}")
     if args.prompts:
         return read_prompts_file(args.prompts)
+    if args.prompt is None and bundled_run:
+        return [PromptSpec(DEFAULT_PROMPT)]
     if args.prompt is None:
         raise SpeculantError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl")
     return [PromptSpec(args.prompt)]

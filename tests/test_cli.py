@@ -134,8 +134,8 @@ def test_more_bad_flags(capsys, tmp_path, args, needle):
     assert err.count("\n") == 1 and err.startswith("speculant: error:") and needle in err, err
 
 
-def test_target_or_demo_model_is_required(capsys):
-    status, err = run_main(capsys, "--prompt", "x")
+def test_target_and_demo_model_exclude_each_other(capsys, tmp_path):
+    status, err = run_main(capsys, "--demo-model", "--target", tmp_path, "--prompt", "x")
     assert status == 2 and "--target DIR" in err and "--demo-model" in err, err
 
 
