@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,6 +195,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--max-num-seqs", type=int, default=32, metavar="N")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument("--dist-timeout", type=int, default=300, metavar="S", help="collective timeout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -207,6 +211,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SpeculantError(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
     if args.temperature < 0:
         raise SpeculantError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    if args.tp < 1 or args.dp < 1:
+        raise SpeculantError(f"--tp {args.tp} / --dp {args.dp} must be positive integers")
     if not 0 <= args.rtol < 1:
         raise SpeculantError(f"--rtol {args.rtol} must be in [0, 1)")
     for flag in ("target", "draft"):
@@ -255,14 +261,25 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
 
     import torch
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = args.tp * args.dp
+    if world > 1 and "RANK" not in os.environ:  # start the ranks; each re-runs this command
+        from speculant.launch.spawn import launch_cli
+
+        return launch_cli(args.argv, world, device, stderr)
     from speculant import Engine, SamplingParams
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pctx = None
+    if world > 1:
+        from speculant.comm.groups import ParallelContext
+
+        pctx = ParallelContext.from_env(args.tp, args.dp, device, args.dist_timeout)
     common = dict(
         device=device,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
+        pctx=pctx,
     )
     params = [
         SamplingParams(
@@ -280,11 +297,17 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
     start = time.perf_counter()
     outputs = spec_engine.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - start
+    del spec_engine
+    plain = None  # greedy runs are checked against plain greedy output
+    if args.temperature == 0:
+        plain = Engine(target, **common).generate(prompts, params, use_tqdm=True)
+    if pctx is not None:
+        pctx.close()
+        if pctx.rank != 0:  # rank 0 holds every output and reports
+            return 0
     length, per_position, steps = aggregate(outputs)
     lossless, mismatched = None, []
     if args.temperature == 0:
-        del spec_engine
-        plain = Engine(target, **common).generate(prompts, params, use_tqdm=True)
         mismatched = [
             i
             for i, (a, b) in enumerate(zip(outputs, plain, strict=True))

@@ -125,3 +125,22 @@ def test_bad_input_is_one_line_exit_2(capsys, setup, llama_dir, tmp_path, extra,
     assert status == 2
     assert err.count("speculant: error:") == 1 and needle in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(240)
+def test_tp2_and_dp2_report_what_one_rank_reports(capsys, setup, llama_dir, tmp_path):
+    """`--tp 2` and `--dp 2` start their ranks; rank 0 reports the same acceptance as one rank."""
+    root, prompts = setup
+    base = [
+        "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--num-draft-tokens", 3, "--max-new-tokens", 10, "--dist-timeout", 60,
+    ]  # fmt: skip
+    reports = {}
+    for name, extra in (("one", []), ("tp2", ["--tp", 2]), ("dp2", ["--dp", 2])):
+        status, _, err = accept_rate(capsys, *base, *extra, "--report", tmp_path / f"{name}.json")
+        assert status == 0, err
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for name in ("tp2", "dp2"):
+        assert reports[name]["lossless"] is True
+        for key in ("acceptance_length", "per_position_acceptance", "num_verify_steps"):
+            assert reports[name][key] == pytest.approx(reports["one"][key]), (name, key)
