@@ -182,7 +182,8 @@ class DeepEPDispatcher(MoeDispatcher):
     """MoeDispatcher over DeepEP. Each forward picks the mode on every rank alike (from the
     largest token count over the EP ranks): LOW_LATENCY when it fits max_tokens_per_rank (and
     always inside graph capture), else NORMAL. LL kernels move bfloat16 (or FP8 with
-    `use_fp8`; dequantised here for the torch experts) and combine with float32 weights."""
+    `use_fp8`; dequantised here for the torch experts) and combine with float32 weights; the
+    experts see the tokens in the model's dtype (a float32 model's tokens travel as bfloat16)."""
 
     def __init__(
         self, ep: DeepEPBuffer, ep_size: int, ep_rank: int, use_fp8: bool = False, cpu_group=None
@@ -195,8 +196,9 @@ class DeepEPDispatcher(MoeDispatcher):
 
     def begin_forward(self, num_tokens: int) -> None:
         limit = self.max_tokens_per_rank
+        self.most_tokens = most = self.max_tokens_over_ranks(num_tokens)
         if is_capturing():
-            self.check_tokens(num_tokens)
+            self.check_tokens(most)
             if self.ep.mode is not DispatchMode.LOW_LATENCY:
                 raise SpeculantError(
                     "DeepEP is in normal mode inside CUDA-graph capture; register "
@@ -204,7 +206,7 @@ class DeepEPDispatcher(MoeDispatcher):
                 )
             self.num_chunks, self.chunk_tokens = 1, limit
             return
-        fits = self.max_tokens_over_ranks(num_tokens) <= limit
+        fits = most <= limit
         self.ep.set_mode(DispatchMode.LOW_LATENCY if fits else DispatchMode.NORMAL)
         self.num_chunks, self.chunk_tokens = 1, limit if fits else max(num_tokens, 1)
 
@@ -213,8 +215,10 @@ class DeepEPDispatcher(MoeDispatcher):
         ids = topk_ids.to(self.ep.topk_dtype).contiguous()
         weights = topk_weights.float().contiguous()
         if self.ep.mode is DispatchMode.LOW_LATENCY:
-            return self._dispatch_low_latency(x, ids, weights)
-        return self._dispatch_normal(x, ids, weights)
+            tokens, handle = self._dispatch_low_latency(x, ids, weights)
+        else:
+            tokens, handle = self._dispatch_normal(x, ids, weights)
+        return ExpertTokens(tokens.hidden.to(hidden.dtype), tokens.counts), handle
 
     def combine(self, expert_out, handle):
         out = expert_out.to(torch.bfloat16).contiguous()

@@ -2,7 +2,8 @@
 layer (there are no module-level process groups).
 
 Ranks form a (dp, tp) mesh with TP innermost: global rank = dp_rank * tp + tp_rank, so at tp=2
-ranks 0 and 1 form the first TP group. Device collectives (TP all-reduce and all-gather) run on
+ranks 0 and 1 form the first TP group; the EP group is every rank (a MoE target's experts are
+split over all of them). Device collectives (TP all-reduce and all-gather, expert dispatch) run on
 NCCL on GPUs and gloo on CPUs; host-side objects (requests, outputs, the per-step DP batch
 exchange, barriers) always go over gloo groups. Every group has a bounded timeout, so a dead or
 stuck rank makes the others fail instead of hanging."""
@@ -35,6 +36,7 @@ class ParallelContext:
     dp_group: Any = None  # device backend, the ranks with this tp_rank across DP ranks
     cpu_group: Any = None  # gloo group over all ranks for host-side objects
     dp_cpu_group: Any = None  # gloo twin of dp_group (the per-step DP batch exchange)
+    ep_group: Any = None  # device backend, every rank: MoE experts are split over all of them
     local_rank: int = 0  # GPU index on this node
     backend: str = "none"  # device backend: "nccl", "gloo", or "none" for one process
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -46,6 +48,11 @@ class ParallelContext:
     @property
     def rank(self) -> int:
         return self.dp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks: all of them (EP rank = global rank)."""
+        return self.world_size
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -126,6 +133,10 @@ class ParallelContext:
         pctx.cpu_group = _my_group([list(range(world_size))], rank, "gloo", timeout)
         pctx.dp_cpu_group = (
             pctx.dp_group if backend == "gloo" else _my_group(dp_ranks, rank, "gloo", timeout)
+        )
+        everyone = [list(range(world_size))]
+        pctx.ep_group = (
+            pctx.cpu_group if backend == "gloo" else _my_group(everyone, rank, backend, timeout)
         )
         return pctx
 

@@ -7,6 +7,11 @@ outputs in that layout into each token's weighted sum. Shapes depend only on the
 the configured per-rank limit, never on the routing, so dispatch and combine can be captured in a
 CUDA graph. Expert e lives on EP rank e // (num_experts / ep_size); the EP group is every rank.
 
+Every forward is planned from every EP rank's token count (`set_tokens_per_rank`): the engine
+sets them each step from the DP exchange (executor/dp.py), and the graph wrapper sets uniform
+dummies while capturing, since a graph bakes the plan in. Without them (a model used on its
+own) `begin_forward` asks the other ranks with a host all-reduce, which cannot run in a graph.
+
 Implementations: `LocalDispatcher` (one EP rank), `AllToAllDispatcher` (all_to_all_single over
 fixed per-rank blocks; gloo on CPU, NCCL on GPU) and comm/deepep.py's `DeepEPDispatcher`.
 """
@@ -117,18 +122,43 @@ class MoeDispatcher(ABC):
         self.max_tokens_per_rank = max_tokens_per_rank
         self.cpu_group = cpu_group  # gloo group over the EP ranks (None: the default group)
         self.num_chunks, self.chunk_tokens = 1, max_tokens_per_rank or 1
+        self.most_tokens = 0  # the largest token count of any EP rank in the planned forward
+        self.tokens_per_rank: list[int] | None = None  # the next forwards' counts, by EP rank
+        self.num_forwards = 0  # forwards planned (eagerly run or captured) on this rank
+
+    def set_tokens_per_rank(self, tokens_per_rank: list[int] | None) -> None:
+        """Every EP rank's token count in the forwards that follow, the same list on every rank
+        (None: ask the other ranks in each forward)."""
+        if tokens_per_rank is not None and len(tokens_per_rank) != self.ep_size:
+            raise ValueError(f"{len(tokens_per_rank)} token counts for {self.ep_size} EP ranks")
+        self.tokens_per_rank = None if tokens_per_rank is None else list(tokens_per_rank)
 
     def begin_forward(self, num_tokens: int) -> None:
         """Plan this forward's dispatches: ceil(max tokens over EP ranks / limit) chunks."""
-        limit = self.max_tokens_per_rank or max(num_tokens, 1)
-        most = self.max_tokens_over_ranks(num_tokens)
+        self.most_tokens = most = self.max_tokens_over_ranks(num_tokens)
+        limit = self.max_tokens_per_rank or max(most, 1)
         self.num_chunks, self.chunk_tokens = max(1, -(-most // limit)), limit
 
     def max_tokens_over_ranks(self, num_tokens: int) -> int:
-        """The largest token count of any EP rank this forward: a host-side all-reduce, skipped
-        on one rank and inside graph capture (DP-uniform graph sizes: every rank has the same)."""
-        if self.ep_size == 1 or is_capturing():
+        """The largest token count of any EP rank this forward, from `tokens_per_rank` (checked
+        against this rank's own count), else by a host-side all-reduce (never inside a graph)."""
+        self.num_forwards += 1
+        if self.ep_size == 1:
             return num_tokens
+        planned = self.tokens_per_rank
+        if planned is not None:
+            if planned[self.ep_rank] != num_tokens:
+                raise SpeculantError(
+                    f"this forward has {num_tokens} tokens but the step's per-rank token counts "
+                    f"{planned} give EP rank {self.ep_rank} {planned[self.ep_rank]}; every rank "
+                    "must plan a forward from the same counts (a stale or non-uniform plan)"
+                )
+            return max(planned)
+        if is_capturing():
+            raise SpeculantError(
+                "capturing an expert-parallel forward needs every rank's token count; call "
+                "set_tokens_per_rank first (the graph runner sets uniform dummies)"
+            )
         most = torch.tensor([num_tokens], dtype=torch.int64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return int(most.item())
@@ -180,17 +210,21 @@ class AllToAllHandle:
 
     slots: ExpertSlots  # where the received tokens' choices sit in this rank's expert buffers
     num_tokens: int  # this rank's dispatched tokens T
+    block: int  # rows per rank in the exchanged buffers (M)
 
 
 class AllToAllDispatcher(MoeDispatcher):
     """Expert parallelism over torch.distributed `all_to_all_single` with fixed-size blocks.
 
-    Dispatch sends every EP rank one [M, H] block (M = max_tokens_per_rank) holding this rank's
-    tokens at their own row index, and an [M, 2k] float32 block of their top-k ids and weights in
-    which the choices not owned by that rank, and all padding rows, carry id -1. The receiver packs
-    the [ep_size * M] rows it got by local expert (capacity ep_size * M, the DeepEP low-latency
-    layout). Combine sends back each source's rows summed over this rank's experts; the source adds
-    the ep_size partial sums. No shape depends on the routing, so the step stays capturable."""
+    Dispatch sends every EP rank one [M, H] block holding this rank's tokens at their own row
+    index, and an [M, 2k] float32 block of their top-k ids and weights in which the choices not
+    owned by that rank, and all padding rows, carry id -1. M is the most tokens any rank has in
+    this dispatch (from `begin_forward`: the same on every rank, bs * (k + 1) in a graph captured
+    at bs), or `max_tokens_per_rank` for a dispatch made outside a planned forward. The receiver
+    packs the [ep_size * M] rows it got by local expert (capacity ep_size * M, the DeepEP
+    low-latency layout). Combine sends back each source's rows summed over this rank's experts;
+    the source adds the ep_size partial sums. No shape depends on the routing, so the step stays
+    capturable."""
 
     def __init__(
         self,
@@ -203,35 +237,45 @@ class AllToAllDispatcher(MoeDispatcher):
     ):
         super().__init__(num_experts, ep_size, ep_rank, max_tokens_per_rank, cpu_group)
         self.group = group  # device-backend group over the EP ranks (None: the default group)
+        self.block_tokens = max_tokens_per_rank  # M
+
+    def begin_forward(self, num_tokens: int) -> None:
+        super().begin_forward(num_tokens)
+        self.block_tokens = max(1, min(self.most_tokens, self.chunk_tokens))
 
     def dispatch(self, hidden, topk_ids, topk_weights):
         num_tokens, k = topk_ids.shape
         self.check_tokens(num_tokens)
-        ranks, limit = self.ep_size, self.max_tokens_per_rank
+        ranks, block = self.ep_size, self.block_tokens
+        if num_tokens > block:
+            raise SpeculantError(
+                f"{num_tokens} tokens in one dispatch exceed this forward's block of {block} rows "
+                "per rank; plan the forward with begin_forward from every rank's count"
+            )
         owner = topk_ids // self.num_local_experts
         dest = torch.arange(ranks, device=topk_ids.device).view(ranks, 1, 1)
         ids_for = torch.where(owner.unsqueeze(0) == dest, topk_ids.unsqueeze(0), -1)  # [R, T, k]
         send_meta = torch.full(
-            (ranks, limit, 2 * k), -1.0, dtype=torch.float32, device=hidden.device
+            (ranks, block, 2 * k), -1.0, dtype=torch.float32, device=hidden.device
         )
         send_meta[:, :num_tokens, :k] = ids_for.float()  # exact: ids < 2**24
         send_meta[:, :num_tokens, k:] = topk_weights.float()
-        send_x = hidden.new_zeros(ranks, limit, hidden.shape[-1])
+        send_x = hidden.new_zeros(ranks, block, hidden.shape[-1])
         send_x[:, :num_tokens] = hidden
         recv_x, recv_meta = torch.empty_like(send_x), torch.empty_like(send_meta)
         dist.all_to_all_single(recv_x, send_x, group=self.group)
         dist.all_to_all_single(recv_meta, send_meta, group=self.group)
-        recv_ids = recv_meta[..., :k].reshape(ranks * limit, k).long()
+        recv_ids = recv_meta[..., :k].reshape(ranks * block, k).long()
         local_ids = torch.where(recv_ids >= 0, recv_ids - self.first_expert, -1)
         tokens, rows, valid = pack_by_expert(
-            recv_x.view(ranks * limit, -1), local_ids, self.num_local_experts, ranks * limit
+            recv_x.view(ranks * block, -1), local_ids, self.num_local_experts, ranks * block
         )
-        weights = recv_meta[..., k:].reshape(ranks * limit, k)
-        return tokens, AllToAllHandle(ExpertSlots(rows, valid, weights), num_tokens)
+        weights = recv_meta[..., k:].reshape(ranks * block, k)
+        return tokens, AllToAllHandle(ExpertSlots(rows, valid, weights), num_tokens, block)
 
     def combine(self, expert_out, handle: AllToAllHandle):
         partial = combine_weighted(expert_out, handle.slots)  # [R * M, H] per source rank
         back = torch.empty_like(partial)
         dist.all_to_all_single(back, partial, group=self.group)
-        back = back.view(self.ep_size, self.max_tokens_per_rank, -1)[:, : handle.num_tokens]
+        back = back.view(self.ep_size, handle.block, -1)[:, : handle.num_tokens]
         return back.float().sum(0).to(expert_out.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from tqdm import tqdm
@@ -53,12 +53,19 @@ def dp_can_use_graph(
     return global_bs in sizes if disable_padding else global_bs <= max(sizes)
 
 
-def dp_capture_dummies(
-    bs: int, tokens_per_req: int, world_size: int
-) -> tuple[list[int], list[int]]:
+class DPStepSizes(NamedTuple):
+    """Every rank's target forward in one step, by global rank: its tokens and its batch size
+    (the same lists on every rank, from the DP exchange). The MoE dispatches are planned from the
+    token counts, and a graph bakes in the sizes it was captured with."""
+
+    tokens_per_rank: list[int]
+    bs_per_rank: list[int]
+
+
+def dp_capture_dummies(bs: int, tokens_per_req: int, world_size: int) -> DPStepSizes:
     """Uniform per-rank token counts and batch sizes used while capturing under DP; leaving them
     unset or non-uniform makes the replayed collectives read stale sizes."""
-    return [bs * tokens_per_req] * world_size, [bs] * world_size
+    return DPStepSizes([bs * tokens_per_req] * world_size, [bs] * world_size)
 
 
 class ReplayHook(Protocol):
@@ -91,6 +98,15 @@ class GraphRunner:
         self.outputs: dict[tuple[str, int], StepOutput] = {}
         self.graph_memory_bytes = 0
         self.capture_order: list[tuple[str, int]] = []  # (variant, bs) as captured, in order
+        self.step_sizes: DPStepSizes | None = None  # every rank's forward in this step
+        self.captured_sizes: dict[tuple[str, int], DPStepSizes | None] = {}  # baked into graphs
+        self.num_replays = 0  # replays, or with eager padding their eager stand-ins
+
+    def set_step_sizes(self, sizes: DPStepSizes | None) -> None:
+        """Every rank's forward in the next step (DP exchange or capture dummies); the model plans
+        its MoE dispatches from the token counts. None: unknown (the model asks the ranks)."""
+        self.step_sizes = sizes
+        self.runner.model.set_rank_tokens(None if sizes is None else sizes.tokens_per_rank)
 
     def capture_plan(self) -> list[tuple[str, int]]:
         """Every (variant, bs) to capture, in capture order: per variant, largest size first."""
@@ -121,9 +137,11 @@ class GraphRunner:
     def run(self, bs: int, padded_bs: int, variant: str, allow_graph: bool = True) -> StepOutput:
         """Run the step for the first padded_bs rows of the input buffers (already filled);
         `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform)."""
+        key = (variant, padded_bs)
+        if allow_graph and self.pad and key in self.captured_sizes:
+            self._check_baked_sizes(key)  # a replay, or eager padding standing in for one
         if not allow_graph or not self.will_replay(padded_bs):
             return self.runner.decode_step(padded_bs, variant).narrow(bs)
-        key = (variant, padded_bs)
         if key not in self.graphs:
             captured = sorted({v for v, _ in self.graphs})
             raise SpeculantError(
@@ -134,6 +152,25 @@ class GraphRunner:
             hook.replay()
         self.graphs[key].replay()
         return self.outputs[key].narrow(bs)
+
+    def _check_baked_sizes(self, key: tuple[str, int]) -> None:
+        """A replayed graph runs with the per-rank sizes it was captured with (its collectives'
+        shapes): they must be this step's, or the ranks would exchange mismatched buffers."""
+        baked = self.captured_sizes[key]
+        if baked != self.step_sizes:
+            raise RuntimeError(
+                f"graph {key} was captured with per-rank sizes {baked} but this step's ranks run "
+                f"{self.step_sizes}; capture must use the uniform dummies of dp_capture_dummies "
+                "and every DP rank must run the step's uniform size"
+            )
+        self.num_replays += 1
+
+    def _set_capture_sizes(self, variant: str, bs: int) -> None:
+        """Every rank captures size bs: uniform dummy token counts and batch sizes, recorded as
+        what the graph bakes in."""
+        sizes = dp_capture_dummies(bs, self.runner.tokens_per_req, self.pctx.world_size)
+        self.set_step_sizes(sizes)
+        self.captured_sizes[(variant, bs)] = self.step_sizes
 
     def capture(self) -> None:
         """Capture every (variant, size), largest size first, into one shared memory pool. With
@@ -146,6 +183,7 @@ class GraphRunner:
             if self.pctx.world_size > 1:
                 for variant, bs in items:
                     self._lockstep_eager(variant, bs)
+                self.set_step_sizes(None)
             return
         device = self.runner.device
         reserved_before = torch.cuda.memory_reserved(device)
@@ -161,6 +199,7 @@ class GraphRunner:
                 self.capture_order.append((variant, bs))
         finally:
             gc.unfreeze()
+            self.set_step_sizes(None)
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         if self.pctx.rank == 0:
             log.info(
@@ -174,6 +213,7 @@ class GraphRunner:
     def _lockstep_eager(self, variant: str, bs: int) -> None:
         """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
         self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)
+        self._set_capture_sizes(variant, bs)
         self.pctx.barrier()
         self.runner.decode_step(bs, variant)
         self.pctx.barrier()
@@ -182,6 +222,7 @@ class GraphRunner:
     def _capture_one(self, variant: str, bs: int, stream, pool):
         runner = self.runner
         runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
+        self._set_capture_sizes(variant, bs)
         torch.cuda.synchronize()
         self.pctx.barrier()
         with torch.cuda.stream(stream):

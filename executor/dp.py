@@ -1,11 +1,24 @@
 """Data parallelism: each DP rank has its own scheduler, requests and KV cache.
 
 Global rank 0 holds the user's prompts: it sends them to every rank, each DP rank takes its
-share (balanced by tokens), runs it, and rank 0 gathers the outputs back in input order. Every
-step the DP ranks exchange what they are about to run (the cross-DP collective): when every rank
-decodes or is idle, all of them run the same batch size (the size a graph replays), and an idle
-rank runs a dummy batch of sentinel rows, so collectives inside the step stay aligned. The
-generation loop ends when the exchange shows no rank with work left."""
+share (balanced by tokens), runs it, and rank 0 gathers the outputs back in input order.
+
+The per-step protocol. Every step each DP rank sends (mode, tokens, requests, has_work): mode is
+PREFILL (one eager forward over its newly admitted prompts, `tokens` of them padded), DECODE (its
+running requests, `tokens` = requests * (k + 1)) or IDLE. From the same table every rank derives
+what every rank runs:
+1. no rank has work: the generation loop ends;
+2. every rank decodes or is idle and the global batch ceil(max decode tokens / (k + 1)) fits the
+   captured sizes: every rank runs that size padded to a captured one (a graph replays), an idle
+   rank on sentinel rows only;
+3. otherwise each rank runs its own step eagerly: its prefill, or its decode batch unpadded; an
+   idle rank sits the step out, except with a MoE target, where it runs a one-row dummy decode
+   step, because expert dispatches are collectives over every rank.
+So with a MoE target every rank runs exactly one target forward per step whenever any rank does,
+in the same order, and knows every rank's token count (`DPStepSizes`, handed to the model
+through the graph runner): the expert dispatches are planned from it, with no collective of
+their own, so an eager forward and a replayed graph make the same collectives. The drafter's
+forwards are dense and need no partner."""
 
 from __future__ import annotations
 
@@ -14,7 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from speculant.comm.groups import ParallelContext
-from speculant.executor.cuda_graph import GraphRunner, dp_can_use_graph, dp_graph_batch_size
+from speculant.executor.cuda_graph import (
+    DPStepSizes,
+    GraphRunner,
+    dp_can_use_graph,
+    dp_graph_batch_size,
+)
 from speculant.executor.request import Request, RequestOutput
 
 if TYPE_CHECKING:
@@ -47,6 +65,7 @@ class StepPlan:
     decode_bs: int  # rows the decode step runs (live rows, then sentinel rows); 0: no decode
     allow_graph: bool  # a graph may replay (every DP rank decodes or idles at this size)
     all_idle: bool  # no DP rank has work left: the generation loop ends
+    sizes: DPStepSizes | None = None  # every rank's target forward this step (None: none runs)
 
 
 class DPCoordinator:
@@ -69,27 +88,35 @@ class DPCoordinator:
         self.exchanges = 0
         self.last = StepPlan(0, True, True)
 
-    def plan(self, num_prefill: int, num_decode: int, has_work: bool) -> StepPlan:
-        """num_prefill requests to prefill or else num_decode to decode, on this rank."""
+    def plan(
+        self, num_prefill: int, num_decode: int, has_work: bool, prefill_tokens: int = 0
+    ) -> StepPlan:
+        """num_prefill requests to prefill (`prefill_tokens` tokens in the one forward) or else
+        num_decode to decode, on this rank; the plan's sizes are handed to the graph runner."""
+        T = self.tokens_per_req
         if self.pctx.dp_size == 1:
             bs = self.graphs.padded_bs(num_decode) if num_decode else 0
             self.last = StepPlan(bs, True, not has_work)
+            if num_prefill or bs:
+                forward = (prefill_tokens, num_prefill) if num_prefill else (bs * T, bs)
+                self._announce(self.last, [forward])
             return self.last
         mode = PREFILL if num_prefill else DECODE if num_decode else IDLE
-        tokens = num_decode * self.tokens_per_req if mode == DECODE else 0
-        ranks = self.pctx.all_gather_dp([mode, tokens, int(has_work)])
+        tokens = prefill_tokens if mode == PREFILL else num_decode * T
+        ranks = self.pctx.all_gather_dp([mode, tokens, num_prefill or num_decode, int(has_work)])
         self.exchanges += 1
-        self.last = self._agree(mode, num_decode, ranks)
+        self.last = self._agree(mode, ranks)
         return self.last
 
-    def _agree(self, mode: int, num_decode: int, ranks: list[list[int]]) -> StepPlan:
-        if not any(work for _, _, work in ranks):
+    def _agree(self, mode: int, ranks: list[list[int]]) -> StepPlan:
+        """This rank's plan from every DP rank's (mode, tokens, requests, has_work)."""
+        if not any(work for *_, work in ranks):
             return StepPlan(0, False, True)
-        if mode == PREFILL:
-            return StepPlan(0, False, False)
-        global_bs = dp_graph_batch_size([tokens for _, tokens, _ in ranks], self.tokens_per_req)
+        T = self.tokens_per_req
+        decode_tokens = [tokens if m == DECODE else 0 for m, tokens, *_ in ranks]
+        global_bs = dp_graph_batch_size(decode_tokens, T)
         uniform = dp_can_use_graph(
-            [m != PREFILL for m, _, _ in ranks],
+            [m != PREFILL for m, *_ in ranks],
             global_bs,
             self.graphs.sizes,
             self.graphs.cfg.disable_padding,
@@ -98,14 +125,29 @@ class DPCoordinator:
             size = self.graphs.padded_bs(global_bs)
             self.uniform_sizes.append(size)
             self.dummy_steps += mode == IDLE
-            return StepPlan(size, True, False)
-        # Another rank prefills, or the batch is above the captured sizes: run eagerly at this
-        # rank's own size. A dense model has no cross-DP collective inside the step, so an
-        # idle rank sits this one out; with a MoE target it runs one eager dummy row.
-        if mode == IDLE and self.collectives_across_dp:
-            self.dummy_steps += 1
-            return StepPlan(1, False, False)
-        return StepPlan(num_decode, False, False)
+            return self._announce(StepPlan(size, True, False), [(size * T, size)] * len(ranks))
+        # Another rank prefills, or the batch is above the captured sizes: every rank runs its
+        # own step eagerly (see the module docstring, case 3).
+        forwards = [self._own_forward(m, tokens, reqs) for m, tokens, reqs, _ in ranks]
+        bs = forwards[self.pctx.dp_rank][1]
+        self.dummy_steps += mode == IDLE and bs > 0
+        return self._announce(StepPlan(0 if mode == PREFILL else bs, False, False), forwards)
+
+    def _own_forward(self, mode: int, tokens: int, num_requests: int) -> tuple[int, int]:
+        """(tokens, bs) of a DP rank's forward in a step of case 3: its prefill or decode batch;
+        idle, a one-row dummy decode step with a MoE target, else nothing."""
+        if mode == IDLE:
+            return (self.tokens_per_req, 1) if self.collectives_across_dp else (0, 0)
+        return tokens, num_requests
+
+    def _announce(self, plan: StepPlan, forwards: list[tuple[int, int]]) -> StepPlan:
+        """Record every DP rank's (tokens, bs) by global rank (TP peers run the same) and hand
+        them to the graph runner, which passes the token counts to the model."""
+        tp = self.pctx.tp_size
+        per_rank = [forwards[rank // tp] for rank in range(self.pctx.world_size)]
+        plan.sizes = DPStepSizes([t for t, _ in per_rank], [b for _, b in per_rank])
+        self.graphs.set_step_sizes(plan.sizes)
+        return plan
 
 
 def generate_distributed(

@@ -431,7 +431,11 @@ class Engine:
         requests that finished in this step."""
         admitted, running = self.scheduler.admit(), self.scheduler.running
         has_work = self.scheduler.has_unfinished()
-        plan = self.dp.plan(len(admitted), 0 if admitted else len(running), has_work)
+        # forward_prefill pads every prompt to the longest: the tokens of the one prefill forward
+        prefill_tokens = len(admitted) * max((len(r.prompt_ids) for r in admitted), default=0)
+        plan = self.dp.plan(
+            len(admitted), 0 if admitted else len(running), has_work, prefill_tokens
+        )
         if admitted:
             self._prefill(admitted)
         elif running:
@@ -439,6 +443,7 @@ class Engine:
         elif plan.decode_bs:  # idle under DP: a dummy batch keeps the ranks' steps aligned
             self.runner.buffers.fill([], [], [], [], [], [], plan.decode_bs, self.kv.sentinel_row)
             self.graphs.run(0, plan.decode_bs, GREEDY, plan.allow_graph)
+        self.graphs.set_step_sizes(None)  # the agreed sizes hold for this step only
         finished = [r for r in self.scheduler.running if r.finish_reason is not None]
         for request in finished:
             self.scheduler.finish(request)

@@ -219,6 +219,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value and not Path(value).is_dir():
             raise SpeculantError(f"--{flag} {value!r} is not a directory; pass a checkpoint dir")
+    if os.environ.get("RANK", "0") != "0":
+        return  # only rank 0 reads the baseline and writes the reports
     if args.baseline and not Path(args.baseline).is_file():
         raise SpeculantError(f"--baseline {args.baseline!r} does not exist; write one first")
     for flag in ("report", "write_baseline", "plot"):
@@ -238,16 +240,28 @@ def _read_baseline(path: str) -> dict:
     return baseline
 
 
-def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    """Validate, run plain and speculative decoding, report, compare; returns the exit status."""
+@dataclass
+class AcceptJob:
+    """What rank 0 (or the Ray driver) read and checked before any model loads."""
+
+    specs: list  # cli.PromptSpec; [] on ranks other than 0 (rank 0's are broadcast)
+    baseline: dict | None
+    target: str
+    draft: str
+
+
+def prepare_accept(args: argparse.Namespace) -> AcceptJob:
+    """Check the flags, read the prompts and the baseline (rank 0 only), and refuse a baseline
+    of another run shape, all before any model loads."""
     from speculant.launch.cli import read_prompts_file  # the same prompt format as generate
 
     _check(args)
-    baseline = _read_baseline(args.baseline) if args.baseline else None
     target = args.target or str(bundled("target"))
     draft = args.draft or str(bundled(BUNDLED_DRAFTS[args.algo]))
-    prompts_path = args.prompts or str(bundled_prompts())
-    specs = read_prompts_file(prompts_path)
+    if os.environ.get("RANK", "0") != "0":
+        return AcceptJob([], None, target, draft)
+    baseline = _read_baseline(args.baseline) if args.baseline else None
+    specs = read_prompts_file(args.prompts or str(bundled_prompts()))
     if baseline:  # fail before loading models; k is checked after (DFLASH's comes from its block)
         known = dict(
             algo=args.algo,
@@ -258,24 +272,43 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
         if args.num_draft_tokens:
             known["num_draft_tokens"] = args.num_draft_tokens
         check_run_shape(baseline, known, args.baseline)
+    return AcceptJob(specs, baseline, target, draft)
 
-    import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """Validate, run plain and speculative decoding, report, compare; returns the exit status."""
+    job = prepare_accept(args)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     world = args.tp * args.dp
     if world > 1 and "RANK" not in os.environ:  # start the ranks; each re-runs this command
         from speculant.launch.spawn import launch_cli
 
-        return launch_cli(args.argv, world, device, stderr)
+        return launch_cli(args.argv, world, args.device, stderr)
+    measured = measure_in_rank(args, job)
+    if measured is None:  # rank 0 holds every output and reports
+        return 0
+    return report_accept(args, job, *measured, stdout=stdout, stderr=stderr)
+
+
+def measure_in_rank(
+    args: argparse.Namespace, job: AcceptJob, use_tqdm: bool = True
+) -> tuple[list, list | None, float] | None:
+    """One rank's part (spawn, torchrun and Ray actors all run this): speculative decoding,
+    then plain decoding when greedy. Joins the job in the environment when tp * dp > 1.
+    Returns (outputs, plain outputs or None, seconds) on rank 0 (or the one process), None on
+    the other ranks."""
     from speculant import Engine, SamplingParams
 
     pctx = None
-    if world > 1:
+    if args.tp * args.dp > 1:
         from speculant.comm.groups import ParallelContext
 
-        pctx = ParallelContext.from_env(args.tp, args.dp, device, args.dist_timeout)
+        pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout)
     common = dict(
-        device=device,
+        device=args.device,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
@@ -288,26 +321,46 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
             seed=args.seed + i,
             ignore_eos=True,  # every prompt runs the same number of steps
         )
-        for i in range(len(specs))
+        for i in range(len(job.specs))
     ]
-    prompts = [s.prompt for s in specs]
+    prompts = [s.prompt for s in job.specs]
     spec_engine = Engine(
-        target, algo=args.algo, draft=draft, num_draft_tokens=args.num_draft_tokens, **common
+        job.target,
+        algo=args.algo,
+        draft=job.draft,
+        num_draft_tokens=args.num_draft_tokens,
+        **common,
     )
     start = time.perf_counter()
-    outputs = spec_engine.generate(prompts, params, use_tqdm=True)
+    outputs = spec_engine.generate(prompts, params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
     del spec_engine
     plain = None  # greedy runs are checked against plain greedy output
     if args.temperature == 0:
-        plain = Engine(target, **common).generate(prompts, params, use_tqdm=True)
+        plain = Engine(job.target, **common).generate(prompts, params, use_tqdm=use_tqdm)
     if pctx is not None:
         pctx.close()
-        if pctx.rank != 0:  # rank 0 holds every output and reports
-            return 0
+        if pctx.rank != 0:
+            return None
+    return outputs, plain, seconds
+
+
+def report_accept(
+    args: argparse.Namespace,
+    job: AcceptJob,
+    outputs: list,
+    plain: list | None,
+    seconds: float,
+    *,
+    stdout: TextIO,
+    stderr: TextIO,
+) -> int:
+    """Rank 0's (or the Ray driver's) part: aggregate, compare with the baseline, write the
+    reports, print the table and the verdict; returns the exit status."""
+    baseline = job.baseline
     length, per_position, steps = aggregate(outputs)
     lossless, mismatched = None, []
-    if args.temperature == 0:
+    if plain is not None:
         mismatched = [
             i
             for i, (a, b) in enumerate(zip(outputs, plain, strict=True))
@@ -316,9 +369,9 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
         lossless = not mismatched
     report = AcceptReport(
         algo=args.algo,
-        target=target,
-        draft=draft,
-        num_prompts=len(specs),
+        target=job.target,
+        draft=job.draft,
+        num_prompts=len(job.specs),
         num_draft_tokens=len(per_position),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -130,6 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention and fused kernels (default: triton on CUDA when installed, else torch)",
     )
 
+    moe = gen.add_argument_group("mixture-of-experts targets (experts split over all ranks)")
+    moe.add_argument(
+        "--moe-backend",
+        choices=["auto", "local", "all2all", "deepep"],
+        default="auto",
+        help="how tokens reach their experts' rank (default: local on one rank, else DeepEP "
+        "low-latency on CUDA when installed and the hidden size fits, else all2all)",
+    )
+    moe.add_argument(
+        "--moe-max-tokens-per-rank",
+        type=_positive_int,
+        metavar="N",
+        help="most tokens one rank dispatches at once (default and minimum: one decode step, "
+        "max_num_seqs // dp * (k + 1)); larger forwards run in chunks",
+    )
+
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
     accept_rate.add_parser(commands)
     return parser
@@ -211,8 +227,14 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     return PromptSpec(prompt, overrides)
 
 
+def reads_inputs() -> bool:
+    """Whether this process reads the prompts and writes the outputs: a single process, or
+    global rank 0 of a job (spawn, torchrun); the other ranks get rank 0's prompts."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
-    """All checks that need no model; returns the requests to run."""
+    """All checks that need no model; returns the requests to run ([] on ranks other than 0)."""
     if args.demo_model and args.target:
         raise SpeculantError("pass either --target DIR or --demo-model, not both")
     bundled_run = not args.demo_model and not args.target
@@ -237,14 +259,16 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         raise SpeculantError(
             f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} must be in (0, 1]"
         )
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        raise SpeculantError(
-            f"--output {args.output!r}: directory does not exist; create it or pick another path"
-        )
     for key in SAMPLING_KEYS:
         if expected := sampling_problem(key, getattr(args, key)):
             flag = "--" + key.replace("_", "-")
             raise SpeculantError(f"{flag} {getattr(args, key)} is invalid; use {expected}")
+    if not reads_inputs():
+        return []  # rank 0 reads the prompts and sends them to every rank (executor/dp.py)
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise SpeculantError(
+            f"--output {args.output!r}: directory does not exist; create it or pick another path"
+        )
     if args.prompts:
         return read_prompts_file(args.prompts)
     if args.prompt is None and bundled_run:
@@ -280,6 +304,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         tp=args.tp,
         dp=args.dp,
+        moe_backend=args.moe_backend,
+        moe_max_tokens_per_rank=args.moe_max_tokens_per_rank,
     )
 
 
@@ -315,21 +341,52 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         from speculant.launch.spawn import launch_cli
 
         return launch_cli(args.argv, args.tp * args.dp, _engine_kwargs(args)["device"], stderr)
+    out_file = None
+
+    def on_output(out: Any) -> None:  # one process: written and flushed as each request ends
+        nonlocal out_file
+        if args.output:
+            out_file = out_file or open(args.output, "w", encoding="utf-8")
+            out_file.write(json.dumps(out.to_json()) + "\n")
+            out_file.flush()
+
+    try:
+        outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
+    finally:
+        if out_file is not None:
+            out_file.close()
+    if outputs is not None:  # rank 0 (or the one process) reports
+        report_outputs(args, outputs, seconds, stdout, stderr, write_file=False)
+    return 0
+
+
+def generate_in_rank(
+    args: argparse.Namespace,
+    specs: list[PromptSpec],
+    on_output: Any = None,
+    use_tqdm: bool = True,
+) -> tuple[list | None, float]:
+    """One rank's `generate` (spawn, torchrun and Ray actors all run this): build the engine,
+    joining the job in the environment when tp * dp > 1, and generate. Rank 0's `specs` count
+    (the others pass []). Returns the outputs in input order and the seconds generation took on
+    rank 0 (or the one process), (None, seconds) on the other ranks."""
     from speculant import Engine, SamplingParams  # after the checks: loads torch and the core
 
     if args.demo_model:
         from speculant.launch.demo import build_demo_model
 
         args.target = str(build_demo_model())
-        print(f"demo model (random weights, gibberish output): {args.target}", file=stderr)
+        print(f"demo model (random weights, gibberish output): {args.target}", file=sys.stderr)
     kwargs = _engine_kwargs(args)
-    pctx = None  # one process; else this process is one rank of the job (launch/spawn.py)
+    pctx = None  # one process; else this process is one rank of the job
     if args.tp * args.dp > 1:
         from speculant.comm.groups import ParallelContext
+        from speculant.launch.spawn import fault_point
 
         pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout)
     engine = Engine(target=args.target, pctx=pctx, **kwargs)
-    main_rank = pctx is None or pctx.rank == 0  # reads the prompts, writes the outputs
+    if pctx is not None:
+        fault_point(pctx.rank)
     for i, spec in enumerate(specs):
         if isinstance(spec.prompt, str) and engine.tokenizer is None:
             raise SpeculantError(
@@ -344,33 +401,35 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         seed=args.seed,
     )
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
-
-    out_file = open(args.output, "w", encoding="utf-8") if args.output and main_rank else None
-
-    def on_output(out: Any) -> None:
-        if out_file is not None:  # written and flushed as each request finishes
-            out_file.write(json.dumps(out.to_json()) + "\n")
-            out_file.flush()
-
-    try:
-        start = time.perf_counter()
-        outputs = engine.generate(
-            [s.prompt for s in specs], params, use_tqdm=True, on_output=on_output
-        )
-        seconds = time.perf_counter() - start
-    finally:
-        if out_file is not None:
-            out_file.close()
+    start = time.perf_counter()
+    outputs = engine.generate(
+        [s.prompt for s in specs], params, use_tqdm=use_tqdm, on_output=on_output
+    )
+    seconds = time.perf_counter() - start
     if pctx is not None:
         pctx.close()
-    if not main_rank:
-        return 0
-    if out_file is None:
+    return (outputs if pctx is None or pctx.rank == 0 else None), seconds
+
+
+def report_outputs(
+    args: argparse.Namespace,
+    outputs: list,
+    seconds: float,
+    stdout: TextIO,
+    stderr: TextIO,
+    write_file: bool = True,
+) -> None:
+    """Rank 0's (or the Ray driver's) report: the --output file (when `write_file`; a single
+    process wrote it as requests finished), or else one `[index] text` line per request; then
+    the summary line."""
+    if args.output and write_file:
+        with open(args.output, "w", encoding="utf-8") as out_file:
+            out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
+    elif not args.output:
         for out in outputs:
             shown = out.text if out.text is not None else out.token_ids
             print(f"[{out.index}] {shown}", file=stdout)
     print(summary_line(outputs, seconds), file=stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,16 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def fault_point(rank: int) -> None:
+    """SPECULANT_TEST_KILL_RANK=r makes rank r kill itself (SIGKILL) here, once its engine is
+    built: how the launcher tests fail one rank mid-run under torchrun and Ray, where the test
+    cannot reach the rank's process."""
+    if os.environ.get("SPECULANT_TEST_KILL_RANK") == str(rank):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def check_devices(device: str, world_size: int) -> None:
     """One GPU per rank: enough GPUs must be visible."""
     if device.startswith("cuda"):

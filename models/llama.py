@@ -156,6 +156,10 @@ class CausalLM(nn.Module):
         the DeepEP-backed MoE target returns its adapter."""
         return []
 
+    def set_rank_tokens(self, tokens_per_rank: list[int] | None) -> None:
+        """Every rank's token count in the next forwards (the MoE target plans its expert
+        dispatches from them); a dense model needs none."""
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 

@@ -159,6 +159,10 @@ class Qwen3MoeForCausalLM(CausalLM):
     def replay_hooks(self) -> list:
         return self.dispatcher.replay_hooks()
 
+    def set_rank_tokens(self, tokens_per_rank: list[int] | None) -> None:
+        """Every rank's token count in the next forwards: the dispatches are planned from it."""
+        self.dispatcher.set_tokens_per_rank(tokens_per_rank)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn):
         self.dispatcher.begin_forward(input_ids.shape[0])
         return super().forward(input_ids, positions, attn)
@@ -177,7 +181,7 @@ def make_dispatcher(
         raise SpeculantError(
             f"MoE backend {moe.backend!r} is not supported; use one of {', '.join(MOE_BACKENDS)}"
         )
-    ep_size, ep_rank = pctx.world_size, pctx.rank
+    ep_size, ep_rank = pctx.ep_size, pctx.rank
     limit = moe.max_tokens_per_rank or decode_tokens
     if limit < decode_tokens:
         raise SpeculantError(
@@ -196,15 +200,15 @@ def make_dispatcher(
             )
         return LocalDispatcher(cfg.num_experts, limit)
     if backend == "all2all":
-        # EP spans every rank: the default group is the device-backend group over all of them
+        # pctx.ep_group: every rank, on the device backend (None outside a job: the default group)
         return AllToAllDispatcher(
-            cfg.num_experts, ep_size, ep_rank, limit, group=None, cpu_group=pctx.cpu_group
+            cfg.num_experts, ep_size, ep_rank, limit, group=pctx.ep_group, cpu_group=pctx.cpu_group
         )
     from speculant.comm.deepep import DeepEPBuffer, DeepEPDispatcher
 
     if not str(device).startswith("cuda"):
         raise SpeculantError("--moe-backend deepep needs CUDA; use all2all on the CPU")
-    ep = DeepEPBuffer.create(None, cfg.hidden_size, cfg.num_experts, limit, decode_tokens)
+    ep = DeepEPBuffer.create(pctx.ep_group, cfg.hidden_size, cfg.num_experts, limit, decode_tokens)
     return DeepEPDispatcher(ep, ep_size, ep_rank, cpu_group=pctx.cpu_group)
 
 

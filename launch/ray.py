@@ -1,0 +1,381 @@
+"""The Ray launcher: `python -m speculant.launch.ray generate|accept-rate --tp N --dp M ...`.
+
+The process running this module is the driver. It checks the flags and reads the prompts (and
+an accept-rate baseline) before anything starts, connects to a Ray cluster (`--ray-address`,
+else RAY_ADDRESS as set inside `ray job submit`; `ray.init` then gets no resource arguments,
+the cluster's own count) or starts a local one, and reserves one placement-group bundle per
+rank: {"GPU": 1, "CPU": 1}, or {"CPU": 1} with --device cpu; STRICT_PACK when one node has
+enough of them, else PACK over several nodes. One actor per bundle runs one rank: the same
+per-rank worker as torchrun and `speculant generate --tp/--dp` (`cli.generate_in_rank`,
+`accept_rate.measure_in_rank`). Ranks are numbered node by node (bundle order within a node),
+so with TP innermost a TP group stays on one node when each node holds a multiple of tp
+ranks. torch.distributed starts from rank 0's node IP and a port found free on that node.
+
+The driver sends rank 0 the prompts, rank 0 spreads them over the DP ranks (executor/dp.py)
+and returns every output in input order; the driver alone writes --output (an absolute path is
+safest: a job runs in a copy of its working dir) or prints the outputs, then the summary. Under
+`ray job submit` that output is the job's log.
+
+GPUs: Ray sets CUDA_VISIBLE_DEVICES in each actor to the one GPU of its bundle (there it would
+be cuda:0, LOCAL_RANK 0). NCCL's peer-to-peer (CUDA IPC over NVLink) needs the peers' GPUs
+visible, so, as Ray Train does, each actor's CUDA_VISIBLE_DEVICES is widened, before CUDA
+starts in it, to the GPUs Ray gave this job's ranks on its node, in rank order, and LOCAL_RANK
+is its index there: the engine's cuda:LOCAL_RANK (and `torch.cuda.set_device`) is the GPU of
+its own bundle, and no other job's GPU becomes visible. With
+RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 Ray leaves every GPU visible and LOCAL_RANK is
+the GPU id Ray assigned.
+
+Failures: the driver waits on every actor with timeouts. When one fails (its process died, or
+it raised: a peer's death or a collective timeout reaches the others within --dist-timeout),
+the others get GRACE_S seconds to finish, the rest are killed, and the driver prints one line
+naming the failed rank (a dead actor before the ranks that saw it die) and exits 1 (2 for a
+user error such as a too-long prompt). Actors and the placement group are removed at exit,
+on success, failure and Ctrl-C (exit 130); a local cluster the driver started is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TextIO
+
+from speculant.errors import SpeculantError
+from speculant.launch.spawn import GRACE_S
+
+log = logging.getLogger("speculant")
+POLL_S = 0.5  # how often the driver looks at the actors
+
+
+class RankWorker:
+    """One rank in a Ray actor (wrapped with `ray.remote` by the driver)."""
+
+    def where(self) -> tuple[str, str, list[str]]:
+        """(node IP, node id, GPU ids Ray assigned) of this actor."""
+        import ray
+
+        gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), gpu_ids
+
+    def free_port(self) -> int:
+        """A TCP port free on this node a moment ago (rank 0's: MASTER_PORT)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(self, env: dict[str, str], command: str, args: argparse.Namespace, job: Any) -> Any:
+        """Join the job described by `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
+        run this rank's part of `command`; rank 0 returns what the driver reports."""
+        os.environ.update(env)
+        rank0 = env["RANK"] == "0"
+        level = logging.DEBUG if args.debug else logging.INFO if rank0 else logging.WARNING
+        logging.basicConfig(level=level, format="speculant: %(message)s")
+        if command == "generate":
+            from speculant.launch.cli import generate_in_rank
+
+            outputs, seconds = generate_in_rank(args, job, use_tqdm=False)
+            return (outputs, seconds) if outputs is not None else None
+        from speculant.launch.accept_rate import measure_in_rank
+
+        return measure_in_rank(args, job, use_tqdm=False)
+
+
+@dataclass
+class _Place:
+    ip: str
+    node_id: str
+    gpu_ids: list[str]
+
+
+def rank_order(places: Sequence[_Place]) -> list[int]:
+    """Bundle indices in rank order: node by node (nodes in the order their first bundle comes),
+    bundle order within a node, so consecutive ranks (a TP group) share a node."""
+    nodes = list(dict.fromkeys(p.node_id for p in places))
+    return sorted(range(len(places)), key=lambda i: (nodes.index(places[i].node_id), i))
+
+
+def rank_envs(places: Sequence[_Place], order: Sequence[int], port: int, device: str) -> list:
+    """The environment of each rank (in rank order), as torchrun would set it."""
+    master = places[order[0]]
+    keep_gpus_visible = os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith("SPECULANT_")}
+    envs = []
+    for rank, index in enumerate(order):
+        place = places[index]
+        on_node = [i for i in order if places[i].node_id == place.node_id]
+        env = {
+            **forwarded,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(order)),
+            "LOCAL_RANK": str(on_node.index(index)),
+            "LOCAL_WORLD_SIZE": str(len(on_node)),
+            "MASTER_ADDR": master.ip,
+            "MASTER_PORT": str(port),
+            "SPECULANT_RANK_DEVICE": device,
+            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),  # shared/GPU.md
+        }
+        if device.startswith("cuda") and keep_gpus_visible:  # Ray left every GPU visible
+            env["LOCAL_RANK"] = place.gpu_ids[0]
+        elif device.startswith("cuda"):  # the node's ranks see the node's job GPUs, in rank order
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(places[i].gpu_ids[0] for i in on_node)
+        envs.append(env)
+    return envs
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise SpeculantError(
+            "the Ray launcher needs Ray; pip install 'speculant[ray]' (or use torchrun)"
+        ) from exc
+    return ray
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception an actor raised, unwrapped from Ray's RayTaskError."""
+    return getattr(exc, "cause", None) or exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _died_detail(exc: BaseException) -> str:
+    """How an actor's process ended, from Ray's ActorDiedError text (one short clause)."""
+    text = " ".join(str(exc).split())
+    detail = re.search(r"Worker exit detail: (.*?)(?:\.|$)", text)
+    if detail:
+        return f"its Ray actor's process exited ({detail.group(1).strip()})"
+    return text.split(". ")[0] if text else "its Ray actor died"
+
+
+class _Job:
+    """The placement group and actors of one run, torn down by `close`."""
+
+    def __init__(self, ray: Any):
+        self.ray, self.pg, self.actors = ray, None, []
+
+    def place(self, world: int, device: str, timeout_s: float) -> str:
+        from ray.util.placement_group import placement_group
+
+        ray = self.ray
+        key = "GPU" if device.startswith("cuda") else "CPU"
+        bundle = {"GPU": 1, "CPU": 1} if key == "GPU" else {"CPU": 1}
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per_node = max((n["Resources"].get(key, 0) for n in nodes), default=0)
+        strategy = "STRICT_PACK" if per_node >= world else "PACK"
+        self.pg = placement_group([bundle] * world, strategy=strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            total = ray.cluster_resources().get(key, 0)
+            raise SpeculantError(
+                f"Ray could not place {world} bundles of {bundle} ({strategy}) within "
+                f"{timeout_s:.0f} s; the cluster has {total:g} {key}s in all and at most "
+                f"{per_node:g} on one node: lower --tp/--dp, free resources or add nodes"
+            )
+        return strategy
+
+    def start(self, world: int, device: str, timeout_s: float) -> list[_Place]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self.ray
+        worker = ray.remote(RankWorker)
+        for index in range(world):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+            self.actors.append(
+                worker.options(
+                    num_cpus=1,
+                    num_gpus=1 if device.startswith("cuda") else 0,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                ).remote()
+            )
+        refs = [actor.where.remote() for actor in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            raise SpeculantError(f"Ray actors did not start within {timeout_s:.0f} s")
+        places = []
+        for index, ref in enumerate(refs):
+            try:
+                places.append(_Place(*ray.get(ref)))
+            except Exception as exc:  # e.g. speculant is not installed on that node
+                raise SpeculantError(
+                    f"the actor of bundle {index} did not start ({_first_line(_cause(exc))}); "
+                    "install speculant (the same version) on every node"
+                ) from exc
+        return places
+
+    def close(self) -> None:
+        """Kill every actor (GPU ranks end without NCCL destructors, as spawn's os._exit) and
+        remove the placement group."""
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # the cluster is gone
+                pass
+        self.actors, self.pg = [], None
+
+
+def supervise(ray: Any, refs: dict[Any, int], grace_s: float) -> tuple[dict, list, list[int]]:
+    """Wait for every rank's result: ({rank: result}, [(rank, error)] in the order seen, ranks
+    still running `grace_s` after the first failure)."""
+    results, errors, pending = {}, [], list(refs)
+    failed_at = None
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+        for ref in done:
+            try:
+                results[refs[ref]] = ray.get(ref)
+            except Exception as exc:  # the actor raised, or its process died
+                errors.append((refs[ref], exc))
+                failed_at = failed_at or time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            break
+    return results, errors, sorted(refs[ref] for ref in pending)
+
+
+def failure_line(ray: Any, errors: list, stuck: list[int], grace_s: float) -> tuple[str, bool]:
+    """One line naming the failed rank (a dead actor before the ranks that saw it die), and
+    whether it is a user error (every failure a SpeculantError or ValueError)."""
+    died = [(rank, exc) for rank, exc in errors if isinstance(exc, ray.exceptions.RayActorError)]
+    if died:
+        rank, exc = min(died, key=lambda item: item[0])
+        line = f"rank {rank} died: {_died_detail(exc)}"
+    elif errors:
+        rank, exc = errors[0]
+        cause = _cause(exc)
+        line = f"rank {rank} failed: {type(cause).__name__}: {_first_line(cause)}"
+    else:
+        line = "no rank reported"
+    if stuck:
+        names = ", ".join(map(str, stuck))
+        line += f"; rank(s) {names} did not finish {grace_s:.0f} s after that and were killed"
+    user = bool(errors) and not died and not stuck
+    user = user and all(isinstance(_cause(e), (SpeculantError, ValueError)) for _, e in errors)
+    return line, user
+
+
+def run_driver(
+    args: argparse.Namespace,
+    address: str | None,
+    stdout: TextIO,
+    stderr: TextIO,
+    stop_on_sigterm: bool = False,
+    grace_s: float = GRACE_S,
+) -> int:
+    """Check and read the inputs, run every rank in a Ray actor, report; the exit status."""
+    from speculant.launch import accept_rate, cli
+
+    if args.command == "generate":
+        job: Any = cli._prepare(args)
+        empty: Any = []
+    else:
+        job = accept_rate.prepare_accept(args)
+        empty = replace(job, specs=[], baseline=None)
+    world = args.tp * args.dp
+    ray = _import_ray()
+    connected_here = not ray.is_initialized()
+    if connected_here and address:
+        ray.init(address=address)  # the cluster's resources; none of ours
+    elif connected_here:  # a new local cluster; CPU ranks may share cores, as spawn's do
+        cpus = max(os.cpu_count() or 1, world) if args.device == "cpu" else None
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+    if stop_on_sigterm:  # after ray.init, whose handler would abort the process instead
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    run = _Job(ray)
+    try:
+        if args.device is None:
+            args.device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+        strategy = run.place(world, args.device, args.dist_timeout)
+        places = run.start(world, args.device, args.dist_timeout)
+        order = rank_order(places)
+        port = ray.get(run.actors[order[0]].free_port.remote(), timeout=args.dist_timeout)
+        envs = rank_envs(places, order, port, args.device)
+        nodes = {places[i].node_id for i in order}
+        log.info(
+            "ray: %d rank(s) on %d node(s) (%s), rank 0 at %s:%d",
+            world, len(nodes), strategy, places[order[0]].ip, port,
+        )  # fmt: skip
+        _warn_split_tp(places, order, args.tp)
+        refs = {}  # each rank's result; rank 0 alone gets the inputs
+        for rank, index in enumerate(order):
+            inputs = job if rank == 0 else empty
+            refs[run.actors[index].run.remote(envs[rank], args.command, args, inputs)] = rank
+        results, errors, stuck = supervise(ray, refs, grace_s)
+        if errors or stuck:
+            line, user = failure_line(ray, errors, stuck, grace_s)
+            if user:
+                print(f"speculant: error: {_first_line(_cause(errors[0][1]))}", file=stderr)
+                return 2
+            print(f"speculant: error: {line}", file=stderr)
+            return 1
+    finally:
+        run.close()
+        if connected_here:
+            ray.shutdown()
+    if args.command == "generate":
+        outputs, seconds = results[0]
+        cli.report_outputs(args, outputs, seconds, stdout, stderr, write_file=True)
+        return 0
+    return accept_rate.report_accept(args, job, *results[0], stdout=stdout, stderr=stderr)
+
+
+def _warn_split_tp(places: Sequence[_Place], order: Sequence[int], tp: int) -> None:
+    for start in range(0, len(order), tp):
+        if len({places[i].node_id for i in order[start : start + tp]}) > 1:
+            log.warning(
+                "ray: the TP group of ranks %d-%d spans nodes; its all-reduces cross the "
+                "network (give each node a multiple of tp GPUs)",
+                start, start + tp - 1,
+            )  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None, stop_on_sigterm: bool = False) -> int:
+    """Entry point: `python -m speculant.launch.ray [--ray-address ADDR] generate|accept-rate
+    ...`; returns the exit status. `stop_on_sigterm`: SIGTERM (`ray job stop`) tears the job
+    down as Ctrl-C does."""
+    from speculant.launch.cli import build_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    outer = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    outer.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None)
+    known, rest = outer.parse_known_args(argv)
+    args = build_parser().parse_args(rest)  # a bad flag: one line, exit 2
+    args.argv = rest
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
+    )
+    try:
+        return run_driver(args, known.ray_address, sys.stdout, sys.stderr, stop_on_sigterm)
+    except KeyboardInterrupt:
+        print("speculant: interrupted", file=sys.stderr)
+        return 130
+    except (SpeculantError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
+        return 2
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # `ray job stop` sends SIGTERM: tear down as on Ctrl-C
+
+
+if __name__ == "__main__":
+    sys.exit(main(stop_on_sigterm=True))

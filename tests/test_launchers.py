@@ -1,0 +1,404 @@
+"""The torchrun and Ray launchers on the CPU (gloo): torchrun `--standalone` with 2 and 4
+processes and the Ray driver with 2 and 4 actors give the single-process output; `ray job
+submit` runs the driver end to end against a head this test starts (with token auth, Ray 2.60's
+recommended mode); a rank that dies mid-run (SPECULANT_TEST_KILL_RANK, launch/spawn.py
+`fault_point`) fails the torchrun job and the Ray job with a line naming it, in bounded time,
+with no process, actor or placement group left behind.
+
+Every subprocess has a timeout and every collective `--dist-timeout`. The Ray tests skip when
+Ray is not installed (`pip install 'speculant[ray]'`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers_eagle import write_random_eagle3
+
+from speculant.launch import cli
+from speculant.launch.spawn import free_port
+
+RUN_TIMEOUT_S = 180  # every launcher subprocess is killed after this
+KILL_BOUND_S = 60  # a run with a dead rank must end within this
+RAY_OBJECT_STORE = 100 * 2**20
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, llama_dir):
+    path = tmp_path_factory.mktemp("eagle3_launch")
+    write_random_eagle3(path, llama_dir, draft_vocab=200, num_kv_heads=1, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    rows = [
+        {"prompt": "def f(x):"},
+        {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]},
+        {"prompt": "import", "temperature": 0.8, "top_p": 0.9, "seed": 5},  # seeded sampling
+        {"prompt_token_ids": [40, 41]},
+    ]
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def flags(llama_dir, eagle_dir, prompts_file) -> list[str]:
+    """`generate` flags every launcher runs: EAGLE-3 k=3 on the tiny Llama."""
+    return [
+        "--device", "cpu", "--target", str(llama_dir), "--draft", str(eagle_dir),
+        "--algo", "eagle3", "--num-draft-tokens", "3", "--prompts", str(prompts_file),
+        "--max-new-tokens", "12", "--ignore-eos", "--max-num-seqs", "8",
+        "--max-model-len", "160", "--page-size", "4", "--dist-timeout", "60",
+    ]  # fmt: skip
+
+
+def read_tokens(path: Path) -> dict[int, list[int]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["index"] for line in lines] == sorted(line["index"] for line in lines)
+    return {line["index"]: line["token_ids"] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def expected(flags, tmp_path_factory) -> dict[int, list[int]]:
+    """The single-process output."""
+    out = tmp_path_factory.mktemp("single") / "out.jsonl"
+    assert cli.main(["generate", *flags, "--output", str(out)]) == 0
+    tokens = read_tokens(out)
+    assert sorted(tokens) == [0, 1, 2, 3] and all(len(t) == 12 for t in tokens.values())
+    return tokens
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = RUN_TIMEOUT_S, **kwargs):
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs
+    )  # a hung launcher fails the test with TimeoutExpired (and is killed)
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Processes whose environment holds SPECULANT_TEST_MARK=mark (a job's ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"SPECULANT_TEST_MARK={mark}".encode() in env:
+                found.append(int(entry.name))
+    return found
+
+
+# ---------------------------------------------------------------------------------- torchrun
+
+
+def torchrun(nproc: int, args: list[str], env: dict | None = None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), "-m", "speculant.launch.torchrun", *args]  # fmt: skip
+    return run(cmd, env=env)
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)])
+def test_torchrun_standalone_equals_one_process(flags, expected, tmp_path, tp, dp):
+    out = tmp_path / "out.jsonl"
+    proc = torchrun(tp * dp, ["generate", *flags, "--tp", str(tp), "--dp", str(dp),
+                              "--output", str(out)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert read_tokens(out) == expected
+    summaries = [line for line in proc.stderr.splitlines() if line.startswith("requests=")]
+    assert len(summaries) == 1 and summaries[0].startswith("requests=4 ")  # rank 0 reports
+
+
+def test_torchrun_world_must_match_tp_dp(flags):
+    proc = torchrun(2, ["generate", *flags, "--tp", "2", "--dp", "2"])
+    assert proc.returncode != 0
+    assert "torchrun started WORLD_SIZE=2 processes but --tp 2 x --dp 2 = 4" in proc.stderr
+    proc = run([sys.executable, "-m", "speculant.launch.torchrun", "generate", "--tp", "2"])
+    assert proc.returncode == 2 and "RANK is not set: start this module under torchrun" in (
+        proc.stderr
+    )
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks for stray ranks in /proc")
+def test_torchrun_fails_when_a_rank_dies(flags):
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "SPECULANT_TEST_KILL_RANK": "1", "SPECULANT_TEST_MARK": mark}
+    start = time.monotonic()
+    proc = torchrun(2, ["generate", *flags, "--tp", "2", "--dist-timeout", "20"], env=env)
+    assert time.monotonic() - start < KILL_BOUND_S
+    assert proc.returncode != 0
+    # torchrun's summary names the dead rank: `rank : 1 (local_rank: 1)`, `exitcode : -9`.
+    err = " ".join(proc.stderr.split())
+    assert "rank : 1 (local_rank: 1) exitcode : -9" in err, proc.stderr
+    assert "requests=" not in proc.stderr
+    assert marked_processes(mark) == []
+
+
+@pytest.fixture(scope="module")
+def accept_args(llama_dir, eagle_dir, prompts_file) -> list[str]:
+    return ["accept-rate", "--device", "cpu", "--target", str(llama_dir), "--draft",
+            str(eagle_dir), "--prompts", str(prompts_file), "--num-draft-tokens", "2",
+            "--max-new-tokens", "8", "--dist-timeout", "60"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def accept_expected(accept_args, tmp_path_factory) -> dict:
+    """The single-process accept-rate report."""
+    report = tmp_path_factory.mktemp("accept") / "single.json"
+    assert cli.main([*accept_args, "--report", str(report)]) == 0
+    return json.loads(report.read_text())
+
+
+def assert_same_report(report: Path, expected: dict) -> None:
+    got = json.loads(report.read_text())
+    for key in ("acceptance_length", "per_position_acceptance", "lossless", "num_verify_steps"):
+        assert got[key] == expected[key], key
+    assert got["num_prompts"] == 4
+
+
+def test_torchrun_accept_rate_equals_one_process(accept_args, accept_expected, tmp_path):
+    """accept-rate under torchrun: rank 0 reports what one process reports."""
+    report = tmp_path / "dp2.json"
+    proc = torchrun(2, [*accept_args, "--dp", "2", "--report", str(report)])
+    assert proc.returncode == 0, proc.stderr
+    assert_same_report(report, accept_expected)
+
+
+# --------------------------------------------------------------------------------------- Ray
+
+
+def test_ray_ranks_are_numbered_node_by_node(monkeypatch):
+    """PACK may interleave bundles over nodes: ranks go node by node, so TP groups (consecutive
+    ranks) share a node; each GPU actor sees its node's job GPUs in rank order, LOCAL_RANK
+    indexing its own; MASTER_ADDR is rank 0's node."""
+    from speculant.launch.ray import _Place, rank_envs, rank_order
+
+    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("SPECULANT_TEST_KILL_RANK", "9")  # SPECULANT_* reach the actors
+    places = [_Place("10.0.0.1", "a", ["3"]), _Place("10.0.0.2", "b", ["0"]),
+              _Place("10.0.0.1", "a", ["5"]), _Place("10.0.0.2", "b", ["1"])]  # fmt: skip
+    order = rank_order(places)
+    assert order == [0, 2, 1, 3]
+    envs = rank_envs(places, order, 29555, "cuda")
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,5", "3,5", "0,1", "0,1"]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in envs} == {
+        ("10.0.0.1", "29555", "4")
+    }
+    assert all(e["SPECULANT_TEST_KILL_RANK"] == "9" for e in envs)
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    envs = rank_envs(places, order, 29555, "cuda")
+    assert [e["LOCAL_RANK"] for e in envs] == ["3", "5", "0", "1"]
+    assert not any("CUDA_VISIBLE_DEVICES" in e for e in envs)
+    cpu = rank_envs(places, order, 29555, "cpu")
+    assert [e["LOCAL_RANK"] for e in cpu] == ["0", "1", "0", "1"]
+    assert not any("CUDA_VISIBLE_DEVICES" in e for e in cpu)
+
+
+def ray_command() -> str:
+    beside = Path(sys.executable).with_name("ray")
+    return str(beside) if beside.is_file() else shutil.which("ray") or "ray"
+
+
+class TestRayDriver:
+    """The driver in this process, on a local cluster of 4 logical CPUs started here (torn down
+    before the `ray job submit` test starts its own head)."""
+
+    @pytest.fixture(scope="class")
+    def ray(self):
+        ray = pytest.importorskip("ray")
+        saved = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # a private local cluster; writes no token
+        ray.init(
+            address="local",  # a new cluster, even where another one runs on this machine
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=RAY_OBJECT_STORE,
+            configure_logging=False,
+        )
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            if saved is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = saved
+
+    @staticmethod
+    def assert_nothing_left(ray) -> None:
+        """Every bundle back (no actor holds one, the placement group is gone) and no actor
+        process alive, within a few seconds."""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            free = ray.available_resources().get("CPU", 0) == 4
+            pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+            if free and not pgs and not actor_processes():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"left running: {ray.available_resources()}, {actor_processes()}")
+
+    @pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)])
+    def test_ray_driver_equals_one_process(
+        self, ray, flags, expected, tmp_path, capsys, caplog, tp, dp
+    ):
+        from speculant.launch.ray import main
+
+        caplog.set_level(logging.INFO, logger="speculant")
+        out = tmp_path / "out.jsonl"
+        assert main(["generate", *flags, "--tp", str(tp), "--dp", str(dp),
+                     "--output", str(out)]) == 0  # fmt: skip
+        assert read_tokens(out) == expected
+        assert f"{tp * dp} rank(s) on 1 node(s) (STRICT_PACK)" in caplog.text
+        assert "requests=4 " in capsys.readouterr().err
+        self.assert_nothing_left(ray)
+
+    def test_ray_driver_accept_rate(self, ray, accept_args, accept_expected, tmp_path):
+        from speculant.launch.ray import main
+
+        report = tmp_path / "dp2.json"
+        assert main([*accept_args, "--dp", "2", "--report", str(report)]) == 0
+        assert_same_report(report, accept_expected)
+        self.assert_nothing_left(ray)
+
+    def test_ray_driver_fails_when_a_rank_dies(self, ray, flags, capsys, monkeypatch):
+        from speculant.launch.ray import main
+
+        monkeypatch.setenv("SPECULANT_TEST_KILL_RANK", "1")  # forwarded to the actors
+        start = time.monotonic()
+        code = main(["generate", *flags, "--tp", "2", "--dp", "2", "--dist-timeout", "20"])
+        assert time.monotonic() - start < KILL_BOUND_S
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert code == 1, err
+        assert last.startswith("speculant: error: rank 1 died: its Ray actor's process"), err
+        assert "requests=" not in err
+        self.assert_nothing_left(ray)
+
+    def test_ray_driver_user_error_is_one_line(self, ray, flags, tmp_path, capsys):
+        """A prompt too long for the context fails on every rank: status 2, one line."""
+        from speculant.launch.ray import main
+
+        long_prompt = tmp_path / "long.jsonl"
+        long_prompt.write_text(json.dumps({"prompt_token_ids": [5] * 400}) + "\n")
+        args = [*flags, "--tp", "2", "--prompts", str(long_prompt)]
+        assert main(["generate", *args]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("speculant: error: ") and "rank" not in last, last
+        self.assert_nothing_left(ray)
+
+
+def actor_processes(root: int | None = None) -> list[int]:
+    """Live launcher actor processes (process title `ray::RankWorker...`) descending from `root`
+    (default: this process, whose local cluster runs them): other Ray clusters on the machine
+    do not count."""
+    root = os.getpid() if root is None else root
+    parents, actors = {}, []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
+                if (entry / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                    actors.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    return [pid for pid in actors if descends(pid)]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks for stray actors in /proc")
+def test_ray_job_submit(flags, expected, prompts_file, tmp_path):
+    """`ray job submit --working-dir . -- python -m speculant.launch.ray generate ...` against a
+    head started here with token auth (RAY_AUTH_MODE=token and one RAY_AUTH_TOKEN for the
+    head, the submitter and so the job): the outputs equal one process; then a job whose rank 1
+    dies fails, and its log names the rank."""
+    pytest.importorskip("ray")
+    if importlib_missing("aiohttp"):
+        pytest.skip("`ray job submit` needs the dashboard: pip install 'ray[default]'")
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    shutil.copy(prompts_file, workdir / "prompts.jsonl")
+    out = tmp_path / "out.jsonl"
+    port, dashboard = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    head = [ray_command(), "start", "--head", "--block", "--port", str(port), "--dashboard-port",
+            str(dashboard), "--num-cpus", "4", "--object-store-memory", str(RAY_OBJECT_STORE),
+            "--disable-usage-stats"]  # fmt: skip
+    submit = [ray_command(), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
+              "--working-dir", str(workdir), "--"]  # fmt: skip
+    driver = [sys.executable, "-m", "speculant.launch.ray", "generate"]
+    job_flags = [*flags[: flags.index("--prompts")], "--prompts", "prompts.jsonl",
+                 *flags[flags.index("--prompts") + 2 :], "--tp", "2", "--dp", "2"]  # fmt: skip
+    with ray_head(head, env) as head_process:
+        ok = run([*submit, *driver, *job_flags, "--output", str(out)], env=env)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "4 rank(s) on 1 node(s) (STRICT_PACK)" in ok.stdout + ok.stderr
+        assert read_tokens(out) == expected
+
+        start = time.monotonic()
+        killed = [*submit, "env", "SPECULANT_TEST_KILL_RANK=1", *driver, *job_flags]
+        failed = run([*killed, "--dp", "1", "--dist-timeout", "20"], env=env)
+        assert time.monotonic() - start < KILL_BOUND_S + 30  # with the job's own start-up
+        log = failed.stdout + failed.stderr
+        assert failed.returncode != 0, log
+        assert "speculant: error: rank 1 died" in log, log
+        assert re.search(r"Job '\w+' failed", log), log
+        deadline = time.monotonic() + 20
+        while actor_processes(head_process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert actor_processes(head_process.pid) == []
+
+
+@contextlib.contextmanager
+def ray_head(cmd: list[str], env: dict):
+    """A head node for the test: `ray start --head --block` in its own session, up within 120 s,
+    stopped after by SIGINT (which takes down this head's processes only, where `ray stop`
+    would stop every Ray cluster on the machine), `ray stop --force` if that fails."""
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(head.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("block forever" in line for line in lines):
+            assert head.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        yield head
+    finally:
+        head.send_signal(signal.SIGINT)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            run([ray_command(), "stop", "--force"], env=env, timeout=120)
+        reader.join(timeout=10)
+
+
+def importlib_missing(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is None
