@@ -159,13 +159,18 @@ def generate_distributed(
     on_output: Callable[[RequestOutput], None] | None = None,
 ) -> list[RequestOutput]:
     """`Engine.generate` over every rank of the job: rank 0's prompts and params count (the
-    others may pass None). Rank 0 returns every output in input order and passes each to
-    `on_output` once all have finished; other ranks return their own DP rank's outputs."""
+    others may pass None). Rank 0 returns every output in input order; it passes its own DP
+    rank's outputs to `on_output` as they finish (all of them when dp = 1: nothing finished is
+    lost to a later interrupt) and the other DP ranks' once gathered at the end. Other ranks
+    return their own DP rank's outputs."""
     pctx = engine.pctx
     prompts, sampling_params = pctx.broadcast_object((prompts, sampling_params))
     requests = engine.make_requests(prompts, sampling_params)  # every rank checks every prompt
     share = assign_requests([request_cost(r) for r in requests], pctx.dp_size)[pctx.dp_rank]
-    local = engine.run([requests[i] for i in share], use_tqdm=use_tqdm and pctx.rank == 0)
+    streamed = on_output if pctx.rank == 0 else None
+    local = engine.run(
+        [requests[i] for i in share], use_tqdm=use_tqdm and pctx.rank == 0, on_output=streamed
+    )
     gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
     if gathered is None:
         return local
@@ -174,6 +179,8 @@ def generate_distributed(
     if indices != list(range(len(requests))):
         raise RuntimeError(f"DP ranks returned outputs {indices} for {len(requests)} requests")
     if on_output is not None:
+        mine = {out.index for out in local}
         for out in outputs:
-            on_output(out)
+            if out.index not in mine:
+                on_output(out)
     return outputs

@@ -343,7 +343,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         return launch_cli(args.argv, args.tp * args.dp, _engine_kwargs(args)["device"], stderr)
     out_file = None
 
-    def on_output(out: Any) -> None:  # one process: written and flushed as each request ends
+    def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
         nonlocal out_file
         if args.output:
             out_file = out_file or open(args.output, "w", encoding="utf-8")

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from speculant.errors import SpeculantError
 
 GRACE_S = 5.0  # how long the other ranks get to exit after one fails
+SETTLE_S = 0.5  # how long to look for the real cause once a rank has failed
 
 
 class RankFailure(RuntimeError):
@@ -165,6 +166,15 @@ class _Rank:
         return lines[-1].removeprefix("speculant: error: ") if lines else ""
 
 
+def _blame(code: int) -> int:
+    """How likely an exit code is the cause rather than a consequence: killed from outside
+    (SIGKILL, SIGTERM, ...) first, a self-abort (SIGABRT, as gloo does on a lost peer) next, an
+    error exit last."""
+    if code < 0:
+        return 1 if -code == signal.SIGABRT else 0
+    return 2
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -178,13 +188,17 @@ def _supervise(ranks: list[_Rank], timeout_s: float | None, grace_s: float) -> s
     """Wait for every rank; None when all exited 0, else one line naming the first failure and
     any rank that was still running `grace_s` later (killed as stuck)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failure, stuck_since = None, None
+    failure, stuck_since, first_seen = None, None, None
     while True:
         alive = [r for r in ranks if r.process.exitcode is None]
         failed = [r for r in ranks if r.process.exitcode not in (None, 0)]
-        if failure is None and failed:
-            # A rank killed by a signal is the likelier cause of its peers' errors.
-            failure = min(failed, key=lambda r: (r.process.exitcode >= 0, r.rank))
+        if failed and first_seen is None:
+            first_seen = time.monotonic()
+        # Name the cause only after a short settle: a killed rank's peers abort on the broken
+        # connection within moments, sometimes before the killed rank is seen to have exited.
+        settled = first_seen is not None and (not alive or time.monotonic() - first_seen > SETTLE_S)
+        if failure is None and settled:
+            failure = min(failed, key=lambda r: (_blame(r.process.exitcode), r.rank))
             stuck_since = time.monotonic()
         if not alive:
             break

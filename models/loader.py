@@ -170,6 +170,11 @@ def build_causal_lm(
     default_device_and_dtype): a dense CausalLM, or Qwen3MoeForCausalLM with its experts split
     over all ranks and the dispatcher `moe` names (`decode_tokens`: max_bs * (k + 1))."""
     if not cfg.is_moe:
+        if moe is not None and (moe.backend != "auto" or moe.max_tokens_per_rank is not None):
+            raise SpeculantError(
+                f"--moe-backend/--moe-max-tokens-per-rank apply to mixture-of-experts targets; "
+                f"{cfg.architecture} is dense, drop them"
+            )
         return CausalLM(cfg, max_positions, pctx)
     device = torch.get_default_device()
     dispatcher = make_dispatcher(cfg, pctx, moe or MoeConfig(), decode_tokens, device)

@@ -67,8 +67,10 @@ def flags(llama_dir, eagle_dir, prompts_file) -> list[str]:
 
 
 def read_tokens(path: Path) -> dict[int, list[int]]:
+    """Output lines by request index (lines come in the order requests finish; each once)."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [line["index"] for line in lines] == sorted(line["index"] for line in lines)
+    indices = [line["index"] for line in lines]
+    assert sorted(indices) == list(range(len(lines))), indices
     return {line["index"]: line["token_ids"] for line in lines}
 
 

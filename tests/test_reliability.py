@@ -1,0 +1,154 @@
+"""What a user meets when things go wrong, end to end through the CLI: every mistake in the
+README's table is one `speculant: error:` line naming the value and the fix, exit status 2, no
+traceback; Ctrl-C stops every rank with status 130 and keeps the outputs already written.
+(Rank deaths under spawn, torchrun and Ray: tests/test_parallel.py and tests/test_launchers.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_dflash import write_random_dflash
+from helpers_eagle import write_random_eagle3
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory, llama_dir) -> dict[str, Path]:
+    """Checkpoints and drafters that are wrong in one way each."""
+    root = tmp_path_factory.mktemp("broken")
+
+    def copy(name: str) -> Path:
+        shutil.copytree(llama_dir, root / name)
+        return root / name
+
+    truncated = copy("truncated") / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:4096])
+    config = json.loads((llama_dir / "config.json").read_text())
+    (copy("arch") / "config.json").write_text(
+        json.dumps({**config, "architectures": ["GPT2LMHeadModel"]})
+    )
+    (copy("shape") / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    write_random_eagle3(root / "eagle_wide", llama_dir, hidden=64, seed=1)  # fine
+    write_random_eagle3(
+        root / "eagle_ids", llama_dir, aux_ids=[0, 1, 7], config_overrides={}, seed=2
+    )
+    write_random_dflash(root / "dflash_ids", llama_dir, target_layer_ids=[0, 5])
+    write_random_dflash(root / "dflash_vocab", llama_dir, mask_token_id=100000)
+    return {"root": root, **{p.name: p for p in root.iterdir()}}
+
+
+CASES = [  # (what, args, text the one-line error must contain)
+    ("missing checkpoint", ["--target", "/no/such/dir"], "/no/such/dir"),
+    ("truncated safetensors", ["--target", "{truncated}"], "corrupt or truncated"),
+    ("unknown architecture", ["--target", "{arch}"], "GPT2LMHeadModel"),
+    ("wrong tensor shapes", ["--target", "{shape}"], "wrong shape"),
+    (
+        "EAGLE-3 aux layer out of range",
+        ["--algo", "eagle3", "--draft", "{eagle_ids}"],
+        "out of range",
+    ),
+    (
+        "DFLASH layer ids out of range",
+        ["--algo", "dflash", "--draft", "{dflash_ids}"],
+        "target_layer_ids=[0, 5]",
+    ),
+    ("DFLASH mask outside vocab", ["--algo", "dflash", "--draft", "{dflash_vocab}"], "100000"),
+    ("drafter of another kind", ["--algo", "dflash", "--draft", "{eagle_wide}"], "not a DFLASH"),
+    ("prompt longer than the context", ["--max-model-len", "32", "--prompt", "x " * 200], "32"),
+    ("max_new_tokens <= 0", ["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    ("k above the supported 16", ["--algo", "eagle3", "--draft", "{eagle_wide}",
+                                  "--num-draft-tokens", "40"], "num_draft_tokens=40"),
+    ("capture size above max_num_seqs", ["--capture-sizes", "1,64", "--max-num-seqs", "8"], "64"),
+    ("tp does not divide the heads", ["--tp", "3"], "tp=3"),
+    ("MoE flags on a dense target", ["--moe-backend", "deepep"], "dense"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, args, needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2(capfd, llama_dir, broken, what, args, needle):
+    from speculant.launch.cli import main
+
+    args = [a.format(**{k: str(v) for k, v in broken.items()}) for a in args]
+    if "--target" not in args:
+        args = ["--target", str(llama_dir), *args]
+    if "--prompt" not in args:
+        args += ["--prompt", "def f():"]
+    status = main(["generate", "--device", "cpu", "--max-model-len", "128", *args])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert status == 2, err
+    assert err and err[-1].startswith("speculant: error:") and needle in err[-1], (what, err)
+    assert not any("Traceback" in line for line in err)
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu", *args]
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _interrupt(proc: subprocess.Popen, ready, timeout: float = 60) -> tuple[int, str]:
+    """Wait for `ready()`, send SIGINT to the whole process group (a terminal's Ctrl-C), and
+    return the exit status and stderr; the job must end within 30 s."""
+    start = time.time()
+    while not ready() and proc.poll() is None and time.time() - start < timeout:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the job did not stop within 30 s of Ctrl-C")
+    return proc.returncode, err
+
+
+def _left_running(marker: str) -> str:
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_keeps_finished_outputs(llama_dir, tmp_path):
+    """One short and two long requests: after the short one is written, Ctrl-C ends the run
+    with 130 and the file holds the finished request's complete line."""
+    rows = [{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 4}]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 400} for i in range(2)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    args = ["--target", str(llama_dir), "--prompts", "p.jsonl", "--output", "out.jsonl"]
+    proc = _start([*args, "--ignore-eos", "--max-num-seqs", "1"], tmp_path)
+    status, err = _interrupt(proc, lambda: out.exists() and out.read_text().endswith("\n"))
+    assert status == 130, err
+    assert "speculant: interrupted" in err and "Traceback" not in err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines and lines[0]["index"] == 0 and len(lines[0]["token_ids"]) == 4
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_every_rank_and_keeps_finished_outputs(llama_dir, tmp_path):
+    """`--tp 2`: after the short request is written, Ctrl-C ends the job with 130, the file
+    holds that request, and no rank is left running."""
+    rows = [{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 4}]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 400} for i in range(3)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, marker = tmp_path / "out.jsonl", str(tmp_path / "p.jsonl")
+    args = ["--target", str(llama_dir), "--prompts", marker, "--output", "out.jsonl"]
+    args += ["--tp", "2", "--ignore-eos", "--max-num-seqs", "1", "--dist-timeout", "60"]
+    proc = _start(args, tmp_path)
+    status, err = _interrupt(proc, lambda: out.exists() and out.read_text().endswith("\n"))
+    assert status == 130, err
+    assert "Traceback" not in err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines and lines[0]["index"] == 0 and len(lines[0]["token_ids"]) == 4
+    deadline = time.time() + 10
+    while _left_running(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _left_running(marker), "a rank outlived Ctrl-C"
