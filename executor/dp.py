@@ -159,17 +159,29 @@ def generate_distributed(
     on_output: Callable[[RequestOutput], None] | None = None,
 ) -> list[RequestOutput]:
     """`Engine.generate` over every rank of the job: rank 0's prompts and params count (the
-    others may pass None). Rank 0 returns every output in input order; it passes its own DP
-    rank's outputs to `on_output` as they finish (all of them when dp = 1: nothing finished is
-    lost to a later interrupt) and the other DP ranks' once gathered at the end. Other ranks
-    return their own DP rank's outputs."""
+    others may pass None). Rank 0 returns every output in input order and passes each to
+    `on_output` in the step it finishes, on whichever DP rank (one small gather per step, only
+    when rank 0 has an `on_output`): nothing finished is lost to a later interrupt or rank
+    failure. Other ranks return their own DP rank's outputs."""
     pctx = engine.pctx
-    prompts, sampling_params = pctx.broadcast_object((prompts, sampling_params))
+    prompts, sampling_params, stream = pctx.broadcast_object(
+        (prompts, sampling_params, on_output is not None)
+    )
     requests = engine.make_requests(prompts, sampling_params)  # every rank checks every prompt
     share = assign_requests([request_cost(r) for r in requests], pctx.dp_size)[pctx.dp_rank]
-    streamed = on_output if pctx.rank == 0 else None
+    emitted: set[int] = set()
+
+    def stream_to_rank0(finished: list[RequestOutput]) -> None:
+        parts = pctx.gather_object(finished if pctx.tp_rank == 0 else None)
+        for out in (out for part in parts or [] if part for out in part):
+            if out.index not in emitted:
+                emitted.add(out.index)
+                on_output(out)
+
     local = engine.run(
-        [requests[i] for i in share], use_tqdm=use_tqdm and pctx.rank == 0, on_output=streamed
+        [requests[i] for i in share],
+        use_tqdm=use_tqdm and pctx.rank == 0,
+        on_step=stream_to_rank0 if stream else None,
     )
     gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
     if gathered is None:
@@ -178,9 +190,8 @@ def generate_distributed(
     indices = [out.index for out in outputs]
     if indices != list(range(len(requests))):
         raise RuntimeError(f"DP ranks returned outputs {indices} for {len(requests)} requests")
-    if on_output is not None:
-        mine = {out.index for out in local}
+    if on_output is not None:  # streamed already; this catches nothing unless a step was missed
         for out in outputs:
-            if out.index not in mine:
+            if out.index not in emitted:
                 on_output(out)
     return outputs

@@ -383,20 +383,24 @@ class Engine:
         *,
         use_tqdm: bool = False,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[RequestOutput]:
         """Step until these requests (and, under DP, every other DP rank's) have finished;
-        outputs in the order of `requests`."""
+        outputs in the order of `requests`. `on_step` gets each step's finished outputs (every
+        rank calls it every step: the DP ranks stream outputs to rank 0 through it)."""
         for request in requests:
             self.scheduler.add(request)
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
         while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
-            for request in self.step():
-                out = self._output(request)
-                results[request.index] = out
+            finished = [self._output(request) for request in self.step()]
+            for out in finished:
+                results[out.index] = out
                 if on_output is not None:
                     on_output(out)
                 bar.update(1)
+            if on_step is not None:
+                on_step(finished)
             if self.dp.last.all_idle:
                 break
         bar.close()
