@@ -36,6 +36,7 @@ on success, failure and Ctrl-C (exit 130); a local cluster the driver started is
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -43,7 +44,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -70,9 +71,17 @@ class RankWorker:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def run(self, env: dict[str, str], command: str, args: argparse.Namespace, job: Any) -> Any:
+    def run(
+        self,
+        env: dict[str, str],
+        command: str,
+        args: argparse.Namespace,
+        job: Any,
+        outputs_queue: Any = None,
+    ) -> Any:
         """Join the job described by `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
-        run this rank's part of `command`; rank 0 returns what the driver reports."""
+        run this rank's part of `command`; rank 0 returns what the driver reports, and puts
+        each finished request's output line on `outputs_queue` (the driver writes them)."""
         os.environ.update(env)
         rank0 = env["RANK"] == "0"
         level = logging.DEBUG if args.debug else logging.INFO if rank0 else logging.WARNING
@@ -80,7 +89,11 @@ class RankWorker:
         if command == "generate":
             from speculant.launch.cli import generate_in_rank
 
-            outputs, seconds = generate_in_rank(args, job, use_tqdm=False)
+            def on_output(out: Any) -> None:
+                outputs_queue.put(json.dumps(out.to_json()))
+
+            streamed = on_output if outputs_queue is not None and rank0 else None
+            outputs, seconds = generate_in_rank(args, job, on_output=streamed, use_tqdm=False)
             return (outputs, seconds) if outputs is not None else None
         from speculant.launch.accept_rate import measure_in_rank
 
@@ -232,13 +245,16 @@ class _Job:
         self.actors, self.pg = [], None
 
 
-def supervise(ray: Any, refs: dict[Any, int], grace_s: float) -> tuple[dict, list, list[int]]:
+def supervise(
+    ray: Any, refs: dict[Any, int], grace_s: float, on_poll: Callable[[], None] = lambda: None
+) -> tuple[dict, list, list[int]]:
     """Wait for every rank's result: ({rank: result}, [(rank, error)] in the order seen, ranks
-    still running `grace_s` after the first failure)."""
+    still running `grace_s` after the first failure). `on_poll` runs every poll."""
     results, errors, pending = {}, [], list(refs)
     failed_at = None
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+        on_poll()
         for ref in done:
             try:
                 results[refs[ref]] = ray.get(ref)
@@ -271,6 +287,40 @@ def failure_line(ray: Any, errors: list, stuck: list[int], grace_s: float) -> tu
     return line, user
 
 
+class _OutputLines:
+    """The driver's `--output` file, fed as requests finish: rank 0's actor puts each output
+    line on a Ray queue, drained every poll and once more at the end."""
+
+    def __init__(self, ray: Any, path: str | None):
+        from ray.util.queue import Queue
+
+        self.path, self.file = path, None
+        # no CPU: the placement group holds every CPU the ranks need
+        self.queue = Queue(actor_options={"num_cpus": 0}) if path else None
+
+    def drain(self) -> None:
+        if self.queue is None:
+            return
+        batch = self.queue.get_nowait_batch(self.queue.qsize())
+        if batch:
+            self.file = self.file or open(self.path, "w", encoding="utf-8")
+            self.file.writelines(line + "\n" for line in batch)
+            self.file.flush()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        except Exception:  # the queue's actor is gone with the cluster: keep what was written
+            pass
+        if self.file is not None:
+            self.file.close()
+        if self.queue is not None:
+            try:
+                self.queue.shutdown()
+            except Exception:
+                pass
+
+
 def run_driver(
     args: argparse.Namespace,
     address: str | None,
@@ -299,6 +349,7 @@ def run_driver(
     if stop_on_sigterm:  # after ray.init, whose handler would abort the process instead
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
     run = _Job(ray)
+    lines = _OutputLines(ray, args.output if args.command == "generate" else None)
     try:
         if args.device is None:
             args.device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
@@ -316,8 +367,9 @@ def run_driver(
         refs = {}  # each rank's result; rank 0 alone gets the inputs
         for rank, index in enumerate(order):
             inputs = job if rank == 0 else empty
-            refs[run.actors[index].run.remote(envs[rank], args.command, args, inputs)] = rank
-        results, errors, stuck = supervise(ray, refs, grace_s)
+            queue = lines.queue if rank == 0 else None
+            refs[run.actors[index].run.remote(envs[rank], args.command, args, inputs, queue)] = rank
+        results, errors, stuck = supervise(ray, refs, grace_s, on_poll=lines.drain)
         if errors or stuck:
             line, user = failure_line(ray, errors, stuck, grace_s)
             if user:
@@ -326,12 +378,13 @@ def run_driver(
             print(f"speculant: error: {line}", file=stderr)
             return 1
     finally:
+        lines.close()  # whatever finished is in the file, also after a failure or Ctrl-C
         run.close()
         if connected_here:
             ray.shutdown()
     if args.command == "generate":
         outputs, seconds = results[0]
-        cli.report_outputs(args, outputs, seconds, stdout, stderr, write_file=True)
+        cli.report_outputs(args, outputs, seconds, stdout, stderr, write_file=False)
         return 0
     return accept_rate.report_accept(args, job, *results[0], stdout=stdout, stderr=stderr)
 
