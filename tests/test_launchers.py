@@ -291,6 +291,41 @@ class TestRayDriver:
         assert "requests=" not in err
         self.assert_nothing_left(ray)
 
+    def test_ray_driver_keeps_finished_outputs_when_a_rank_dies(
+        self, ray, llama_dir, tmp_path, capsys
+    ):
+        """--dp 2, each DP rank a short then a long request: once both short ones are in the
+        file, an actor is killed; the driver fails naming a rank and the file keeps them."""
+        import threading
+
+        from speculant.launch.ray import main
+
+        rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
+        rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = tmp_path / "out.jsonl"
+        args = ["generate", "--device", "cpu", "--target", str(llama_dir), "--dp", "2",
+                "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
+                "--max-num-seqs", "2", "--dist-timeout", "20"]  # fmt: skip
+        result = {}
+        driver = threading.Thread(target=lambda: result.update(code=main(args)), daemon=True)
+        driver.start()
+        deadline = time.monotonic() + KILL_BOUND_S
+        while not (out.exists() and out.read_text().count("\n") >= 2):
+            assert driver.is_alive() and time.monotonic() < deadline, "short outputs not streamed"
+            time.sleep(0.05)
+        os.kill(actor_processes()[-1], signal.SIGKILL)
+        driver.join(timeout=KILL_BOUND_S)
+        assert not driver.is_alive()
+        err = capsys.readouterr().err
+        assert result["code"] == 1, err
+        assert "died" in err.strip().splitlines()[-1], err
+        kept = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(line["index"] for line in kept[:2]) == [0, 1]
+        assert all(len(line["token_ids"]) == 4 for line in kept[:2])
+        self.assert_nothing_left(ray)
+
     def test_ray_driver_user_error_is_one_line(self, ray, flags, tmp_path, capsys):
         """A prompt too long for the context fails on every rank: status 2, one line."""
         from speculant.launch.ray import main
