@@ -84,15 +84,6 @@ class TorchPagedAttention:
         self.masks = {}
         self.batch = batch
 
-    def _mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask for queries laid out [bs, kv_heads, group * T] (made once per step)."""
-        key = (group, dtype)
-        if key not in self.masks:
-            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
-            bias.masked_fill_(~self.visible, float("-inf"))
-            self.masks[key] = bias.repeat(1, 1, group, 1)
-        return self.masks[key]
-
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d]."""
         batch = self.batch
@@ -102,7 +93,13 @@ class TorchPagedAttention:
         keys = k_pool[self.kv_slots].transpose(1, 2)  # [bs, kv_heads, kv_len, d]
         values = v_pool[self.kv_slots].transpose(1, 2)
         group = q.shape[1] // k.shape[1]
-        return folded_sdpa(q, keys, values, self._mask(group, q.dtype), batch.tokens_per_req)
+        return folded_sdpa(
+            q,
+            keys,
+            values,
+            additive_mask(self.visible, group, q.dtype, self.masks),
+            batch.tokens_per_req,
+        )
 
 
 def key_slots(
@@ -159,14 +156,6 @@ class BlockContextAttention:
         self.visible = visible.unsqueeze(1)  # [bs, 1, B, kv_len + B]
         self.masks = {}
 
-    def _mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (group, dtype)
-        if key not in self.masks:
-            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
-            bias.masked_fill_(~self.visible, float("-inf"))
-            self.masks[key] = bias.repeat(1, 1, group, 1)
-        return self.masks[key]
-
     def forward(
         self,
         layer_id: int,
@@ -187,7 +176,22 @@ class BlockContextAttention:
         keys = torch.cat([k_pool[self.kv_slots], block_k], dim=1).transpose(1, 2)
         values = torch.cat([v_pool[self.kv_slots], block_v], dim=1).transpose(1, 2)
         group = q.shape[1] // k.shape[1]
-        return folded_sdpa(q, keys, values, self._mask(group, q.dtype), B)
+        return folded_sdpa(
+            q, keys, values, additive_mask(self.visible, group, q.dtype, self.masks), B
+        )
+
+
+def additive_mask(
+    visible: torch.Tensor, group: int, dtype: torch.dtype, cache: dict
+) -> torch.Tensor:
+    """The additive form of `visible` [bs, 1, T, L] for queries laid out [bs, kv_heads,
+    group * T] (made once per step and kept in `cache`)."""
+    key = (group, dtype)
+    if key not in cache:
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        cache[key] = bias.repeat(1, 1, group, 1)
+    return cache[key]
 
 
 def folded_sdpa(
