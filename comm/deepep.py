@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,10 @@ class DeepEPBuffer:
         world = group.size()
         check_low_latency_sizes(hidden, num_experts, world, max_tokens_per_rank, decode_tokens)
         deep_ep = import_deep_ep()
+        # the LL kernels assert NVSHMEM's queue depth >= 2 * (limit + 1); Buffer reads it from the
+        # environment (default 1024), so a larger limit raises it before the buffer is built
+        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+        os.environ["NVSHMEM_QP_DEPTH"] = str(max(depth, 2 * (max_tokens_per_rank + 1)))
         buffer_cls = deep_ep.Buffer
         num_rdma_bytes = buffer_cls.get_low_latency_rdma_size_hint(
             max_tokens_per_rank, hidden, world, num_experts
