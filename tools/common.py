@@ -1,6 +1,6 @@
 """What every training stage shares: logging, token batches, the wall-clock-budgeted training
-loop (AdamW, warm-up then cosine over the budget), bf16 safetensors in HF layout (sharded with an
-index above a size limit) and the model cards."""
+loop (AdamW, warm-up then cosine over the budget) and the summary row it starts, bf16
+safetensors in HF layout (sharded with an index above a size limit) and the model cards."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -130,6 +131,49 @@ def train_loop(
     return result
 
 
+class StageRun(Protocol):
+    """The schedule fields every stage's run settings carry (LMRun, Eagle3Run, DFlashRun)."""
+
+    lr: float
+    budget_s: float
+    max_steps: int
+    warmup: int
+
+
+def train_stage(
+    stage: str,
+    module: torch.nn.Module,
+    step_fn: Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    run: StageRun,
+    tokens_per_step: int,
+    weight_decay: float = 0.1,
+) -> LoopResult:
+    """train_loop over all of `module`'s parameters on `run`'s learning rate, budget, step cap
+    and warm-up."""
+    return train_loop(
+        stage,
+        list(module.parameters()),
+        step_fn,
+        lr=run.lr,
+        budget_s=run.budget_s,
+        max_steps=run.max_steps,
+        tokens_per_step=tokens_per_step,
+        warmup=run.warmup,
+        weight_decay=weight_decay,
+    )
+
+
+def loop_summary(result: LoopResult, eval_start: float, tokens_key: str = "tokens_seen") -> dict:
+    """The first fields of a stage's summary row; `eval_start` is when its held-out eval began."""
+    return {
+        "steps": result.steps,
+        tokens_key: result.tokens,
+        "train_seconds": round(result.seconds, 1),
+        "eval_seconds": round(time.perf_counter() - eval_start, 1),
+        "final_train_loss": round(result.final_loss, 4),
+    }
+
+
 def _progress_line(result: LoopResult, recent: list, names: list[str], lr: float, start) -> str:
     means = np.mean(np.array(recent[-20:]), axis=0).tolist() if recent else [float("nan")]
     seconds = time.perf_counter() - start
@@ -191,6 +235,37 @@ def write_card(out_dir: str | Path, title: str, summary: str, rows: dict, notes:
         + "\n## Measured acceptance\n\n_To be filled from `speculant accept-rate` runs._\n"
     )
     (Path(out_dir) / "README.md").write_text(text)
+
+
+def save_stage(
+    out_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    max_shard_mb: float,
+    *,
+    title: str,
+    about: str,
+    rows: dict,
+    summary: dict,
+    device: torch.device,
+    heldout_rows: dict | None = None,
+    tokens_key: str = "tokens_seen",
+) -> None:
+    """save_hf, then the model card: the stage's own `rows` (layout, corpus, objective, batch),
+    then what every stage reports from its `summary` row (steps, tokens, losses, the stage's
+    `heldout_rows`, training seconds), the device and the weight files."""
+    files = save_hf(out_dir, tensors, config, max_shard_mb)
+    training = {
+        "steps": summary["steps"],
+        tokens_key.replace("_", " "): f"{summary[tokens_key]:,}",
+        "final train loss": summary["final_train_loss"],
+        "held-out loss": summary["heldout_loss"],
+        **(heldout_rows or {}),
+        "training seconds": summary["train_seconds"],
+        "device": gpu_name(device),
+        "files": ", ".join(files),
+    }
+    write_card(out_dir, title, about, {**rows, **training})
 
 
 def param_count(module: torch.nn.Module) -> int:

@@ -177,6 +177,15 @@ class Corpus:
         }
 
 
+def card_line(card: dict) -> str:
+    """The corpus row of a model card, from `Corpus.card()`."""
+    return (
+        f"{card['files']} Python files ({card['train_files']} train, {card['heldout_files']} "
+        f"held out by {card['heldout_rule']}), {card['train_tokens']:,} train tokens; "
+        f"file list sha256 `{card['file_list_sha256']}`"
+    )
+
+
 def build_corpus(files: list[SourceFile], tokenizer_file: str, eos_id: int, workers: int) -> Corpus:
     """Tokenize every file, drop unreadable ones, hash the list, join the streams."""
     results = tokenize_files(files, tokenizer_file, workers)

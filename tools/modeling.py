@@ -201,6 +201,15 @@ class LlamaLM(nn.Module):
         return dict(self.state_dict())
 
 
+@torch.no_grad()
+def init_drafter(drafter: nn.Module, target: LlamaLM) -> None:
+    """A drafter's start: norm weights 1, matrices N(0, 0.02), and the target's final-norm
+    weight in `drafter.norm` (a warm start on the target's output head)."""
+    for p in drafter.parameters():
+        p.fill_(1.0) if p.dim() < 2 else p.normal_(0.0, 0.02)
+    drafter.norm.weight.copy_(target.model.norm.weight)
+
+
 def load_lm(path, shape: LlamaShape, device) -> LlamaLM:
     """A saved checkpoint (model.safetensors or shards) back into a float32 LlamaLM."""
     from pathlib import Path

@@ -19,17 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import (
-    TokenStream,
-    autocast,
-    gpu_name,
-    log,
-    param_count,
-    save_hf,
-    train_loop,
-    write_card,
-)
-from modeling import MLP, LlamaLM, apply_rope, repeat_kv
+from common import TokenStream, autocast, log, loop_summary, param_count, save_stage, train_stage
+from corpus import card_line
+from modeling import MLP, LlamaLM, apply_rope, init_drafter, repeat_kv
 from torch import nn
 
 
@@ -113,10 +105,7 @@ class DFlashDrafter(nn.Module):
         self.norm = nn.RMSNorm(s.hidden, eps=s.eps)
         self.fc = nn.Linear(len(layer_ids) * s.hidden, s.hidden, bias=False)
         self.hidden_norm = nn.RMSNorm(s.hidden, eps=s.eps)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.fill_(1.0) if p.dim() < 2 else p.normal_(0.0, 0.02)
-            self.norm.weight.copy_(target.model.norm.weight)  # warm start on the target's head
+        init_drafter(self, target)
 
     def forward(self, block_emb, ctx_states, rope_blk, rope_ctx, mask):
         ctx = self.hidden_norm(self.fc(torch.cat(ctx_states, dim=-1)))
@@ -198,26 +187,13 @@ def train_dflash(
         with autocast(device):
             return dflash_loss(model, target, ids, anchors, mask_id, run.block, run.gamma)
 
-    result = train_loop(
-        "dflash",
-        list(model.parameters()),
-        step,
-        lr=run.lr,
-        budget_s=run.budget_s,
-        max_steps=run.max_steps,
-        tokens_per_step=run.batch_size * run.anchors * run.block,
-        warmup=run.warmup,
-        weight_decay=0.0,
-    )
+    tokens_per_step = run.batch_size * run.anchors * run.block
+    result = train_stage("dflash", model, step, run, tokens_per_step, weight_decay=0.0)
     start = time.perf_counter()
     held = evaluate(model, target, heldout, mask_id, run, device)
     log("dflash", "held-out loss {loss:.4f} tau {tau:.3f} acc per position {accs}".format(**held))
     summary = {
-        "steps": result.steps,
-        "block_tokens_seen": result.tokens,
-        "train_seconds": round(result.seconds, 1),
-        "eval_seconds": round(time.perf_counter() - start, 1),
-        "final_train_loss": round(result.final_loss, 4),
+        **loop_summary(result, start, tokens_key="block_tokens_seen"),
         "train_tau": round(result.metrics.get("tau", float("nan")), 4),
         "heldout_loss": round(held["loss"], 4),
         "heldout_tau": round(held["tau"], 4),
@@ -287,34 +263,32 @@ def save_dflash(
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": model.layer_ids},
         "torch_dtype": "bfloat16",
     }
-    files = save_hf(out_dir, dict(model.state_dict()), config, max_shard_mb)
-    from train_lm import _corpus_line
-
-    write_card(
+    save_stage(
         out_dir,
-        "DFLASH drafter for the bundled target",
-        "A DFLASH block drafter (`DFlashDraftModel`, z-lab/dflash layout) for the bundled "
+        dict(model.state_dict()),
+        config,
+        max_shard_mb,
+        title="DFLASH drafter for the bundled target",
+        about="A DFLASH block drafter (`DFlashDraftModel`, z-lab/dflash layout) for the bundled "
         "Python-code Llama in `../target`; it has no embedding or LM head of its own and uses "
         "the target's.",
-        {
+        rows={
             "layout": f"{run.layers} Qwen3-style layers (q/k norms), block {run.block}, "
             f"fc [{s.hidden}, {len(model.layer_ids) * s.hidden}], mask token id {mask_id}, "
             f"{summary['params'] / 1e6:.2f}M params",
             "context features": f"outputs of target layers {model.layer_ids} (the residual "
             f"entering layers {[i + 1 for i in model.layer_ids]})",
-            "corpus": _corpus_line(corpus_card),
+            "corpus": card_line(corpus_card),
             "objective": f"random anchors, block [anchor, MASK x {run.block - 1}] attending "
             f"non-causally to itself and to context before the anchor; CE to the target's "
             f"distribution, weights exp(-(i-1)/{run.gamma:g})",
             "batch": summary["batch"],
-            "steps": summary["steps"],
-            "block tokens seen": f"{summary['block_tokens_seen']:,}",
-            "final train loss": summary["final_train_loss"],
-            "held-out loss": summary["heldout_loss"],
+        },
+        summary=summary,
+        device=device,
+        heldout_rows={
             "held-out top-1 agreement per block position": summary["heldout_acc_per_position"],
             "held-out accepted length (teacher-forced estimate)": summary["heldout_tau"],
-            "training seconds": summary["train_seconds"],
-            "device": gpu_name(device),
-            "files": ", ".join(files),
         },
+        tokens_key="block_tokens_seen",
     )

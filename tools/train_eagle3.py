@@ -19,17 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import (
-    TokenStream,
-    autocast,
-    gpu_name,
-    log,
-    param_count,
-    save_hf,
-    train_loop,
-    write_card,
-)
-from modeling import MLP, Attention, LlamaLM, repeat_kv, rope_tables
+from common import TokenStream, autocast, log, loop_summary, param_count, save_stage, train_stage
+from corpus import card_line
+from modeling import MLP, Attention, LlamaLM, init_drafter, repeat_kv, rope_tables
 from torch import nn
 
 
@@ -84,11 +76,8 @@ class Eagle3Head(nn.Module):
         self.midlayer = Midlayer(s, s.heads, s.kv_heads)
         self.norm = nn.RMSNorm(s.hidden, eps=s.eps)
         self.lm_head = nn.Linear(s.hidden, len(draft_ids), bias=False)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.fill_(1.0) if p.dim() < 2 else p.normal_(0.0, 0.02)
-            # warm start: the target's own output head over the draft vocabulary
-            self.norm.weight.copy_(target.model.norm.weight)
+        init_drafter(self, target)
+        with torch.no_grad():  # warm start: the target's own output head over the draft vocabulary
             self.lm_head.weight.copy_(
                 target.lm_head.weight[draft_ids.to(target.lm_head.weight.device)]
             )
@@ -180,26 +169,12 @@ def train_eagle3(
                 head, target, batch, draft_ids, t2d, aux_ids, run.ttt_steps, run.step_decay, masks
             )
 
-    result = train_loop(
-        "eagle3",
-        list(head.parameters()),
-        step,
-        lr=run.lr,
-        budget_s=run.budget_s,
-        max_steps=run.max_steps,
-        tokens_per_step=run.batch_size * T,
-        warmup=run.warmup,
-        weight_decay=0.0,
-    )
+    result = train_stage("eagle3", head, step, run, run.batch_size * T, weight_decay=0.0)
     start = time.perf_counter()
     held = evaluate(head, target, heldout, draft_ids, t2d, aux_ids, run, masks, device)
     log("eagle3", "held-out loss {loss:.4f} acc per step {accs}".format(**held))
     summary = {
-        "steps": result.steps,
-        "tokens_seen": result.tokens,
-        "train_seconds": round(result.seconds, 1),
-        "eval_seconds": round(time.perf_counter() - start, 1),
-        "final_train_loss": round(result.final_loss, 4),
+        **loop_summary(result, start),
         "train_acc_per_step": [round(v, 4) for v in result.metrics.values()],
         "heldout_loss": round(held["loss"], 4),
         "heldout_acc_per_step": held["accs"],
@@ -271,34 +246,29 @@ def save_eagle3(
             "use_aux_hidden_state": True,
         },
     }
-    files = save_hf(out_dir, tensors, config, max_shard_mb)
-    from train_lm import _corpus_line
-
-    write_card(
+    save_stage(
         out_dir,
-        "EAGLE-3 head for the bundled target",
-        "An EAGLE-3 draft head (`LlamaForCausalLMEagle3`, SpecForge / SGLang layout) for the "
-        "bundled Python-code Llama in `../target`, trained against the frozen target.",
-        {
+        tensors,
+        config,
+        max_shard_mb,
+        title="EAGLE-3 head for the bundled target",
+        about="An EAGLE-3 draft head (`LlamaForCausalLMEagle3`, SpecForge / SGLang layout) for "
+        "the bundled Python-code Llama in `../target`, trained against the frozen target.",
+        rows={
             "layout": f"1 midlayer (q/k/v on 2H = {2 * s.hidden}), "
             f"fc [{s.hidden}, {3 * s.hidden}], draft vocab {d2t.numel()} (d2t offsets, t2d "
             f"mask), {summary['params'] / 1e6:.2f}M params",
             "aux states": f"residual entering target layers {aux_ids} "
             f"(eagle_config ids {output_ids} count layer outputs)",
-            "corpus": _corpus_line(corpus_card),
+            "corpus": card_line(corpus_card),
             "objective": "training-time test: {} unrolled steps, own hidden fed back, step "
             "weights 0.8^i, CE to the target's distribution over the draft vocab".format(
                 len(summary["train_acc_per_step"])
             ),
             "draft vocab coverage of train tokens": f"{summary['draft_vocab_coverage']:.1%}",
             "batch": summary["batch"],
-            "steps": summary["steps"],
-            "tokens seen": f"{summary['tokens_seen']:,}",
-            "final train loss": summary["final_train_loss"],
-            "held-out loss": summary["heldout_loss"],
-            "held-out top-1 agreement per step": summary["heldout_acc_per_step"],
-            "training seconds": summary["train_seconds"],
-            "device": gpu_name(device),
-            "files": ", ".join(files),
         },
+        summary=summary,
+        device=device,
+        heldout_rows={"held-out top-1 agreement per step": summary["heldout_acc_per_step"]},
     )

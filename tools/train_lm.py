@@ -10,17 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from common import (
-    LoopResult,
-    TokenStream,
-    autocast,
-    gpu_name,
-    log,
-    param_count,
-    save_hf,
-    train_loop,
-    write_card,
-)
+from common import TokenStream, autocast, log, loop_summary, param_count, save_stage, train_stage
+from corpus import card_line
 from modeling import LlamaLM, LlamaShape
 
 
@@ -63,25 +54,12 @@ def train_lm(run: LMRun, train: TokenStream, heldout: TokenStream, device) -> tu
         with autocast(device):
             return model.loss(batch), {}
 
-    result: LoopResult = train_loop(
-        run.name,
-        list(model.parameters()),
-        step,
-        lr=run.lr,
-        budget_s=run.budget_s,
-        max_steps=run.max_steps,
-        tokens_per_step=run.batch_size * s.context,
-        warmup=run.warmup,
-    )
+    result = train_stage(run.name, model, step, run, tokens_per_step=run.batch_size * s.context)
     start = time.perf_counter()
     loss = heldout_loss(model, heldout, device)
     log(run.name, f"held-out loss {loss:.4f} (ppl {math.exp(loss):.2f})")
     summary = {
-        "steps": result.steps,
-        "tokens_seen": result.tokens,
-        "train_seconds": round(result.seconds, 1),
-        "eval_seconds": round(time.perf_counter() - start, 1),
-        "final_train_loss": round(result.final_loss, 4),
+        **loop_summary(result, start),
         "heldout_loss": round(loss, 4),
         "params": param_count(model),
         "batch": f"{run.batch_size} x {s.context} tokens",
@@ -106,47 +84,36 @@ def save_lm(
     """HF checkpoint (config.json, safetensors, tokenizer files) and its model card."""
     import shutil
 
-    files = save_hf(out_dir, model.hf_tensors(), model.shape.hf_config(eos_id), max_shard_mb)
-    if tokenizer_dir.resolve() != out_dir.resolve():
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(tokenizer_dir / name, out_dir / name)
-    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
-    (out_dir / "generation_config.json").write_text(_json(generation))
     s = model.shape
-    write_card(
+    save_stage(
         out_dir,
-        title,
-        about,
-        {
+        model.hf_tensors(),
+        s.hf_config(eos_id),
+        max_shard_mb,
+        title=title,
+        about=about,
+        rows={
             "architecture": (
                 f"LlamaForCausalLM, hidden {s.hidden}, {s.layers} layers, {s.heads} heads "
                 f"({s.kv_heads} KV), intermediate {s.intermediate}, context {s.context}, "
                 f"rope_theta {s.rope_theta:g}, untied, {summary['params'] / 1e6:.2f}M params"
             ),
-            "corpus": _corpus_line(corpus_card),
+            "corpus": card_line(corpus_card),
             "optimizer": f"AdamW (0.9, 0.95), wd 0.1, lr {summary['lr']:g}, warm-up then cosine",
             "batch": summary["batch"] + " (windows at random offsets, files joined by EOS)",
             "precision": "bf16 autocast, fp32 master weights; saved as bf16",
-            "steps": summary["steps"],
-            "tokens seen": f"{summary['tokens_seen']:,}",
-            "final train loss": summary["final_train_loss"],
-            "held-out loss": summary["heldout_loss"],
-            "training seconds": summary["train_seconds"],
-            "device": gpu_name(device),
-            "files": ", ".join(files),
         },
+        summary=summary,
+        device=device,
     )
+    if tokenizer_dir.resolve() != out_dir.resolve():
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    (out_dir / "generation_config.json").write_text(_json(generation))
 
 
 def _json(obj) -> str:
     import json
 
     return json.dumps(obj, indent=2) + "\n"
-
-
-def _corpus_line(card: dict) -> str:
-    return (
-        f"{card['files']} Python files ({card['train_files']} train, {card['heldout_files']} "
-        f"held out by {card['heldout_rule']}), {card['train_tokens']:,} train tokens; "
-        f"file list sha256 `{card['file_list_sha256']}`"
-    )
