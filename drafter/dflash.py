@@ -25,14 +25,20 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, read_hf_config
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
-from speculant.drafter.eagle import ReplicatedLinear, read_head_weights
+from speculant.drafter.checkpoint import read_head_weights, require_tensors
+from speculant.drafter.eagle import ReplicatedLinear
 from speculant.errors import SpeculantError
 from speculant.executor.attention import BlockContextAttention
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from speculant.models.llama import MLP
-from speculant.models.loader import default_device_and_dtype, init_dummy_weights, load_weights
+from speculant.models.loader import (
+    check_load_format,
+    default_device_and_dtype,
+    init_dummy_weights,
+    load_weights,
+)
 
 DEFAULT_BLOCK_SIZE = 16  # the published default when a config names none
 
@@ -241,8 +247,7 @@ def load_dflash(
 ) -> DFlashModel:
     """Build the drafter of folder `path` for `target_cfg` and load its published weights
     (`load_format="dummy"`: random weights, no weight files needed)."""
-    if load_format not in ("auto", "dummy"):
-        raise SpeculantError(f"load format {load_format!r} is not supported; use auto or dummy")
+    check_load_format(load_format)
     cfg = DFlashConfig.from_dir(path, target_cfg)
     with default_device_and_dtype(device, dtype):
         model = DFlashModel(cfg, max_positions, pctx)
@@ -250,12 +255,7 @@ def load_dflash(
         init_dummy_weights(model, seed)
         return model.eval()
     weights, source = read_head_weights(path)
-    for key in published_keys(cfg):
-        if key not in weights:
-            raise SpeculantError(
-                f"{source} lacks the tensor {key!r}; the drafter is incomplete or not a "
-                "DFLASH drafter in the published layout"
-            )
+    require_tensors(weights, published_keys(cfg), source, "drafter", "a DFLASH drafter")
     load_weights(model, iter(weights.items()), source)
     return model.eval()
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, read_hf_config
+from speculant.drafter.checkpoint import read_head_weights, require_tensors
 from speculant.errors import SpeculantError
 from speculant.models.layers import (
     ParallelLMHead,
@@ -43,9 +44,9 @@ from speculant.models.layers import (
 )
 from speculant.models.llama import MLP, Attention, DecoderLayer
 from speculant.models.loader import (
+    check_load_format,
     default_device_and_dtype,
     init_dummy_weights,
-    iter_safetensors,
     load_weights,
 )
 
@@ -307,34 +308,6 @@ def our_name(key: str) -> str:
     return f"layers.{index or 0}.{rest}"
 
 
-def read_head_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
-    """All tensors of a head folder (safetensors, sharded or not, else pytorch_model.bin), with a
-    leading `model.` stripped; returns them and a name for error messages."""
-    path = Path(path)
-    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
-        weights = dict(iter_safetensors(path))
-    else:
-        bins = sorted(path.glob("pytorch_model*.bin"))
-        if not bins:
-            raise SpeculantError(
-                f"no model.safetensors or pytorch_model.bin in {str(path)!r}; "
-                "download the head or pass --load-format dummy"
-            )
-        weights = {}
-        for file in bins:
-            try:
-                state = torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as exc:  # pickle and zip errors vary by torch version
-                raise SpeculantError(
-                    f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
-                    "truncated, download it again"
-                ) from exc
-            if not isinstance(state, dict):
-                raise SpeculantError(f"{str(file)!r} does not hold a state dict")
-            weights.update(state)
-    return {name.removeprefix("model."): t for name, t in weights.items()}, str(path)
-
-
 def _layer_prefix(keys, num_layers: int) -> str:
     """Which of the published layer namings a checkpoint uses."""
     if any(re.match(r"midlayer\.\d+\.", k) for k in keys):
@@ -389,8 +362,7 @@ def load_eagle3(
 ) -> Eagle3Head:
     """Build the head of folder `path` for `target_cfg` and load its published weights
     (`load_format="dummy"`: random weights, no weight files needed)."""
-    if load_format not in ("auto", "dummy"):
-        raise SpeculantError(f"load format {load_format!r} is not supported; use auto or dummy")
+    check_load_format(load_format)
     cfg = Eagle3Config.from_dir(path, target_cfg)
     with default_device_and_dtype(device, dtype):
         head = Eagle3Head(cfg, target_cfg, max_positions, pctx)
@@ -399,12 +371,8 @@ def load_eagle3(
         head.set_vocab_map(dummy_d2t(cfg.draft_vocab_size, cfg.target_vocab_size, seed).to(device))
         return head.eval()
     weights, source = read_head_weights(path)
-    for key in published_keys(cfg, _layer_prefix(weights, cfg.num_layers)):
-        if key not in weights:
-            raise SpeculantError(
-                f"{source} lacks the tensor {key!r}; the head is incomplete or "
-                "not an EAGLE-3 head in the published layout"
-            )
+    keys = published_keys(cfg, _layer_prefix(weights, cfg.num_layers))
+    require_tensors(weights, keys, source, "head", "an EAGLE-3 head")
     d2t = _checked_d2t(weights, cfg, source)
     tensors = ((k, t) for k, t in weights.items() if k not in ("d2t", "t2d"))
     load_weights(head, tensors, source, rename=our_name)

@@ -48,6 +48,12 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_load_format(load_format: str) -> None:
+    """`auto` reads the checkpoint's weights and `dummy` makes random ones; nothing else exists."""
+    if load_format not in ("auto", "dummy"):
+        raise SpeculantError(f"load format {load_format!r} is not supported; use auto or dummy")
+
+
 @contextlib.contextmanager
 def default_device_and_dtype(device: str | torch.device, dtype: torch.dtype):
     """Build modules with parameters allocated directly in `dtype` on `device`."""
