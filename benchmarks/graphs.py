@@ -91,17 +91,24 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
-def time_ms(fn, iters: int) -> float:
+def time_ms(fn, iters: int, cuda: bool = True) -> float:
+    """Median ms of `fn` over `iters` calls after 3 warm-up calls: CUDA events, or the wall
+    clock with `cuda=False` (CPU checks)."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

@@ -36,27 +36,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_name, _value)
 _HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(_HERE), str(_HERE.parent / "tests")]  # graphs.py, test_moe.py, helpers
+sys.path[:0] = [str(_HERE), str(_HERE.parent / "tests")]  # _common.py, graphs.py, test_moe.py
+import _common  # noqa: E402
 
+_common.nvlink_multicast_off()  # before torch loads
 import torch  # noqa: E402
+from graphs import live_rows, time_ms  # noqa: E402
 
 from speculant import Engine, SamplingParams  # noqa: E402
 from speculant.comm.groups import ParallelContext  # noqa: E402
-from speculant.launch.spawn import RankFailure, run_ranks  # noqa: E402
 
 WORLD, K = 2, 3
 GPU_MODEL = dict(
@@ -88,18 +80,12 @@ GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for moe_engine_gpu.json")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--quick", action="store_true", help="the tiny model (CPU check)")
+    parser = _common.rank_parser(__doc__, "moe_engine_gpu.json", "the tiny model (CPU check)")
     parser.add_argument("--algo", choices=["draft-model", "eagle3"], default="draft-model")
     parser.add_argument("--iters", type=int, default=50, help="timed replays per size")
     parser.add_argument("--gap-tol", type=float, default=0.05, help="see `rounding` above")
     parser.add_argument("--budget-s", type=float, default=520.0, help="kill the ranks after")
-    args = parser.parse_args(argv)
-    if args.device == "cpu":
-        args.iters = min(args.iters, 3)
-    return args
+    return _common.parse_rank_args(parser, argv, cpu_iters=3)
 
 
 def write_checkpoints(folder: Path, quick: bool, algo: str) -> tuple[str, str]:
@@ -120,11 +106,6 @@ def write_checkpoints(folder: Path, quick: bool, algo: str) -> tuple[str, str]:
         write_random_eagle3(draft, target, draft_vocab=1024, aux_ids=[0, 1, 2], num_heads=16,
                             num_kv_heads=4, seed=1)  # fmt: skip
     return str(target), str(draft)
-
-
-def prompts_of(lengths, seed: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def engine_options(args: argparse.Namespace, head: str, backend: str) -> dict:
@@ -162,8 +143,6 @@ def top2_gaps(engine: Engine, prompt: list[int], tokens: list[int]) -> list[floa
 def time_step(engine: Engine, bs: int, iters: int, vocab: int) -> float:
     """Median ms of one decode step of bs live rows (graph replay with the replay hooks; the
     eager step on the CPU). Every rank runs the same loop: the collectives line up."""
-    from graphs import live_rows
-
     engine.graphs.set_step_sizes(None)
     rows = live_rows(engine, bs, vocab, CONTEXT, torch.Generator().manual_seed(bs))
     graph = engine.graphs.graphs.get(("greedy", bs))
@@ -176,29 +155,10 @@ def time_step(engine: Engine, bs: int, iters: int, vocab: int) -> float:
         graph.replay()
 
     try:
-        return median_ms(step, iters, graph is not None)
+        return time_ms(step, iters, cuda=graph is not None)
     finally:
         for row in rows:
             engine.kv.free(row)
-
-
-def median_ms(fn, iters: int, cuda: bool) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def run_engine(pctx, args, target: str, head: str, backend: str, reference: bool) -> dict:
@@ -213,7 +173,7 @@ def run_engine(pctx, args, target: str, head: str, backend: str, reference: bool
         "sets": {},
     }
     for name, (lengths, seed) in PROMPT_SETS.items():
-        prompts = prompts_of(lengths, seed, vocab)
+        prompts = _common.prompts_of(lengths, seed, vocab)
         engine.dp.uniform_sizes, engine.dp.dummy_steps = [], 0
         replays = engine.graphs.num_replays
         outs = engine.generate(prompts, GREEDY)
@@ -228,11 +188,13 @@ def run_engine(pctx, args, target: str, head: str, backend: str, reference: bool
             record["gaps"] = {o.index: top2_gaps(engine, prompts[o.index], o.token_ids)
                               for o in outs}  # fmt: skip
         out["sets"][name] = record
-    out["logits"] = [prefill_logits(engine, prompts_of((n,), 7, vocab)[0]) for n in LOGIT_PROMPTS]
+    out["logits"] = [
+        prefill_logits(engine, _common.prompts_of((n,), 7, vocab)[0]) for n in LOGIT_PROMPTS
+    ]
     out["step_ms"] = {bs: time_step(engine, bs, args.iters, vocab) for bs in CAPTURE}
     if engine.graphs.hooks and args.device == "cuda":  # the adapter's mode set + clean alone
         hooks = engine.graphs.hooks
-        out["hook_ms"] = median_ms(lambda: [h.replay() for h in hooks], args.iters, True)
+        out["hook_ms"] = time_ms(lambda: [h.replay() for h in hooks], args.iters)
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -311,13 +273,8 @@ def deep_ep_installed() -> bool:
 
 
 def header(args: argparse.Namespace) -> dict:
-    cuda = args.device == "cuda"
     return {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        **_common.run_header(args.device == "cuda"),
         "model": CPU_MODEL if args.quick else GPU_MODEL,
         "backends": backends_of(args),
         "algo": args.algo,
@@ -362,28 +319,17 @@ def table(data: dict) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "moe_engine_gpu.json"
-    path.unlink(missing_ok=True)  # never report an older run's results
-    start, error = time.perf_counter(), None
-    with tempfile.TemporaryDirectory(prefix="moe-engine-gpu-") as tmp:
-        target, head = write_checkpoints(Path(tmp), args.quick, args.algo)
-        try:
-            run_ranks(rank_main, WORLD, (args, target, head), device=args.device,
-                      timeout_s=args.budget_s - (time.perf_counter() - start))  # fmt: skip
-        except RankFailure as exc:
-            error = str(exc)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data.update(wall_s=time.perf_counter() - start, error=error)
-    path.write_text(json.dumps(data, indent=2, default=str))
+    data = _common.run_and_collect(
+        rank_main,
+        args,
+        "moe_engine_gpu.json",
+        lambda folder: write_checkpoints(folder, args.quick, args.algo),
+        WORLD,
+    )
     summary, ok = table(data)
-    print(f"\nwall {data['wall_s']:.0f} s; results in {path}")
-    if error:
-        print(f"error: {error}")
     print(summary)
     skipped = "skipped" in data.get("phases", {}).get("deepep", {})
-    return 0 if ok else 2 if skipped and error is None else 1
+    return 0 if ok else 2 if skipped and data["error"] is None else 1
 
 
 if __name__ == "__main__":

@@ -22,28 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_name, _value)
 _HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(_HERE), str(_HERE.parent / "tests")]  # graphs.py, helpers_*.py
+sys.path[:0] = [str(_HERE), str(_HERE.parent / "tests")]  # _common.py, graphs.py, helpers_*.py
+import _common  # noqa: E402
 
+_common.nvlink_multicast_off()  # before torch loads
 import torch  # noqa: E402
-from graphs import SHAPES, live_rows, write_config  # noqa: E402
+from graphs import SHAPES, live_rows, time_ms, write_config  # noqa: E402
 
 from speculant import Engine, SamplingParams  # noqa: E402
 from speculant.comm.groups import ParallelContext  # noqa: E402
-from speculant.launch.spawn import RankFailure, run_ranks  # noqa: E402
 
 WORLD = 2
 SMALL = dict(  # the equality model: float32, logits far apart so greedy is robust to rounding
@@ -61,22 +52,11 @@ STEP_SIZES = (1, 16, 64)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for parallel_gpu.json")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--quick", action="store_true", help="small timing model (CPU check)")
+    parser = _common.rank_parser(__doc__, "parallel_gpu.json", "small timing model (CPU check)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--iters", type=int, default=50, help="timed replays per size")
     parser.add_argument("--budget-s", type=float, default=460.0, help="kill the ranks after")
-    args = parser.parse_args(argv)
-    if args.device == "cpu":
-        args.iters = min(args.iters, 5)
-    return args
-
-
-def prompts_of(lengths, seed: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    return _common.parse_rank_args(parser, argv, cpu_iters=5)
 
 
 PROMPT_SETS = {  # name -> (lengths, seed)
@@ -136,7 +116,7 @@ def run_cases(pctx, device: str, target: str, head: str, names: list[str]) -> di
         for name in names:
             lengths, seed = PROMPT_SETS[name]
             engine.dp.uniform_sizes, engine.dp.dummy_steps = [], 0  # this prompt set's records
-            outs = engine.generate(prompts_of(lengths, seed, vocab), GREEDY)
+            outs = engine.generate(_common.prompts_of(lengths, seed, vocab), GREEDY)
             graphs, sizes = engine.graphs, engine.dp.uniform_sizes
             out[f"{algo}/{name}"] = {
                 "tokens": {o.index: o.token_ids for o in outs},
@@ -163,22 +143,7 @@ def time_step(engine: Engine, bs: int, iters: int) -> float:
         def fn():
             return engine.runner.decode_step(bs, "greedy")
 
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if engine.graphs.use_graphs:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return time_ms(fn, iters, cuda=engine.graphs.use_graphs)
 
 
 def step_times(pctx, device: str, shape_name: str, context: int, iters: int) -> dict:
@@ -282,14 +247,7 @@ def rank_main(args: argparse.Namespace, target: str, head: str) -> None:
 
 def header(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
-    return {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "gpus": torch.cuda.device_count() if cuda else 0,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-    }
+    return _common.run_header(cuda, gpus=torch.cuda.device_count() if cuda else 0)
 
 
 def table(data: dict) -> str:
@@ -331,33 +289,9 @@ def table(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "parallel_gpu.json"
-    path.unlink(missing_ok=True)  # never report an older run's results
-    start = time.perf_counter()
-    error = None
-    with tempfile.TemporaryDirectory(prefix="parallel-gpu-") as tmp:
-        target, head = write_checkpoints(Path(tmp))
-        try:
-            run_ranks(
-                rank_main,
-                WORLD,
-                (args, target, head),
-                device=args.device,
-                timeout_s=args.budget_s - (time.perf_counter() - start),
-            )
-        except RankFailure as exc:
-            error = str(exc)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data["wall_s"] = time.perf_counter() - start
-    data["error"] = error
-    path.write_text(json.dumps(data, indent=2, default=str))
-    print(f"\nwall {data['wall_s']:.0f} s; results in {path}")
-    if error:
-        print(f"error: {error}")
+    data = _common.run_and_collect(rank_main, args, "parallel_gpu.json", write_checkpoints, WORLD)
     print(table(data))
-    ok = error is None and all(
+    ok = data["error"] is None and all(
         r["tp2_equals_tp1"]["equal"] for r in data.get("phases", {}).get("tp2", {}).values()
     )
     return 0 if ok and "steps" in data.get("phases", {}) else 1
