@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
@@ -41,6 +40,7 @@ from speculant.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
+    project,
 )
 from speculant.models.llama import MLP, Attention, DecoderLayer
 from speculant.models.loader import (
@@ -158,6 +158,8 @@ def _aux_layer_ids(hf: dict, num_target_layers: int, source: str) -> tuple[int, 
 class ReplicatedLinear(nn.Module):
     """A linear layer every TP rank holds whole (`fc`: its input is the full aux concatenation)."""
 
+    gemv = None  # set by enable_gemv
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -167,7 +169,7 @@ class ReplicatedLinear(nn.Module):
             self.bias.weight_loader = _copy_whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(self, x, self.bias)
 
 
 def _copy_whole(param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:

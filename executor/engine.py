@@ -36,6 +36,7 @@ from speculant.executor.model_runner import ModelRunner
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
+from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
     build_causal_lm,
@@ -216,7 +217,12 @@ class Engine:
                 self.config.seed + 1,
             )
             return Eagle3Drafter(
-                head, self.model, self.kv, self.dtype, spec.num_draft_tokens, self.attention_backend
+                self._with_kernels(head),
+                self.model,
+                self.kv,
+                self.dtype,
+                spec.num_draft_tokens,
+                self.attention_backend,
             )
         if spec.algo == "dflash":
             drafter = load_dflash(
@@ -229,7 +235,9 @@ class Engine:
                 self.config.load_format,
                 self.config.seed + 1,
             )
-            return DFlashDrafter(drafter, self.model, self.kv, self.dtype, spec.num_draft_tokens)
+            return DFlashDrafter(
+                self._with_kernels(drafter), self.model, self.kv, self.dtype, spec.num_draft_tokens
+            )
         draft_cfg = ModelConfig.from_dir(spec.draft)
         with default_device_and_dtype(self.device, self.dtype):
             draft_lm = CausalLM(draft_cfg, max_positions, self.pctx)
@@ -238,7 +246,7 @@ class Engine:
         else:
             load_weights(draft_lm, iter_safetensors(spec.draft), spec.draft)
         return DraftModelDrafter(
-            draft_lm.eval(),
+            self._with_kernels(draft_lm.eval()),
             self.model_config.vocab_size,
             self.kv,
             self.dtype,
@@ -274,7 +282,14 @@ class Engine:
             init_dummy_weights(model, cfg.seed)
         else:
             load_weights(model, iter_safetensors(cfg.target), cfg.target)
-        return model.eval()
+        return self._with_kernels(model.eval())
+
+    def _with_kernels(self, model: torch.nn.Module) -> torch.nn.Module:
+        """With the Triton attention backend, single-row projections run the Triton GEMV
+        (kernels/gemv.py); the torch backend stays the pure-torch reference."""
+        if self.attention_backend == "triton":
+            enable_gemv(model)
+        return model
 
     def _build_kv_cache(self) -> PagedKVCache:
         cache, mc = self.config.cache, self.model_config

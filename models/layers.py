@@ -14,6 +14,26 @@ from speculant.comm.groups import ParallelContext
 from speculant.kernels.ops import TORCH_OPS, TorchOps
 
 
+def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ layer.weight^T (+ bias): the layer's `gemv` kernel when enable_gemv set one (it takes
+    single rows and hands every other shape to F.linear), else F.linear."""
+    gemv = getattr(layer, "gemv", None)
+    if gemv is not None:
+        return gemv(x, layer.weight, bias)
+    return F.linear(x, layer.weight, bias)
+
+
+def enable_gemv(model: nn.Module) -> None:
+    """Route the single-row projections of every linear layer in `model` through the Triton
+    matrix-vector kernel (kernels/gemv.py); the Triton attention backend's engines do this.
+    Imported here, not at module level: importing it imports triton."""
+    from speculant.kernels.gemv import linear
+
+    for module in model.modules():
+        if hasattr(module, "gemv"):
+            module.gemv = linear
+
+
 def _param(*shape: int) -> nn.Parameter:
     # Allocated on the ambient device and dtype (see loader.build_model); never an fp32 copy.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -97,6 +117,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows over the TP group; outputs stay sharded.
     `output_sizes` lists the full sizes of merged sub-matrices (gate and up, say)."""
 
+    gemv = None  # set by enable_gemv
+
     def __init__(
         self, in_features: int, output_sizes: list[int], bias: bool, pctx: ParallelContext
     ):
@@ -130,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data.narrow(0, offset, size), part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(self, x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -181,6 +203,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced over TP."""
 
+    gemv = None  # set by enable_gemv
+
     def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext):
         super().__init__()
         if in_features % pctx.tp_size:
@@ -202,7 +226,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.pctx.all_reduce_tp(F.linear(x, self.weight))
+        y = self.pctx.all_reduce_tp(project(self, x))
         return y + self.bias if self.bias is not None else y
 
 

@@ -227,6 +227,74 @@ def test_silu_and_mul(device, dtype):
     assert_close(out, reference.silu_and_mul(gate_up), dtype)
 
 
+HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF)
+def test_gemv_matches_linear(device, dtype):
+    """The single-row Triton GEMV against a float64 x W^T, on shapes that take each block plan
+    (on the GPU the Llama-3.1-8B projections: qkv, o, gate_up, down and the EAGLE-3 fc)."""
+    from speculant.kernels import gemv
+
+    shapes = (
+        [(64, 512), (40, 192), (16, 64)]
+        if device == "cpu"
+        else [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 12288)]
+    )
+    for n, k in shapes:
+        gen = generator("gemv", device, dtype, n, k)
+        x = randn(gen, 1, k, dtype=dtype, device=device)
+        w = randn(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
+        bias = randn(gen, n, dtype=dtype, device=device)
+        assert gemv.uses_gemv(x, w), (n, k)
+        ref = x.double() @ w.double().T
+        assert_close(gemv.linear(x, w), ref, dtype, f"gemv {n}x{k}")
+        assert_close(gemv.linear(x, w, bias), ref + bias.double(), dtype, f"gemv+bias {n}x{k}")
+        assert_close(gemv.linear(x[0], w), ref[0], dtype, f"gemv 1-d {n}x{k}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_hands_other_shapes_to_linear(device):
+    """Several rows, float32, or sizes the blocks cannot tile: exactly F.linear."""
+    from speculant.kernels import gemv
+
+    gen = generator("gemv-fallback", device)
+    cases = [
+        (torch.bfloat16, 2, 64, 512),  # two rows
+        (torch.float32, 1, 64, 512),  # float32 stays on cuBLAS / the CPU BLAS
+        (torch.bfloat16, 1, 60, 512),  # n not a multiple of BLOCK_N
+        (torch.bfloat16, 1, 64, 100),  # k not a multiple of 64
+    ]
+    for dtype, m, n, k in cases:
+        x = randn(gen, m, k, dtype=dtype, device=device)
+        w = randn(gen, n, k, dtype=dtype, device=device)
+        assert not gemv.uses_gemv(x, w), (dtype, m, n, k)
+        assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
+def test_triton_backend_engines_route_linears_through_gemv(llama_dir, tmp_path):
+    """The Triton backend sets the GEMV on every projection of the target and the EAGLE-3 head
+    (not the LM head); the torch backend, the reference, leaves them on F.linear."""
+    from helpers_eagle import write_random_eagle3
+
+    from speculant import Engine
+    from speculant.kernels import gemv
+
+    write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+    for backend in ("triton", "torch"):
+        engine = Engine(
+            llama_dir, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4,
+            attention_backend=backend, algo="eagle3", draft=str(tmp_path), num_draft_tokens=2,
+        )  # fmt: skip
+        modules = list(engine.model.modules()) + list(engine.drafter.head.modules())
+        linears = [m for m in modules if hasattr(m, "gemv")]
+        assert len(linears) >= 4 * engine.model_config.num_layers
+        expected = gemv.linear if backend == "triton" else None
+        assert all(m.gemv is expected for m in linears), backend
+
+
 @pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
 def test_fallbacks_where_triton_cannot_run(monkeypatch):
     """CPU tensors without the interpreter: every op is exactly its torch reference."""

@@ -1,0 +1,69 @@
+"""y = x W^T for a single row x (M = 1: decode at bs 1, and each draft step of a bs-1 request),
+bf16/fp16 weights, as a Triton matrix-vector kernel that streams W once.
+
+At M = 1 cuBLAS picks tensor-core GEMM tiles 8 rows tall and, for the narrow o_proj / down_proj
+shapes, a split-K plan with a separate reduce kernel; on one H200 this kernel was 7-17 % faster
+on the Llama-3.1-8B projections (benchmarks/levers.py, benchmarks/results/levers.md) and
+needs no reduce. Each program owns BLOCK_N output rows and walks K in BLOCK_K chunks,
+accumulating in float32 registers, then reduces once. Other shapes and dtypes (M > 1, float32,
+sizes the blocks do not divide) go to F.linear."""
+
+import torch
+import torch.nn.functional as F
+
+from speculant.kernels.runtime import runs_triton, tl, triton
+
+BLOCK_N = 8
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + cols).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.float32)
+        acc += w * x[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+
+
+def gemv_plan(n: int, k: int) -> tuple[int, int] | None:
+    """(BLOCK_K, num_warps) for an [n, k] weight, or None when the blocks do not tile it.
+    Measured best on the H200: BLOCK_K 256 for very tall weights (gate_up), else 512; 8 warps
+    for long rows (down_proj)."""
+    if n % BLOCK_N:
+        return None
+    block_k = 256 if n >= 16384 else 512
+    while block_k >= 64 and k % block_k:
+        block_k //= 2
+    if k % block_k:
+        return None
+    return block_k, 8 if k >= 8192 else 4
+
+
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.numel() == x.shape[-1]
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and runs_triton(x)
+        and gemv_plan(*weight.shape) is not None
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias), through the GEMV kernel when x is one row (see above)."""
+    if not uses_gemv(x, weight):
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    block_k, warps = gemv_plan(n, k)
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(n // BLOCK_N,)](
+        x.contiguous(), weight, y, weight.stride(0), K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        num_warps=warps, num_stages=2,
+    )  # fmt: skip
+    return y + bias if bias is not None else y
