@@ -2,11 +2,11 @@
 bf16/fp16 weights, as a Triton matrix-vector kernel that streams W once.
 
 At M = 1 cuBLAS picks tensor-core GEMM tiles 8 rows tall and, for the narrow o_proj / down_proj
-shapes, a split-K plan with a separate reduce kernel; on one H200 this kernel was 7-17 % faster
-on the Llama-3.1-8B projections (benchmarks/levers.py, benchmarks/results/levers.md) and
-needs no reduce. Each program owns BLOCK_N output rows and walks K in BLOCK_K chunks,
-accumulating in float32 registers, then reduces once. Other shapes and dtypes (M > 1, float32,
-sizes the blocks do not divide) go to F.linear."""
+shapes, a split-K plan with a separate reduce kernel; on one H200 this kernel was faster on the
+Llama-3.1-8B qkv, o_proj and down_proj shapes and needs no reduce, but slower on the tall
+gate_up (benchmarks/levers.py, benchmarks/results/levers.md). Each program owns BLOCK_N output
+rows and walks K in BLOCK_K chunks, accumulating in float32 registers, then reduces once. Other
+shapes and dtypes (M > 1, float32, tall weights, sizes the blocks do not divide) go to F.linear."""
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from speculant.kernels.runtime import runs_triton, tl, triton
 
 BLOCK_N = 8
+# Taller weights (gate_up at 28672 rows, LM heads) stay on cuBLAS: inside the whole 8B step its
+# GEMM streams them at the copy bandwidth (55 us for gate_up) where this kernel took ~63 us.
+MAX_ROWS = 8192
 
 
 @triton.jit
@@ -31,12 +34,12 @@ def _gemv_kernel(
 
 
 def gemv_plan(n: int, k: int) -> tuple[int, int] | None:
-    """(BLOCK_K, num_warps) for an [n, k] weight, or None when the blocks do not tile it.
-    Measured best on the H200: BLOCK_K 256 for very tall weights (gate_up), else 512; 8 warps
-    for long rows (down_proj)."""
-    if n % BLOCK_N:
+    """(BLOCK_K, num_warps) for an [n, k] weight, or None for cuBLAS: weights taller than
+    MAX_ROWS, or sizes the blocks do not tile. Measured best on the H200: BLOCK_K 512 (or the
+    largest power of two that divides k), 8 warps for long rows (down_proj)."""
+    if n % BLOCK_N or n > MAX_ROWS:
         return None
-    block_k = 256 if n >= 16384 else 512
+    block_k = 512
     while block_k >= 64 and k % block_k:
         block_k //= 2
     if k % block_k:
