@@ -24,12 +24,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from decode import kernel_profile
 from graphs import SHAPES, copy_bandwidth, live_rows, time_ms, write_config
 
 from speculant import Engine
 from speculant.kernels import paged_attention as pa
+from speculant.kernels.gemv import _gemv_kernel
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "down": (4096, 14336)}  # fmt: skip
@@ -56,24 +56,10 @@ def step_variant(target: str, vocab: int, blas: str, min_keys: int) -> dict:
         pa.MIN_KEYS_PER_SPLIT = 256
 
 
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
-        acc += w * x[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
-
-
 def triton_gemv(x, w, y, block_n, block_k, warps, stages):
     N, K = w.shape
-    _gemv_kernel[(N // block_n,)](x, w, y, K, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  num_warps=warps, num_stages=stages)  # fmt: skip
+    _gemv_kernel[(N // block_n,)](x, w, y, w.stride(0), K=K, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  SILU_MUL=False, num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def graph_us(fn_per_copy) -> float:

@@ -11,6 +11,7 @@ from speculant.executor.sampling import (
     GREEDY,
     STREAM_ACCEPT,
     STREAM_SAMPLE,
+    argmax,
     filtered_probs,
     sample_from,
     uniform,
@@ -31,7 +32,7 @@ def verify(
     Returns out_tokens [bs, T] (accepted drafts, then the corrected or bonus token, then -1) and
     accept_len [bs] (tokens emitted, 1..T)."""
     k = drafts.shape[1]
-    target_argmax = logits.argmax(-1)
+    target_argmax = argmax(logits)
     accepted = drafts == target_argmax[:, :k]
     candidates = target_argmax
     if variant != GREEDY:

@@ -179,3 +179,25 @@ def test_eagle3_head_with_other_hidden_greedy_equals_plain(plain, llama_dir, tmp
     )
     assert spec.drafter.head.embed_tokens.weight.shape[-1] == 32
     assert_lossless(spec, plain, prompts, k)
+
+
+@pytest.mark.parametrize("vocab", [8192, 8191, 128256])
+@pytest.mark.parametrize("chunks", [64, 7])
+def test_chunked_argmax_equals_argmax_with_ties(vocab, chunks):
+    """The two-stage argmax the sampler and verify use for few rows on the GPU gives torch's
+    index (the first maximum), also with ties across and inside chunks and a ragged last
+    chunk; on the GPU `argmax` takes it, elsewhere torch's."""
+    from speculant.executor.sampling import argmax, chunked_argmax
+
+    gen = torch.Generator().manual_seed(vocab + chunks)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[1, [7, vocab // 2, vocab - 1]] = 50.0  # ties: the first one wins
+    logits[2, -3:] = 60.0  # the maximum in the (ragged) last chunk
+    logits[3] = 0.0  # every entry tied
+    logits[4, 0] = float("nan")  # torch treats NaN as the maximum
+    expected = logits.argmax(-1)
+    assert torch.equal(chunked_argmax(logits, chunks), expected)
+    assert torch.equal(chunked_argmax(logits.view(5, 1, vocab), chunks), expected.view(5, 1))
+    assert torch.equal(argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))
+    if torch.cuda.is_available():
+        assert torch.equal(argmax(logits[:2].cuda()).cpu(), expected[:2])
