@@ -59,7 +59,7 @@ def step_variant(target: str, vocab: int, blas: str, min_keys: int) -> dict:
 def triton_gemv(x, w, y, block_n, block_k, warps, stages):
     N, K = w.shape
     _gemv_kernel[(N // block_n,)](x, w, y, w.stride(0), K=K, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  SILU_MUL=False, num_warps=warps, num_stages=stages)  # fmt: skip
+                                  num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def graph_us(fn_per_copy) -> float:

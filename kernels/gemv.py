@@ -4,7 +4,9 @@ bf16/fp16 weights, as a Triton matrix-vector kernel that streams W once.
 At M = 1 cuBLAS picks tensor-core GEMM tiles 8 rows tall and, for the narrow o_proj / down_proj
 shapes, a split-K plan with a separate reduce kernel; on one H200 this kernel was faster on the
 Llama-3.1-8B qkv, o_proj and down_proj shapes and needs no reduce, but slower on the tall
-gate_up (benchmarks/levers.py, benchmarks/results/levers.md). Each program owns BLOCK_N output
+gate_up (benchmarks/levers.py, benchmarks/results/levers.md). Computing SiLU-and-mul inside the
+down projection's GEMV (one kernel fewer) made it slower: every program recomputes the whole
+activation row. Each program owns BLOCK_N output
 rows and walks K in BLOCK_K chunks, accumulating in float32 registers, then reduces once. Other
 shapes and dtypes (M > 1, float32, tall weights, sizes the blocks do not divide) go to F.linear."""
 
@@ -21,32 +23,16 @@ MAX_ROWS = 8192
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    stride_w,
-    K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):
-    """y = x W^T; with SILU_MUL, x = silu(gate) * up of x_ptr = [gate (K), up (K)], rounded as
-    kernels/activation.py rounds it (silu to the dtype, then the product)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    dtype = y_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        if SILU_MUL:
-            gate = tl.load(x_ptr + cols).to(tl.float32)
-            up = tl.load(x_ptr + K + cols).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            x = (silu * up).to(dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + cols).to(tl.float32)
+        x = tl.load(x_ptr + cols).to(tl.float32)
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.float32)
         acc += w * x[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype))
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
 
 
 def gemv_plan(n: int, k: int) -> tuple[int, int] | None:
@@ -74,29 +60,15 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias), through the GEMV kernel when x is one row (see above)."""
+    if not uses_gemv(x, weight):
+        return F.linear(x, weight, bias)
     n, k = weight.shape
     block_k, warps = gemv_plan(n, k)
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // BLOCK_N,)](
         x.contiguous(), weight, y, weight.stride(0), K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        SILU_MUL=silu_mul, num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=2,
     )  # fmt: skip
-    return y
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear(x, weight, bias), through the GEMV kernel when x is one row (see above)."""
-    if not uses_gemv(x, weight):
-        return F.linear(x, weight, bias)
-    y = _launch(x, weight, False)
     return y + bias if bias is not None else y
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), weight) with the activation computed inside the GEMV when
-    gate_up is one row (the MLP's down projection at M = 1: one kernel fewer per layer);
-    otherwise `silu_and_mul` (the backend's op) and then linear."""
-    if gate_up.shape[-1] != 2 * weight.shape[1] or not uses_gemv(gate_up, weight):
-        return linear(silu_and_mul(gate_up), weight)
-    return _launch(gate_up, weight, True)

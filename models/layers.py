@@ -19,7 +19,7 @@ def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None)
     single rows and hands every other shape to F.linear), else F.linear."""
     gemv = getattr(layer, "gemv", None)
     if gemv is not None:
-        return gemv.linear(x, layer.weight, bias)
+        return gemv(x, layer.weight, bias)
     return F.linear(x, layer.weight, bias)
 
 
@@ -27,11 +27,11 @@ def enable_gemv(model: nn.Module) -> None:
     """Route the single-row projections of every linear layer in `model` through the Triton
     matrix-vector kernel (kernels/gemv.py); the Triton attention backend's engines do this.
     Imported here, not at module level: importing it imports triton."""
-    from speculant.kernels import gemv
+    from speculant.kernels.gemv import linear
 
     for module in model.modules():
         if hasattr(module, "gemv"):
-            module.gemv = gemv
+            module.gemv = linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -227,16 +227,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.pctx.all_reduce_tp(project(self, x))
-        return y + self.bias if self.bias is not None else y
-
-    def forward_silu_mul(self, gate_up: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        """forward(ops.silu_and_mul(gate_up)); with the GEMV set, a single row's activation is
-        computed inside the projection."""
-        if self.gemv is None:
-            return self.forward(ops.silu_and_mul(gate_up))
-        y = self.pctx.all_reduce_tp(
-            self.gemv.silu_mul_linear(gate_up, self.weight, ops.silu_and_mul)
-        )
         return y + self.bias if self.bias is not None else y
 
 

@@ -75,7 +75,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, pctx)
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x), ops)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
