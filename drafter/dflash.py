@@ -28,7 +28,7 @@ from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.checkpoint import read_head_weights, require_tensors
 from speculant.drafter.eagle import ReplicatedLinear
 from speculant.errors import SpeculantError
-from speculant.executor.attention import BlockContextAttention
+from speculant.executor.attention import BlockContextAttention, block_attention
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
@@ -272,6 +272,7 @@ class DFlashDrafter(Drafter):
         kv: PagedKVCache,
         dtype: torch.dtype,
         num_draft_tokens: int,
+        attention_backend: str = "torch",
     ):
         cfg = model.config
         if not 1 <= num_draft_tokens <= cfg.block_size - 1:
@@ -283,7 +284,9 @@ class DFlashDrafter(Drafter):
             kv, model.config.num_layers, model.num_kv_heads, model.head_dim, dtype, num_draft_tokens
         )
         self.model, self.target = model, target
-        self.attn = BlockContextAttention(self.k_pools, self.v_pools, kv.req_to_page, kv.page_size)
+        self.attn = block_attention(
+            attention_backend, self.k_pools, self.v_pools, kv.req_to_page, kv.page_size
+        )
         # Layer outputs are our aux ids id + 1, handed in layer order (fc wants the config's
         # order); the last layer's output is the final-norm hidden, as in HF's hidden_states.
         last = target.config.num_layers - 1

@@ -52,6 +52,21 @@ def paged_attention_backend(
     return TorchPagedAttention(k_pools, v_pools, req_to_page, page_size)
 
 
+def block_attention(
+    name: str,
+    k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor],
+    req_to_page: torch.Tensor,
+    page_size: int,
+):
+    """DFLASH's block attention on backend `name` (resolved: triton or torch)."""
+    if name == "triton":
+        from speculant.executor.triton_attention import TritonBlockContextAttention
+
+        return TritonBlockContextAttention(k_pools, v_pools, req_to_page, page_size)
+    return BlockContextAttention(k_pools, v_pools, req_to_page, page_size)
+
+
 class TorchPagedAttention:
     """Writes the step's K/V into their slots, gathers each row's pages in position order, and
     runs masked SDPA: a query at position p sees keys at positions <= p. Shapes depend only on

@@ -236,7 +236,12 @@ class Engine:
                 self.config.seed + 1,
             )
             return DFlashDrafter(
-                self._with_kernels(drafter), self.model, self.kv, self.dtype, spec.num_draft_tokens
+                self._with_kernels(drafter),
+                self.model,
+                self.kv,
+                self.dtype,
+                spec.num_draft_tokens,
+                self.attention_backend,
             )
         draft_cfg = ModelConfig.from_dir(spec.draft)
         with default_device_and_dtype(self.device, self.dtype):

@@ -68,3 +68,75 @@ class TritonPagedAttention:
             batch.kv_len,
             batch.tokens_per_req,
         )
+
+
+class TritonBlockContextAttention:
+    """DFLASH's block attention (the interface of executor/attention.BlockContextAttention) on the
+    paged kernel, reading only live pages: the block's K/V are written into the drafter's pool at
+    the block's own positions, and every block query gets the visible position block_start + B - 1
+    (its true position when the block is causal), so it sees the context before the block and the
+    whole block. Those slots hold positions not yet verified: the next step's context write
+    overwrites them before they are visible to anything. A row whose block runs past its reserved
+    pages (a request that finished this step) writes into the zero page or its own last page:
+    its drafts are never used."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        req_to_page: torch.Tensor,
+        page_size: int,
+    ):
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.req_to_page, self.page_size = req_to_page, page_size
+        self.kv_slots: torch.Tensor | None = None  # nothing to share: no gather
+
+    def prepare(
+        self,
+        context: ForwardBatch,
+        block_start: torch.Tensor,
+        block_len: int,
+        causal_block: bool = False,
+        shared_slots: torch.Tensor | None = None,
+    ) -> None:
+        bs, B, page_size = context.bs, block_len, self.page_size
+        self.context, self.block_len = context, B
+        positions = block_start[:, None] + torch.arange(B, device=block_start.device)
+        columns = (positions // page_size).clamp(max=self.req_to_page.shape[1] - 1)
+        pages = self.req_to_page[context.req_pool_indices[:, None], columns].long()
+        self.block_slots = (pages * page_size + positions % page_size).reshape(-1)
+        visible = positions if causal_block else (block_start + B - 1)[:, None].expand(bs, B)
+        self.query_positions = visible.reshape(-1).contiguous()
+        max_tokens = self.req_to_page.shape[1] * page_size
+        self.kv_len = min(max_tokens, -(-(context.kv_len + B) // page_size) * page_size)
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_context: torch.Tensor,
+        v_context: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block q/k/v [bs * B, heads or kv_heads, d] (rotated), context k/v [N_context,
+        kv_heads, d] -> [bs * B, heads, d]."""
+        k_pool, v_pool = self.k_pools[layer_id], self.v_pools[layer_id]
+        for pool, slots, values in (
+            (k_pool, self.context.out_cache_loc, k_context),
+            (v_pool, self.context.out_cache_loc, v_context),
+            (k_pool, self.block_slots, k),  # after the context: the block's K/V win
+            (v_pool, self.block_slots, v),
+        ):
+            pool.index_copy_(0, slots, values.to(pool.dtype))
+        return paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            self.req_to_page,
+            self.context.req_pool_indices,
+            self.query_positions,
+            self.page_size,
+            self.kv_len,
+            self.block_len,
+        )

@@ -34,11 +34,15 @@ def plain(llama_dir):
 
 @pytest.mark.parametrize("k", [7, 3, 1])
 @pytest.mark.parametrize("padding", [False, True])
-def test_dflash_greedy_equals_plain(plain, llama_dir, dflash_dir, k, padding):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dflash_greedy_equals_plain(plain, llama_dir, dflash_dir, k, padding, backend):
+    """Lossless on both attention backends (on the CPU the triton backend runs its block
+    attention through the kernels' torch references, or Triton's interpreter)."""
     prompts = prompts_of((3, 17, 1, 30, 9), seed=40 + k)
     spec = engine(
-        llama_dir, algo="dflash", draft=str(dflash_dir), num_draft_tokens=k, eager_padding=padding
-    )
+        llama_dir, algo="dflash", draft=str(dflash_dir), num_draft_tokens=k,
+        eager_padding=padding, attention_backend=backend,
+    )  # fmt: skip
     assert_lossless(spec, plain, prompts, k)
 
 
@@ -55,16 +59,23 @@ def _hf_target(llama_dir):
     return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
 
 
-def test_dflash_drafts_match_the_published_forward(llama_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dflash_drafts_match_the_published_forward(llama_dir, tmp_path, backend):
     """After prefill and after two verify steps, our drafts equal a float64 dense reference of
-    the published model fed with transformers' hidden states of the accepted sequence."""
+    the published model fed with transformers' hidden states of the accepted sequence, on both
+    attention backends (triton: the block's K/V go through the paged pool)."""
     k, ids = 5, [0, 1]  # layer 1 is the last: its output is the final-norm hidden, as in HF
     tensors = write_random_dflash(tmp_path, llama_dir, 2, k + 1, target_layer_ids=ids, seed=3)
     config = json.loads((tmp_path / "config.json").read_text())
     hf = _hf_target(llama_dir)
     target = load_file(str(llama_dir / "model.safetensors"))
     embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
-    spec = engine(llama_dir, algo="dflash", draft=str(tmp_path), num_draft_tokens=k)
+    spec = engine(
+        llama_dir, algo="dflash", draft=str(tmp_path), num_draft_tokens=k,
+        attention_backend=backend,
+    )  # fmt: skip
+    kind = "TritonBlockContextAttention" if backend == "triton" else "BlockContextAttention"
+    assert type(spec.drafter.attn).__name__ == kind
     runner, info = spec.runner, spec._sampling_info
     gen = torch.Generator().manual_seed(5)
     for length in (6, 13):
