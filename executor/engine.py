@@ -175,6 +175,29 @@ class Engine:
         self.graphs.capture()
         self.dp = DPCoordinator(self.pctx, self.graphs, self.tokens_per_req, mc.is_moe)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.tokens_per_req)
+        if self._compiles_at_first_use():
+            self.warm_up()
+
+    def _compiles_at_first_use(self) -> bool:
+        """Triton compiles a kernel variant the first time it runs (a second or more each);
+        graph capture compiled the decode step's, not prefill's. MoE targets under expert
+        parallelism are left out: their prefill is a collective step the DP coordinator plans."""
+        moe_ep = self.model_config.is_moe and self.pctx.ep_size > 1
+        return self.attention_backend == "triton" and self.device.startswith("cuda") and not moe_ep
+
+    def warm_up(self, lengths: tuple[int, ...] = (1, 9, 17, 100)) -> None:
+        """Prefill (target and drafter) dummy prompts of a few lengths on a scratch row, so the
+        kernel variants prompts select (query tiles of 16 / 32 / 64 rows, split or not) are
+        compiled before the first request is timed; the row is freed, nothing else changes."""
+        request = type("WarmUp", (), {"params": SamplingParams(), "seed": 0})()
+        info = self._sampling_info([request])
+        for length in lengths:
+            n = max(1, min(length, self.max_model_len - 2 * self.tokens_per_req))
+            row = self.kv.allocate(n + self.tokens_per_req)
+            try:
+                self.runner.prefill([row], [[0] * n], [0], info, GREEDY)
+            finally:
+                self.kv.free(row)
 
     @staticmethod
     def _check_spec(spec: SpecConfig) -> None:

@@ -170,3 +170,27 @@ def test_dummy_weights_build_in_target_dtype(llama_dir):
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+def test_warm_up_leaves_the_engine_as_it_was(llama_dir, tmp_path):
+    """The start-up warm-up (run on CUDA with the Triton backend, so prefill kernels compile
+    before the first timed request) prefills scratch rows and gives everything back: same free
+    pages and rows, zero cache lengths, and generation afterwards equals a fresh engine's."""
+    from helpers_eagle import write_random_eagle3
+
+    write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+    options = dict(algo="eagle3", draft=str(tmp_path), num_draft_tokens=3)
+    fresh, warmed = (
+        Engine(llama_dir, device="cpu", max_num_seqs=4, max_model_len=128, page_size=4, **options)
+        for _ in range(2)
+    )
+    assert not warmed._compiles_at_first_use()  # CPU: nothing compiles, no warm-up at start
+    pages, rows = sorted(warmed.kv.free_pages), sorted(warmed.kv.free_rows)
+    warmed.warm_up()
+    assert sorted(warmed.kv.free_pages) == pages and sorted(warmed.kv.free_rows) == rows
+    assert int(warmed.kv.cache_lens.abs().sum()) == 0
+    prompts = random_prompts(256, (5, 30, 1), seed=11)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in warmed.generate(prompts, params)] == [
+        o.token_ids for o in fresh.generate(prompts, params)
+    ]
