@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -29,6 +30,7 @@ def sync() -> None:
 
 
 ROOT = Path(__file__).resolve().parent.parent
+REPEATS, PEER_REPEATS = 5, 3  # timed generates per row (ours, peers), median reported
 RUNS = {  # name -> (algo, drafter folder, k)
     "plain": (None, None, 0),
     "eagle3 k=4": ("eagle3", "eagle3", 4),
@@ -58,13 +60,17 @@ def ours(assets: Path, prompts: list[str], max_new: int, name: str, device: str)
     for bs in (1, 32):
         batch = prompts[:bs]
         engine.generate(batch, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-        sync()
-        start = time.perf_counter()
-        outputs = engine.generate(batch, params)
-        sync()
-        seconds = time.perf_counter() - start
+        runs = []
+        for _ in range(REPEATS):  # one generate is 30-100 ms here: take the median of a few
+            sync()
+            start = time.perf_counter()
+            outputs = engine.generate(batch, params)
+            sync()
+            runs.append(time.perf_counter() - start)
+        seconds = statistics.median(runs)
         tokens = sum(len(o.token_ids) for o in outputs)
-        entry = {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
+        entry = {"tokens_per_s": tokens / seconds, "seconds": seconds, "runs_s": runs,
+                 "tokens": tokens}  # fmt: skip
         if algo:
             steps = sum(o.stats["num_verify_steps"] for o in outputs)
             entry["accept_len"] = (
@@ -91,11 +97,14 @@ def peers(assets: Path, prompts: list[str], max_new: int, device: str) -> dict:
     def timed(key, fn, tokens_fn):
         try:
             fn()  # warm-up
-            sync()
-            start = time.perf_counter()
-            result = fn()
-            sync()
-            seconds = time.perf_counter() - start
+            runs = []
+            for _ in range(PEER_REPEATS):
+                sync()
+                start = time.perf_counter()
+                result = fn()
+                sync()
+                runs.append(time.perf_counter() - start)
+            seconds = statistics.median(runs)
             out[key] = {"tokens_per_s": tokens_fn(result) / seconds, "seconds": seconds}
         except Exception as exc:  # a peer failing must not sink the run
             out[key] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -6,10 +6,8 @@ comes from the device (its positions): only live pages are read and the launch s
 
 Layout: one program per (row, tile of query rows, KV head, split). The query rows of a tile are
 the (token, head) pairs of one KV head's GQA group, so K and V are read once per group. Long
-contexts are split over `num_splits` programs (split-K): each writes its partial output and
-log-sum-exp, counts its arrival on the tile's counter, and the last to arrive merges the partials
-(no second launch per layer, as in FlashDecoding++ and SGLang's decode kernels) and zeroes the
-counter for the next launch. Kernels compute in float32 with bf16/fp16 tensor-core dots."""
+contexts are split over `num_splits` programs (split-K); a second kernel merges their partial
+outputs by log-sum-exp. Kernels compute in float32 with bf16/fp16 tensor-core dots."""
 
 import functools
 import math
@@ -21,7 +19,6 @@ from speculant.kernels.runtime import next_power_of_2, runs_triton, tl, triton
 
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
-MIN_COUNTERS = 4096  # arrival counters allocated at once: more than a split plan ever needs
 
 
 @triton.jit
@@ -59,44 +56,6 @@ def _attend_block(
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
-def _merge_partials(
-    part_out_ptr, part_lse_ptr, first, num_splits, d, m_ok, q_mask,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """The tile's output from its num_splits partials (`first`: each query row's first), each
-    weighted by exp2(its log-sum-exp - the largest). Other programs wrote them: the loads bypass
-    L1, which may hold lines of an earlier launch's partials at these addresses."""
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(
-        part_lse_ptr + first[:, None] + s[None, :],
-        mask=m_ok[:, None] & (s < num_splits)[None, :],
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    top = tl.max(lse, axis=1)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - top[:, None]), 0.0), axis=1)
-    merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for split in tl.static_range(BLOCK_S):  # unrolled: every split's loads are independent
-        split_ok = split < num_splits
-        lse = tl.load(
-            part_lse_ptr + first + split,
-            mask=m_ok & split_ok,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        weight = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
-        part = tl.load(
-            part_out_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :],
-            mask=q_mask & split_ok,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        merged += weight[:, None] * part
-    return merged / tl.where(total > 0, total, 1.0)[:, None]
-
-
 @triton.jit(do_not_specialize=["tokens_per_req", "kv_len", "num_splits", "m_tiles"])
 def _paged_attention_kernel(
     q_ptr,
@@ -108,7 +67,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
     stride_qn,
     stride_qh,
     stride_on,
@@ -128,7 +86,6 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -179,23 +136,48 @@ def _paged_attention_kernel(
             )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-    if SPLIT:  # every split arrives, an empty one too (lse = -inf); the last merges
-        first = (token * NUM_HEADS + head) * num_splits
-        tl.store(part_out_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+    if SPLIT:
+        part = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + first + split, lse, mask=m_ok)
-        tl.debug_barrier()  # all the program's threads have stored before its arrival releases
-        counter = counters_ptr + pid * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(counter, 0)  # every split has arrived: zero for the next launch
-            merged = _merge_partials(
-                part_out_ptr, part_lse_ptr, first, num_splits, d, m_ok, q_mask, HEAD_DIM,
-                BLOCK_M, BLOCK_D, BLOCK_S,
-            )  # fmt: skip
-            tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(part_lse_ptr + part, lse, mask=m_ok)
     else:
+        dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_on,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
+    token, head = pid // NUM_HEADS, pid % NUM_HEADS
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    lse = tl.load(part_lse_ptr + pid * num_splits + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    parts = tl.load(
+        part_out_ptr + (pid * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + token * stride_on + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @functools.cache
@@ -211,23 +193,6 @@ def choose_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
     by_occupancy = -(-2 * _num_sms(device) // max(programs, 1))
     by_length = -(-kv_len // MIN_KEYS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The int32 arrival counters of `tiles` split (row, query tile, KV head) triples: zero
-    between launches, shared by every launch on the device and kept for the process, since
-    CUDA graphs bake in their address."""
-    return _split_counters(device, max(MIN_COUNTERS, next_power_of_2(tiles)))
-
-
-@functools.cache
-def _split_counters(device: torch.device, size: int) -> torch.Tensor:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(  # zeroing them would only happen at the graph's replays
-            f"paged_attention's split counters ({size} on {device}) would first be allocated "
-            "inside CUDA graph capture; run the same call once eagerly before capturing"
-        )
-    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def paged_attention(
@@ -271,9 +236,8 @@ def paged_attention(
     if splits > 1:
         part_out = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
-        counters = split_counters(q.device, bs * m_tiles * kv_heads)
     else:
-        part_out = part_lse = counters = out
+        part_out = part_lse = out
     _paged_attention_kernel[(bs * m_tiles, kv_heads, splits)](
         q,
         k_pool,
@@ -284,7 +248,6 @@ def paged_attention(
         out,
         part_out,
         part_lse,
-        counters,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -304,10 +267,23 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        BLOCK_S=next_power_of_2(splits),
         SPLIT=splits > 1,
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
+    if splits > 1:
+        _merge_splits_kernel[(n * heads,)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            NUM_HEADS=heads,
+            HEAD_DIM=d,
+            BLOCK_S=max(2, next_power_of_2(splits)),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
     return out
