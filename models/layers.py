@@ -17,9 +17,8 @@ from speculant.kernels.ops import TORCH_OPS, TorchOps
 def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ layer.weight^T (+ bias): the layer's `gemv` kernel when enable_gemv set one (it takes
     single rows and hands every other shape to F.linear), else F.linear."""
-    gemv = getattr(layer, "gemv", None)
-    if gemv is not None:
-        return gemv(x, layer.weight, bias)
+    if layer.gemv is not None:
+        return layer.gemv(x, layer.weight, bias)
     return F.linear(x, layer.weight, bias)
 
 
