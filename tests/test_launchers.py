@@ -221,7 +221,8 @@ class TestRayDriver:
     before the `ray job submit` test starts its own head)."""
 
     @pytest.fixture(scope="class")
-    def ray(self):
+    @classmethod
+    def ray(cls):
         ray = pytest.importorskip("ray")
         saved = os.environ.get("RAY_AUTH_MODE")
         os.environ["RAY_AUTH_MODE"] = "disabled"  # a private local cluster; writes no token
