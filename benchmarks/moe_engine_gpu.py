@@ -1,12 +1,14 @@
-"""EP=2 Qwen3-MoE speculative decoding on two GPUs with CUDA graphs, through DeepEP low-latency
-kernels and through the NCCL all-to-all, against one GPU (the engine-level check of issue 8).
+"""Qwen3-MoE speculative decoding with experts over every rank (EP = --world; default two GPUs,
+DP=2), CUDA graphs, through DeepEP low-latency kernels and through the NCCL all-to-all, against
+one GPU (the engine-level check of issues 8 and 12).
 
-    timeout 560 python benchmarks/moe_engine_gpu.py --out $OUT
+    timeout 560 python benchmarks/moe_engine_gpu.py --out $OUT                   # EP=2 (DP=2)
+    timeout 560 python benchmarks/moe_engine_gpu.py --out $OUT --world 4 --tp 2  # DP2 x TP2
 
-NOT RUN ON A GPU YET (written for the next GPU session); `--device cpu --quick` runs the same
-phases on a tiny model with gloo, eager padded steps and the all2all backend only, to check the
-script. The DeepEP phase needs `tokenspeed-deepep==1.2.1.post20251110` (see shared/GPU.md) and is
-reported as skipped without it (exit status 2).
+Run on two H200s on 2026-11-30 (benchmarks/results/moe_gpu.md); `--device cpu --quick` runs the
+same phases on a tiny model with gloo, eager padded steps and the all2all backend only, to check
+the script. The DeepEP phase needs `tokenspeed-deepep==1.2.1.post20251110` (see shared/GPU.md)
+and is reported as skipped without it (exit status 2).
 
 Model: a random float32 Qwen3-MoE written by transformers (hidden 2048, a size DeepEP supports;
 4 sparse layers, 8 experts top-2, intermediate 768, vocab 4096), speculating k = 3 with, by
@@ -17,11 +19,11 @@ EAGLE-3 head (acceptance about 1: an equality check only); graphs at bs 1, 2, 4,
 (max_num_seqs 16: 8 request rows and 32 decode tokens per DP rank, DeepEP's
 num_max_dispatch_tokens_per_rank). Phases, rank 0 reporting (OUT/moe_engine_gpu.json is
 rewritten after each, so a run cut short keeps what it measured):
-1. one GPU (rank 0, rank 1 waits): greedy tokens of three prompt sets (five requests with a
+1. one GPU (rank 0, the others wait): greedy tokens of three prompt sets (five requests with a
    100-token prompt, one request, five uneven ones), plus per generated token the reference's
    top-1 minus top-2 logit gap (teacher-forced), and the prefill logits of a short and a long
    prompt;
-2. EP=2 (DP=2), `--moe-backend all2all`, graphs; 3. the same with `--moe-backend deepep`
+2. EP = world, `--moe-backend all2all`, graphs; 3. the same with `--moe-backend deepep`
    (low-latency inside graphs and for short eager forwards, normal mode for the long prefills;
    the adapter sets low-latency mode and cleans the buffer before every replay). Each: tokens
    against one GPU, whether uniform steps replayed graphs, dummy steps of the idle rank, the
@@ -50,7 +52,7 @@ from graphs import live_rows, time_ms  # noqa: E402
 from speculant import Engine, SamplingParams  # noqa: E402
 from speculant.comm.groups import ParallelContext  # noqa: E402
 
-WORLD, K = 2, 3
+K = 3
 GPU_MODEL = dict(
     hidden_size=2048,
     intermediate_size=768,
@@ -70,7 +72,7 @@ GPU_MODEL = dict(
 CPU_MODEL = dict(num_hidden_layers=3, norm_topk_prob=True)  # test_moe.TINY_MOE otherwise
 PROMPT_SETS = {  # name -> (lengths, seed)
     "five": ((5, 40, 1, 100, 17), 0),
-    "one_request": ((33,), 1),  # DP rank 1 gets none: it replays dummy batches
+    "one_request": ((33,), 1),  # the other DP ranks get none: they replay dummy batches
     "uneven": ((200, 4, 9, 2, 6), 2),
 }
 LOGIT_PROMPTS = (20, 120)  # DeepEP: low-latency (<= 32 tokens per rank) and normal mode
@@ -85,7 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50, help="timed replays per size")
     parser.add_argument("--gap-tol", type=float, default=0.05, help="see `rounding` above")
     parser.add_argument("--budget-s", type=float, default=520.0, help="kill the ranks after")
-    return _common.parse_rank_args(parser, argv, cpu_iters=3)
+    parser.add_argument("--world", type=int, default=2, help="ranks (GPUs): EP = world")
+    parser.add_argument("--tp", type=int, default=1, help="TP inside each DP rank (dp = world/tp)")
+    args = _common.parse_rank_args(parser, argv, cpu_iters=3)
+    if args.world < 2 or args.world % args.tp:
+        parser.error(f"--world {args.world} must be >= 2 and a multiple of --tp {args.tp}")
+    return args
 
 
 def write_checkpoints(folder: Path, quick: bool, algo: str) -> tuple[str, str]:
@@ -218,7 +225,8 @@ def verdict(ours: dict, ref: dict, tol: float) -> dict:
 
 
 def rank_main(args: argparse.Namespace, target: str, head: str) -> None:
-    pctx = ParallelContext.from_env(1, WORLD, args.device, timeout_s=args.budget_s)
+    dp = args.world // args.tp
+    pctx = ParallelContext.from_env(args.tp, dp, args.device, timeout_s=args.budget_s)
     path = Path(args.out) / "moe_engine_gpu.json"
     report = {**header(args), "phases": {}} if pctx.rank == 0 else None
 
@@ -229,7 +237,7 @@ def rank_main(args: argparse.Namespace, target: str, head: str) -> None:
 
     single = ParallelContext.single()
     ref = run_engine(single, args, target, head, "local", True) if pctx.rank == 0 else None
-    pctx.barrier()  # rank 1 waits for the one-GPU reference
+    pctx.barrier()  # the other ranks wait for the one-GPU reference
     if ref is not None:
         save("one_gpu", {k: v for k, v in ref.items() if k != "logits"})
     for backend in backends_of(args):
@@ -249,14 +257,14 @@ def rank_main(args: argparse.Namespace, target: str, head: str) -> None:
             for a, b in zip(ours["logits"], ref["logits"], strict=True)
         ]
         for name in PROMPT_SETS:
-            mine, other = both[0]["sets"][name], both[1]["sets"][name]
+            ranks = [b["sets"][name] for b in both]
             result[name] = {
-                **verdict(mine, ref["sets"][name], args.gap_tol),
-                "accept_len_ep2": mine["accept_len"],
+                **verdict(ranks[0], ref["sets"][name], args.gap_tol),
+                "accept_len_ep": ranks[0]["accept_len"],
                 "accept_len_one_gpu": ref["sets"][name]["accept_len"],
-                "uniform_steps": mine["uniform_steps"],
-                "replays_per_rank": [mine["replays"], other["replays"]],
-                "dummy_steps_per_rank": [mine["dummy_steps"], other["dummy_steps"]],
+                "uniform_steps": ranks[0]["uniform_steps"],
+                "replays_per_rank": [r["replays"] for r in ranks],
+                "dummy_steps_per_rank": [r["dummy_steps"] for r in ranks],
             }
         save(backend, result)
     pctx.close()
@@ -278,14 +286,18 @@ def header(args: argparse.Namespace) -> dict:
         "model": CPU_MODEL if args.quick else GPU_MODEL,
         "backends": backends_of(args),
         "algo": args.algo,
+        "world": args.world,
+        "tp": args.tp,
     }
 
 
 def table(data: dict) -> tuple[str, bool]:
     """The summary printed last, and whether every check passed."""
     phases, ok = data.get("phases", {}), data.get("error") is None
-    lines = [f"{data.get('gpu')} x{WORLD}  torch {data.get('torch')}  NCCL {data.get('nccl')}"]
-    lines += [f"algo {data.get('algo')}; accept_len: mean over requests, EP=2 and one GPU"]
+    world, tp = data.get("world", 2), data.get("tp", 1)
+    lines = [f"{data.get('gpu')} x{world}  torch {data.get('torch')}  NCCL {data.get('nccl')}"]
+    lines += [f"EP={world} (DP={world // tp} x TP={tp}); algo {data.get('algo')}; accept_len: "
+              f"mean over requests, EP={world} and one GPU"]  # fmt: skip
     lines += ["| backend | prompts | vs one GPU | accept_len | replays per rank | dummy steps |"]
     lines += ["| --- | --- | --- | --- | --- | --- |"]
     for backend in data.get("backends", ["all2all", "deepep"]):
@@ -302,7 +314,7 @@ def table(data: dict) -> tuple[str, bool]:
             r = result[name]
             ok = ok and r["verdict"] in ("equal", "rounding") and min(r["replays_per_rank"]) > 0
             accept = [round(sum(a.values()) / len(a), 2) for a in
-                      (r["accept_len_ep2"], r["accept_len_one_gpu"])]  # fmt: skip
+                      (r["accept_len_ep"], r["accept_len_one_gpu"])]  # fmt: skip
             lines.append(
                 f"| {backend} | {name} | {r['verdict']} | {accept} | {r['replays_per_rank']} | "
                 f"{r['dummy_steps_per_rank']} |"
@@ -324,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         args,
         "moe_engine_gpu.json",
         lambda folder: write_checkpoints(folder, args.quick, args.algo),
-        WORLD,
+        args.world,
     )
     summary, ok = table(data)
     print(summary)
