@@ -28,7 +28,7 @@ from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.checkpoint import read_head_weights, require_tensors
 from speculant.drafter.eagle import ReplicatedLinear
 from speculant.errors import SpeculantError
-from speculant.executor.attention import BlockContextAttention, block_attention
+from speculant.executor.attention import BlockContextAttention, paged_attention_backend
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
@@ -284,8 +284,8 @@ class DFlashDrafter(Drafter):
             kv, model.config.num_layers, model.num_kv_heads, model.head_dim, dtype, num_draft_tokens
         )
         self.model, self.target = model, target
-        self.attn = block_attention(
-            attention_backend, self.k_pools, self.v_pools, kv.req_to_page, kv.page_size
+        self.attn = paged_attention_backend(
+            attention_backend, self.k_pools, self.v_pools, kv.req_to_page, kv.page_size, True
         )
         # Layer outputs are our aux ids id + 1, handed in layer order (fc wants the config's
         # order); the last layer's output is the final-norm hidden, as in HF's hidden_states.

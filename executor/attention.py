@@ -43,36 +43,28 @@ def paged_attention_backend(
     v_pools: list[torch.Tensor],
     req_to_page: torch.Tensor,
     page_size: int,
+    block: bool = False,
 ):
-    """The paged attention backend `name` (resolved: triton or torch) over these pools."""
+    """The paged attention backend `name` (resolved: triton or torch) over these pools; with
+    `block`, DFLASH's block attention on that backend."""
     if name == "triton":
-        from speculant.executor.triton_attention import TritonPagedAttention
+        from speculant.executor.triton_attention import (
+            TritonBlockContextAttention,
+            TritonPagedAttention,
+        )
 
-        return TritonPagedAttention(k_pools, v_pools, req_to_page, page_size)
-    return TorchPagedAttention(k_pools, v_pools, req_to_page, page_size)
-
-
-def block_attention(
-    name: str,
-    k_pools: list[torch.Tensor],
-    v_pools: list[torch.Tensor],
-    req_to_page: torch.Tensor,
-    page_size: int,
-):
-    """DFLASH's block attention on backend `name` (resolved: triton or torch)."""
-    if name == "triton":
-        from speculant.executor.triton_attention import TritonBlockContextAttention
-
-        return TritonBlockContextAttention(k_pools, v_pools, req_to_page, page_size)
-    return BlockContextAttention(k_pools, v_pools, req_to_page, page_size)
+        kind = TritonBlockContextAttention if block else TritonPagedAttention
+    else:
+        kind = BlockContextAttention if block else TorchPagedAttention
+    return kind(k_pools, v_pools, req_to_page, page_size)
 
 
-class TorchPagedAttention:
-    """Writes the step's K/V into their slots, gathers each row's pages in position order, and
-    runs masked SDPA: a query at position p sees keys at positions <= p. Shapes depend only on
-    (bs, T, kv_len), so the decode step is graph-capturable."""
+class PoolAttention:
+    """What every attention backend reads: the per-layer K/V pools [num_slots, kv_heads, d] and
+    the block table `req_to_page` of `page_size`-token pages. `kv_slots` is the key-slot gather a
+    backend shares with a drafter on the same block table (None when it makes none)."""
 
-    ops = TORCH_OPS
+    kv_slots: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -82,11 +74,15 @@ class TorchPagedAttention:
         page_size: int,
     ):
         self.k_pools, self.v_pools = k_pools, v_pools
-        self.req_to_page = req_to_page
-        self.page_size = page_size
-        self.batch: ForwardBatch | None = None
-        self.kv_slots: torch.Tensor | None = None
-        self.mask: torch.Tensor | None = None
+        self.req_to_page, self.page_size = req_to_page, page_size
+
+
+class TorchPagedAttention(PoolAttention):
+    """Writes the step's K/V into their slots, gathers each row's pages in position order, and
+    runs masked SDPA: a query at position p sees keys at positions <= p. Shapes depend only on
+    (bs, T, kv_len), so the decode step is graph-capturable."""
+
+    ops = TORCH_OPS
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Per-step metadata: every row's key slots [bs, kv_len] and the position mask. A drafter
@@ -132,21 +128,11 @@ def key_slots(
     return (pages.unsqueeze(-1) * page_size + offsets).view(batch.bs, -1)
 
 
-class BlockContextAttention:
+class BlockContextAttention(PoolAttention):
     """DFLASH's attention: each row's block of B query tokens attends to the row's cached
     context (keys at positions before the block) and to the whole block, non-causally (or
     causally when the drafter says so). Only context K/V are written to the pool; the block's
     K/V live for one forward. Shapes depend only on (bs, T, B, kv_len): graph-capturable."""
-
-    def __init__(
-        self,
-        k_pools: list[torch.Tensor],
-        v_pools: list[torch.Tensor],
-        req_to_page: torch.Tensor,
-        page_size: int,
-    ):
-        self.k_pools, self.v_pools = k_pools, v_pools
-        self.req_to_page, self.page_size = req_to_page, page_size
 
     def prepare(
         self,

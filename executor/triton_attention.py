@@ -8,32 +8,20 @@ from __future__ import annotations
 
 import torch
 
+from speculant.executor.attention import PoolAttention
 from speculant.executor.forward_batch import ForwardBatch
 from speculant.kernels.ops import TritonOps
 from speculant.kernels.paged_attention import paged_attention
 from speculant.kernels.rope import rope_and_write_kv
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PoolAttention):
     """Per-step metadata is the batch itself: the kernels read positions, request rows and
     `req_to_page` on the device, so `prepare` launches nothing and the step stays
-    graph-capturable. There is no key-slot gather to share with a drafter (`kv_slots` is
+    graph-capturable. There is no key-slot gather to share with a drafter (`kv_slots` stays
     None; a drafter's torch backend then gathers its own)."""
 
     ops = TritonOps()
-
-    def __init__(
-        self,
-        k_pools: list[torch.Tensor],
-        v_pools: list[torch.Tensor],
-        req_to_page: torch.Tensor,
-        page_size: int,
-    ):
-        self.k_pools, self.v_pools = k_pools, v_pools
-        self.req_to_page = req_to_page
-        self.page_size = page_size
-        self.batch: ForwardBatch | None = None
-        self.kv_slots: torch.Tensor | None = None
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Remember the step; `shared_slots` (a torch backend's gather) is not needed."""
@@ -70,7 +58,7 @@ class TritonPagedAttention:
         )
 
 
-class TritonBlockContextAttention:
+class TritonBlockContextAttention(PoolAttention):
     """DFLASH's block attention (the interface of executor/attention.BlockContextAttention) on the
     paged kernel, reading only live pages: the block's K/V are written into the drafter's pool at
     the block's own positions, and every block query gets the visible position block_start + B - 1
@@ -79,17 +67,6 @@ class TritonBlockContextAttention:
     overwrites them before they are visible to anything. A row whose block runs past its reserved
     pages (a request that finished this step) writes into the zero page or its own last page:
     its drafts are never used."""
-
-    def __init__(
-        self,
-        k_pools: list[torch.Tensor],
-        v_pools: list[torch.Tensor],
-        req_to_page: torch.Tensor,
-        page_size: int,
-    ):
-        self.k_pools, self.v_pools = k_pools, v_pools
-        self.req_to_page, self.page_size = req_to_page, page_size
-        self.kv_slots: torch.Tensor | None = None  # nothing to share: no gather
 
     def prepare(
         self,
