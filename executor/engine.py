@@ -228,8 +228,13 @@ class Engine:
         spec, max_positions = self.config.spec, self.max_model_len + self.tokens_per_req
         if spec.algo is None:
             return None
-        if spec.algo == "eagle3":
-            head = load_eagle3(
+        if spec.algo in ("eagle3", "dflash"):  # a head in its published layout, on our target
+            load, drafter_cls = (
+                (load_eagle3, Eagle3Drafter)
+                if spec.algo == "eagle3"
+                else (load_dflash, DFlashDrafter)
+            )
+            head = load(
                 spec.draft,
                 self.model_config,
                 self.device,
@@ -239,27 +244,8 @@ class Engine:
                 self.config.load_format,
                 self.config.seed + 1,
             )
-            return Eagle3Drafter(
+            return drafter_cls(
                 self._with_kernels(head),
-                self.model,
-                self.kv,
-                self.dtype,
-                spec.num_draft_tokens,
-                self.attention_backend,
-            )
-        if spec.algo == "dflash":
-            drafter = load_dflash(
-                spec.draft,
-                self.model_config,
-                self.device,
-                self.dtype,
-                self.pctx,
-                max_positions,
-                self.config.load_format,
-                self.config.seed + 1,
-            )
-            return DFlashDrafter(
-                self._with_kernels(drafter),
                 self.model,
                 self.kv,
                 self.dtype,
