@@ -6,9 +6,11 @@ shapes, a split-K plan with a separate reduce kernel; on one H200 this kernel wa
 Llama-3.1-8B qkv, o_proj and down_proj shapes and needs no reduce, but slower on the tall
 gate_up (benchmarks/levers.py, benchmarks/results/levers.md). Computing SiLU-and-mul inside the
 down projection's GEMV (one kernel fewer) made it slower: every program recomputes the whole
-activation row. Each program owns BLOCK_N output
-rows and walks K in BLOCK_K chunks, accumulating in float32 registers, then reduces once. Other
-shapes and dtypes (M > 1, float32, tall weights, sizes the blocks do not divide) go to F.linear."""
+activation row.
+
+Each program owns BLOCK_N output rows and walks K in BLOCK_K chunks, accumulating in float32
+registers, then reduces once. Other shapes and dtypes (M > 1, float32, tall weights, sizes the
+blocks do not divide) go to F.linear."""
 
 import torch
 import torch.nn.functional as F
