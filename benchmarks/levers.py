@@ -3,10 +3,11 @@ one GPU, one run, dummy bf16 weights, Triton attention backend, context 512, gra
 
     python3 benchmarks/levers.py --json OUT.json
 
-1. The whole graph step under variants, each with a kernel profile (device time, launches,
-   top kernels): the default; torch's cuBLASLt BLAS backend (`preferred_blas_library`); the
-   paged-attention split plan (MIN_KEYS_PER_SPLIT 128 / 1024, i.e. more splits / one split at
-   this max_model_len).
+1. The whole graph step under variants (`--variants`, names from VARIANTS), each with a kernel
+   profile (device time, launches, top kernels): the default; torch's cuBLASLt BLAS backend
+   (`preferred_blas_library`); the paged-attention split plan (MIN_KEYS_PER_SPLIT 128 / 1024,
+   i.e. more splits / one split at this max_model_len); programmatic dependent launch off / in
+   mode 1 or 2 (kernels/runtime.py) with the GEMV's L2 prefetch of 0, 16 or 64 KiB a program.
 2. The four projection shapes at M = 1 (qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
    down 4096x14336): torch `F.linear` under cuBLAS and cuBLASLt, and a plain Triton GEMV over a
    few block configurations; each timed as one CUDA graph over 8 weight copies (more than L2),
@@ -28,17 +29,34 @@ from decode import kernel_profile
 from graphs import SHAPES, copy_bandwidth, live_rows, time_ms, write_config
 
 from speculant import Engine
+from speculant.kernels import gemv, runtime
 from speculant.kernels import paged_attention as pa
 from speculant.kernels.gemv import _gemv_kernel
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "down": (4096, 14336)}  # fmt: skip
 COPIES = 8
+DEFAULTS = {"blas": "cublas", "min_keys": 256, "pdl": runtime.PDL_MODE,
+            "prefetch": gemv.PREFETCH_BYTES}  # fmt: skip
+VARIANTS = {
+    "default": {},
+    "cublaslt": {"blas": "cublaslt"},
+    "min_keys_128": {"min_keys": 128},
+    "one_split": {"min_keys": 1024},
+    "no_pdl": {"pdl": 0},
+    "pdl1_no_prefetch": {"pdl": 1, "prefetch": 0},
+    "pdl1_prefetch_16k": {"pdl": 1, "prefetch": 16384},
+    "pdl1_prefetch_64k": {"pdl": 1, "prefetch": 65536},
+    "pdl2_no_prefetch": {"pdl": 2, "prefetch": 0},
+    "pdl2_prefetch_16k": {"pdl": 2, "prefetch": 16384},
+    "pdl2_prefetch_64k": {"pdl": 2, "prefetch": 65536},
+}
 
 
-def step_variant(target: str, vocab: int, blas: str, min_keys: int) -> dict:
+def step_variant(target: str, vocab: int, blas: str, min_keys: int, pdl: int, prefetch: int):
     torch.backends.cuda.preferred_blas_library(blas)
     pa.MIN_KEYS_PER_SPLIT = min_keys
+    runtime.PDL_MODE, gemv.PREFETCH_BYTES = pdl, prefetch
     engine = Engine(target, device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=1,
                     max_model_len=1024, capture_sizes=[1], attention_backend="triton")  # fmt: skip
     try:
@@ -52,14 +70,16 @@ def step_variant(target: str, vocab: int, blas: str, min_keys: int) -> dict:
     finally:
         del engine
         torch.cuda.empty_cache()
-        torch.backends.cuda.preferred_blas_library("cublas")
-        pa.MIN_KEYS_PER_SPLIT = 256
+        torch.backends.cuda.preferred_blas_library(DEFAULTS["blas"])
+        pa.MIN_KEYS_PER_SPLIT = DEFAULTS["min_keys"]
+        runtime.PDL_MODE, gemv.PREFETCH_BYTES = DEFAULTS["pdl"], DEFAULTS["prefetch"]
 
 
 def triton_gemv(x, w, y, block_n, block_k, warps, stages):
     N, K = w.shape
     _gemv_kernel[(N // block_n,)](x, w, y, w.stride(0), K=K, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  num_warps=warps, num_stages=stages)  # fmt: skip
+                                  PREFETCH_LINES=0, LINE=64, PDL=0, num_warps=warps,
+                                  num_stages=stages)  # fmt: skip
 
 
 def graph_us(fn_per_copy) -> float:
@@ -117,6 +137,12 @@ def gemv_stage(bandwidth: float) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
+    parser.add_argument(
+        "--variants",
+        default="default,cublaslt,min_keys_128,one_split",
+        help=f"comma-separated step variants from {', '.join(VARIANTS)}",
+    )
+    parser.add_argument("--skip-gemv", action="store_true", help="no per-projection stage")
     args = parser.parse_args()
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "triton": triton.__version__,
@@ -125,18 +151,22 @@ def main() -> int:
     report["copy_tb_s"] = bandwidth / 1e12
     target = write_config(SHAPES["llama8b"])
     vocab = SHAPES["llama8b"]["vocab_size"]
-    variants = {"default": ("cublas", 256), "cublaslt": ("cublaslt", 256),
-                "min_keys_128": ("cublas", 128), "one_split": ("cublas", 1024)}  # fmt: skip
-    for name, (blas, keys) in variants.items():
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    report["defaults"] = DEFAULTS
+    for name in names:
         try:
-            report["steps"][name] = step_variant(target, vocab, blas, keys)
+            report["steps"][name] = step_variant(target, vocab, **{**DEFAULTS, **VARIANTS[name]})
             print(name, f"{report['steps'][name]['graph_ms']:.3f} ms", flush=True)
         except Exception:
             report["errors"][name] = traceback.format_exc(limit=3)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     try:
-        report["gemv"] = gemv_stage(bandwidth)
+        if not args.skip_gemv:
+            report["gemv"] = gemv_stage(bandwidth)
     except Exception:
         report["errors"]["gemv"] = traceback.format_exc(limit=3)
     with open(args.json, "w") as f:

@@ -5,13 +5,14 @@ product in that dtype."""
 import torch
 
 from speculant.kernels import reference
-from speculant.kernels.runtime import runs_triton, tl, triton
+from speculant.kernels.runtime import pdl_enter, pdl_mode, pdl_options, runs_triton, tl, triton
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -30,6 +31,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, width), dtype=gate_up.dtype, device=gate_up.device)
     if n:
         _silu_and_mul_kernel[(n, -(-width // BLOCK))](
-            gate_up, out, gate_up.stride(0), width, BLOCK=BLOCK, num_warps=4
-        )
+            gate_up, out, gate_up.stride(0), width, BLOCK=BLOCK, num_warps=4,
+            **pdl_options(pdl_mode(gate_up)),
+        )  # fmt: skip
     return out

@@ -15,19 +15,43 @@ blocks do not divide) go to F.linear."""
 import torch
 import torch.nn.functional as F
 
-from speculant.kernels.runtime import runs_triton, tl, triton
+from speculant.kernels.runtime import (
+    next_power_of_2,
+    pdl_enter,
+    pdl_mode,
+    pdl_options,
+    runs_triton,
+    tl,
+    triton,
+)
 
 BLOCK_N = 8
 # Taller weights (gate_up at 28672 rows, LM heads) stay on cuBLAS: inside the whole 8B step its
 # GEMM streams them at the copy bandwidth (55 us for gate_up) where this kernel took ~63 us.
 MAX_ROWS = 8192
+# Under PDL (kernels/runtime.py) each program asks L2 for the first bytes of its weight rows
+# before it waits for the kernel that produces x: the weight stream starts while that kernel
+# runs. Bytes per program (power of two; 0: none).
+PREFETCH_BYTES = 16384
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
+    x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_LINES > 0:  # weights only: nothing an earlier kernel writes
+        lines = tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w_ptr + rows[:, None] * stride_w + lines[None, :])
+    pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -51,6 +75,12 @@ def gemv_plan(n: int, k: int) -> tuple[int, int] | None:
     return block_k, 8 if k >= 8192 else 4
 
 
+def _prefetch_lines(row_lines: int, budget: int) -> int:
+    """128-byte lines per weight row to prefetch: the budget, at most the row, a power of 2."""
+    lines = min(row_lines, budget)
+    return next_power_of_2(lines + 1) // 2 if lines > 0 else 0
+
+
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.numel() == x.shape[-1]
@@ -69,8 +99,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n, k = weight.shape
     block_k, warps = gemv_plan(n, k)
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    pdl = pdl_mode(x)
+    line = 128 // weight.element_size()
+    lines = _prefetch_lines(k // line, PREFETCH_BYTES // 128 // BLOCK_N) if pdl else 0
     _gemv_kernel[(n // BLOCK_N,)](
         x.contiguous(), weight, y, weight.stride(0), K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        num_warps=warps, num_stages=2,
+        PREFETCH_LINES=lines, LINE=line, num_warps=warps, num_stages=2, **pdl_options(pdl),
     )  # fmt: skip
     return y + bias if bias is not None else y

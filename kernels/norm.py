@@ -6,7 +6,15 @@ the float32 sum of squares differs."""
 import torch
 
 from speculant.kernels import reference
-from speculant.kernels.runtime import next_power_of_2, runs_triton, tl, triton
+from speculant.kernels.runtime import (
+    next_power_of_2,
+    pdl_enter,
+    pdl_mode,
+    pdl_options,
+    runs_triton,
+    tl,
+    triton,
+)
 
 
 @triton.jit
@@ -23,7 +31,9 @@ def _rms_norm_kernel(
     N_COLS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # one program per row; x is [tokens, rows_per_token, N_COLS] with a contiguous last dim
     row = tl.program_id(0).to(tl.int64)
     token, sub = row // rows_per_token, row % rows_per_token
@@ -67,6 +77,7 @@ def _launch(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=max(1, min(16, block // 512)),
+            **pdl_options(pdl_mode(x)),
         )
     return out, residual_out
 

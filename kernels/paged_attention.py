@@ -15,7 +15,15 @@ import math
 import torch
 
 from speculant.kernels import reference
-from speculant.kernels.runtime import next_power_of_2, runs_triton, tl, triton
+from speculant.kernels.runtime import (
+    next_power_of_2,
+    pdl_enter,
+    pdl_mode,
+    pdl_options,
+    runs_triton,
+    tl,
+    triton,
+)
 
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -89,7 +97,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,7 +168,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
     token, head = pid // NUM_HEADS, pid % NUM_HEADS
     s = tl.arange(0, BLOCK_S)
@@ -233,6 +245,7 @@ def paged_attention(
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
+    pdl = pdl_mode(q)
     if splits > 1:
         part_out = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
@@ -271,6 +284,7 @@ def paged_attention(
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
+        **pdl_options(pdl),
     )
     if splits > 1:
         _merge_splits_kernel[(n * heads,)](
@@ -285,5 +299,6 @@ def paged_attention(
             BLOCK_S=max(2, next_power_of_2(splits)),
             BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
+            **pdl_options(pdl),
         )
     return out

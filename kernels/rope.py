@@ -7,7 +7,15 @@ RotaryEmbedding builds it."""
 import torch
 
 from speculant.kernels import reference
-from speculant.kernels.runtime import next_power_of_2, runs_triton, tl, triton
+from speculant.kernels.runtime import (
+    next_power_of_2,
+    pdl_enter,
+    pdl_mode,
+    pdl_options,
+    runs_triton,
+    tl,
+    triton,
+)
 
 
 @triton.jit
@@ -47,7 +55,9 @@ def _rope_kv_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -120,5 +130,6 @@ def rope_and_write_kv(
         BLOCK_KV=next_power_of_2(kv_heads),
         BLOCK_D=next_power_of_2(d),
         num_warps=4,
+        **pdl_options(pdl_mode(q)),
     )
     return q_out

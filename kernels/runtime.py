@@ -5,6 +5,7 @@ their torch references. Importing this module imports triton: the package import
 modules only when a Triton backend is built, so a test can still set TRITON_INTERPRET first.
 Without triton installed the kernel modules import all the same (nothing is launched)."""
 
+import functools
 import os
 
 import torch
@@ -12,6 +13,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_TRITON = True
 except ImportError:  # the CPU CI installs no triton: every op takes its torch reference
@@ -30,10 +32,48 @@ except ImportError:  # the CPU CI installs no triton: every op takes its torch r
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may start while the
+# kernel before it in the stream (or CUDA graph) still runs; it does only work that reads no
+# earlier kernel's output (L2 prefetch of weights) before `griddepcontrol.wait`, which returns
+# once that kernel has finished and its writes are visible. 0: off; 1: each kernel lets its
+# successor launch once it has passed its own wait (one kernel of look-ahead); 2: before it (a
+# chain of waiting kernels up to the next launch without PDL). Set by SPECULANT_PDL.
+PDL_MODE = int(os.environ.get("SPECULANT_PDL", "1"))
+if PDL_MODE not in (0, 1, 2):
+    raise ValueError(f"SPECULANT_PDL={PDL_MODE}: use 0 (off), 1 or 2")
+
 
 def runs_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run on x's device."""
     return HAS_TRITON and (x.is_cuda or INTERPRET)
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_mode(x: torch.Tensor) -> int:
+    """The PDL mode for a launch on x's device: PDL_MODE on compiled sm_90+ CUDA, else 0."""
+    if PDL_MODE == 0 or not (HAS_TRITON and x.is_cuda) or INTERPRET:
+        return 0
+    return PDL_MODE if _has_pdl(x.device) else 0
+
+
+def pdl_options(mode: int) -> dict:
+    """Launch options for a kernel that calls `pdl_enter(mode)` first."""
+    return {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Call before a kernel's first read of an earlier kernel's output (see PDL_MODE)."""
+    if PDL == 1:
+        gdc_wait()
+        gdc_launch_dependents()
+    elif PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def next_power_of_2(n: int) -> int:

@@ -334,6 +334,108 @@ def test_gemv_hands_other_shapes_to_linear(device):
         assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
 
 
+def test_pdl_is_off_where_it_cannot_run():
+    """Programmatic dependent launch only on compiled sm_90+ CUDA: on the CPU (interpreted or
+    not) every kernel launches plainly, with PDL=0."""
+    assert runtime.pdl_mode(torch.zeros(2)) == 0
+    assert runtime.pdl_options(0) == {"PDL": 0}
+    assert runtime.pdl_options(2) == {"PDL": 2, "launch_pdl": True}
+
+
+@pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
+def test_bad_pdl_setting_names_the_value():
+    import subprocess
+
+    env = {**os.environ, "SPECULANT_PDL": "7"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import speculant.kernels.runtime"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "SPECULANT_PDL=7: use 0 (off), 1 or 2" in run.stderr.strip().splitlines()[-1]
+
+
+def _decoder_chain(gen, layers=6, hidden=1024, heads=16, kv_heads=4, head_dim=64, inter=2048):
+    """A bs-1 decode chain of every PDL kernel (norms, GEMVs, RoPE + KV write, split paged
+    attention with its merge, SiLU-and-mul), each consuming the kernel before it; returns
+    (run, x): run() computes the chain from the static input x."""
+    from speculant.kernels import gemv
+
+    dtype, dev, page, pages = torch.bfloat16, "cuda", 16, 32
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+
+    def w(*shape):
+        return randn(gen, *shape, dtype=dtype, device=dev, scale=shape[-1] ** -0.5)
+
+    weights = [
+        (w(qkv_rows, hidden), w(hidden, heads * head_dim), w(2 * inter, hidden), w(hidden, inter))
+        for _ in range(layers)
+    ]
+    norm_w = [randn(gen, hidden, dtype=dtype, device=dev) for _ in range(2 * layers + 1)]
+    pools = [randn(gen, 2, pages * page, kv_heads, head_dim, dtype=dtype, device=dev)
+             for _ in range(layers)]  # fmt: skip
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages).to(dev)
+    pos = torch.tensor([pages * page - 5], device=dev)
+    slot = (table[0, pos // page].long() * page + pos % page).to(dev)
+    angle = torch.rand(1, head_dim, generator=gen).to(device=dev)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    x = randn(gen, 1, hidden, dtype=dtype, device=dev)
+
+    def run():
+        h, residual = norm.rms_norm(x, norm_w[0], 1e-5), x
+        for i, (wqkv, wo, wgu, wd) in enumerate(weights):
+            qkv = gemv.linear(h, wqkv)
+            q, k, v = qkv.view(1, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+            q = rope.rope_and_write_kv(q, k, v, cos, sin, pools[i][0], pools[i][1], slot)
+            attn = paged_attention(q, pools[i][0], pools[i][1], table,
+                                   torch.zeros(1, dtype=torch.long, device=dev), pos, page,
+                                   pages * page, 1, num_splits=4)  # fmt: skip
+            h, residual = norm.add_rms_norm(
+                gemv.linear(attn.view(1, -1), wo), residual, norm_w[2 * i + 1], 1e-5
+            )
+            up = activation.silu_and_mul(torch.nn.functional.linear(h, wgu))
+            h, residual = norm.add_rms_norm(gemv.linear(up, wd), residual, norm_w[2 * i + 2], 1e-5)
+        return h, residual
+
+    return run, x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 16384, 65536])
+def test_pdl_graph_chain_equals_plain_launches(mode, prefetch, monkeypatch):
+    """The decode chain captured in one CUDA graph with programmatic dependent launch (and the
+    GEMV's L2 prefetch) gives bit for bit the outputs of plain launches, replay after replay
+    with fresh inputs: no kernel reads an input before the kernel writing it has finished."""
+    from speculant.kernels import gemv
+
+    gen = generator("pdl chain", mode, prefetch)
+    run, x = _decoder_chain(gen)
+    inputs = [randn(gen, *x.shape, dtype=x.dtype, device="cuda") for _ in range(4)]
+
+    def graph_outputs(pdl):
+        monkeypatch.setattr(runtime, "PDL_MODE", pdl)
+        monkeypatch.setattr(gemv, "PREFETCH_BYTES", prefetch)
+        run()  # compiles outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = run()
+        results = []
+        for fresh in inputs:
+            x.copy_(fresh)
+            graph.replay()
+            results.append([o.clone() for o in outs])
+        torch.cuda.synchronize()
+        return results
+
+    plain, chained = graph_outputs(0), graph_outputs(mode)
+    for i, (a, b) in enumerate(zip(plain, chained, strict=True)):
+        assert torch.isfinite(a[0]).all(), i
+        assert all(torch.equal(p, c) for p, c in zip(a, b, strict=True)), f"replay {i} differs"
+    assert not torch.equal(plain[0][0], plain[1][0])  # the inputs reach the outputs
+
+
 @pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
 def test_triton_backend_engines_route_linears_through_gemv(llama_dir, tmp_path):
     """The Triton backend sets the GEMV on every projection of the target and the EAGLE-3 head
