@@ -45,9 +45,12 @@ VARIANTS = {
     "one_split": {"min_keys": 1024},
     "no_pdl": {"pdl": 0},
     "pdl1_no_prefetch": {"pdl": 1, "prefetch": 0},
+    "pdl1_prefetch_8k": {"pdl": 1, "prefetch": 8192},
     "pdl1_prefetch_16k": {"pdl": 1, "prefetch": 16384},
+    "pdl1_prefetch_32k": {"pdl": 1, "prefetch": 32768},
     "pdl1_prefetch_64k": {"pdl": 1, "prefetch": 65536},
     "pdl2_no_prefetch": {"pdl": 2, "prefetch": 0},
+    "pdl2_prefetch_8k": {"pdl": 2, "prefetch": 8192},
     "pdl2_prefetch_16k": {"pdl": 2, "prefetch": 16384},
     "pdl2_prefetch_64k": {"pdl": 2, "prefetch": 65536},
 }
@@ -156,10 +159,11 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     report["defaults"] = DEFAULTS
-    for name in names:
+    for i, name in enumerate(names):  # a name may repeat (drift between variants)
         try:
-            report["steps"][name] = step_variant(target, vocab, **{**DEFAULTS, **VARIANTS[name]})
-            print(name, f"{report['steps'][name]['graph_ms']:.3f} ms", flush=True)
+            key = name if name not in report["steps"] else f"{name}#{names[: i + 1].count(name)}"
+            report["steps"][key] = step_variant(target, vocab, **{**DEFAULTS, **VARIANTS[name]})
+            print(key, f"{report['steps'][key]['graph_ms']:.3f} ms", flush=True)
         except Exception:
             report["errors"][name] = traceback.format_exc(limit=3)
         with open(args.json, "w") as f:
