@@ -180,15 +180,16 @@ class Engine:
 
     def _compiles_at_first_use(self) -> bool:
         """Triton compiles a kernel variant the first time it runs (a second or more each);
-        graph capture compiled the decode step's, not prefill's. MoE targets under expert
-        parallelism are left out: their prefill is a collective step the DP coordinator plans."""
-        moe_ep = self.model_config.is_moe and self.pctx.ep_size > 1
-        return self.attention_backend == "triton" and self.device.startswith("cuda") and not moe_ep
+        graph capture compiled the decode step's, not prefill's."""
+        return self.attention_backend == "triton" and self.device.startswith("cuda")
 
     def warm_up(self, lengths: tuple[int, ...] = (1, 9, 17, 100)) -> None:
         """Prefill (target and drafter) dummy prompts of a few lengths on a scratch row, so the
         kernel variants prompts select (query tiles of 16 / 32 / 64 rows, split or not) are
-        compiled before the first request is timed; the row is freed, nothing else changes."""
+        compiled before the first request is timed; the row is freed, nothing else changes.
+        Every rank runs the same prefills (engines are built in lockstep), so a MoE target's
+        dispatches under expert parallelism line up: with no planned step sizes (after capture)
+        each asks the other ranks for their token counts."""
         request = type("WarmUp", (), {"params": SamplingParams(), "seed": 0})()
         info = self._sampling_info([request])
         for length in lengths:

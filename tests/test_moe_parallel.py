@@ -1,10 +1,10 @@
 """Expert parallelism inside the engine on the CPU (gloo processes): a Qwen3-MoE target whose
 experts are split over every rank gives the single-rank tokens at EP=2 (DP=2) and EP=4 (DP2 x
 TP2), plain and with EAGLE-3, with uneven batches, prefills next to decodes and a DP rank with no
-requests; every rank derives the same per-step table and runs the same number of MoE forwards;
-the capture-uniformity regression (with an upcycled MoE whose dense twin drafts with real
-acceptance); the per-step protocol and the dispatch plan as units; and `speculant generate
---dp 2` on an MoE checkpoint.
+requests (after the start-up warm-up's prefills on every rank); every rank derives the same
+per-step table and runs the same number of MoE forwards; the capture-uniformity regression (with
+an upcycled MoE whose dense twin drafts with real acceptance); the per-step protocol and the
+dispatch plan as units; and `speculant generate --dp 2` on an MoE checkpoint.
 
 Every multi-process run is bounded (collectives time out after COLLECTIVE_TIMEOUT_S, launches
 are killed after LAUNCH_TIMEOUT_S). Checkpoints come from tests/test_moe.py's writer."""
@@ -125,6 +125,7 @@ def moe_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
     seen = {}
     for name, target, options, prompts, params in cases:
         engine = Engine(str(target), pctx=pctx, **ENGINE, **options)
+        engine.warm_up((1, 9))  # what start-up runs on CUDA: MoE prefills on every rank at once
         log = StepLog(engine)
         source = pctx.rank == 0
         outs = engine.generate(prompts if source else None, params if source else None)
