@@ -1,117 +1,41 @@
-"""The engine: builds one rank's model, KV cache, runner and graph wrapper from an EngineConfig,
-and runs the step loop (`Engine.step`) that `generate` drives."""
+"""The engine: builds one rank's model, KV cache, runner and graph wrapper from an EngineConfig
+(the parts in executor/build.py), and runs the step loop (`Engine.step`) that `generate` drives."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from speculant.comm.groups import ParallelContext, resolve_context
-from speculant.config import (
-    CacheConfig,
-    EngineConfig,
-    GraphConfig,
-    ModelConfig,
-    MoeConfig,
-    ParallelConfig,
-    SpecConfig,
-)
-from speculant.drafter.base import Drafter
-from speculant.drafter.dflash import DFlashDrafter, block_size_of, load_dflash
-from speculant.drafter.draft_model import DraftModelDrafter
-from speculant.drafter.eagle import load_eagle3
-from speculant.drafter.eagle_drafter import Eagle3Drafter
+from speculant.config import ModelConfig, ParallelConfig
 from speculant.errors import SpeculantError
 from speculant.executor.attention import resolve_attention_backend
-from speculant.executor.cuda_graph import GraphRunner, capture_sizes
+from speculant.executor.build import (
+    DEFAULT_MAX_MODEL_LEN,
+    RankSetup,
+    build_drafter,
+    build_kv_cache,
+    build_model,
+    check_capture_sizes,
+    check_spec,
+    engine_config,
+    load_tokenizer,
+    resolve_device,
+)
+from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.dp import DPCoordinator, generate_distributed
 from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
 from speculant.executor.model_runner import ModelRunner
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
-from speculant.models.layers import enable_gemv
-from speculant.models.llama import CausalLM
-from speculant.models.loader import (
-    build_causal_lm,
-    default_device_and_dtype,
-    init_dummy_weights,
-    iter_safetensors,
-    load_weights,
-    resolve_dtype,
-)
+from speculant.models.loader import resolve_dtype
 
 log = logging.getLogger("speculant")
-DEFAULT_MAX_MODEL_LEN = 4096
-ALGOS = ("eagle3", "draft-model", "dflash")
-MAX_DRAFT_TOKENS = 16
-DEFAULT_DRAFT_TOKENS = 3
-
-
-def load_tokenizer(path: str | Path):
-    """tokenizer.json of a checkpoint as a `tokenizers.Tokenizer`, or None when absent."""
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as exc:
-        raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export the tokenizer") from exc
-
-
-def resolve_device(device: str | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpeculantError(
-            f"device {device!r} was asked for but CUDA is not available; pass --device cpu"
-        )
-    if device != "cpu" and not device.startswith("cuda"):
-        raise SpeculantError(f"device {device!r} is not supported; use cpu or cuda")
-    return device
-
-
-def engine_config(target: str, **options) -> EngineConfig:
-    """An EngineConfig from the flat keyword options `Engine` and the CLI take."""
-    groups = {
-        "cache": (
-            CacheConfig,
-            {"page_size", "max_num_seqs", "max_model_len", "num_pages", "kv_cache_memory_fraction"},
-        ),
-        "graph": (
-            GraphConfig,
-            {
-                "capture_sizes",
-                "max_capture_size",
-                "enforce_eager",
-                "eager_padding",
-                "disable_graph_padding",
-            },
-        ),
-        "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),
-        "parallel": (ParallelConfig, {"tp", "dp"}),
-        "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
-    }
-    sections = {}
-    for section, (cls, names) in groups.items():
-        values = {n: options.pop(n) for n in list(options) if n in names}
-        if "disable_graph_padding" in values:
-            values["disable_padding"] = values.pop("disable_graph_padding")
-        if section == "moe":
-            values = {n.removeprefix("moe_"): v for n, v in values.items()}
-        sections[section] = cls(**values)
-    unknown = set(options) - {"device", "dtype", "load_format", "seed", "attention_backend"}
-    if unknown:
-        raise TypeError(f"unknown Engine option(s): {sorted(unknown)}")
-    return EngineConfig(target=target, **options, **sections)
 
 
 class Engine:
@@ -129,7 +53,7 @@ class Engine:
             raise SpeculantError(
                 f"load format {cfg.load_format!r} is not supported; use auto or dummy"
             )
-        self._check_spec(cfg.spec)
+        check_spec(cfg.spec)
         self.model_config = mc = ModelConfig.from_dir(cfg.target)
         self.dtype = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
         cache = cfg.cache
@@ -153,13 +77,17 @@ class Engine:
                 f"max_num_seqs={cache.max_num_seqs} is less than dp={cfg.parallel.dp}; raise "
                 "--max-num-seqs (it counts requests over all DP ranks)"
             )
-        self._check_capture_sizes()
+        check_capture_sizes(cfg)
         self.tokens_per_req = cfg.spec.num_draft_tokens + 1
         self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device)
-        self.model = self._build_model()
+        setup = RankSetup(
+            cfg, mc, self.pctx, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
+            self.tokens_per_req, self.attention_backend,
+        )  # fmt: skip
+        self.model = build_model(setup)
         self.tokenizer = load_tokenizer(cfg.target)
-        self.kv = self._build_kv_cache()
-        self.drafter = self._build_drafter()
+        self.kv = build_kv_cache(setup, self.model)
+        self.drafter = build_drafter(setup, self.model, self.kv)
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -199,138 +127,6 @@ class Engine:
                 self.runner.prefill([row], [[0] * n], [0], info, GREEDY)
             finally:
                 self.kv.free(row)
-
-    @staticmethod
-    def _check_spec(spec: SpecConfig) -> None:
-        """Validate the speculative options; k defaults to DEFAULT_DRAFT_TOKENS with an algo."""
-        if spec.algo is None:
-            if spec.num_draft_tokens or spec.draft:
-                raise SpeculantError(f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)})")
-            return
-        if spec.algo not in ALGOS:
-            raise SpeculantError(
-                f"algo {spec.algo!r} is not supported; use one of {', '.join(ALGOS)}"
-            )
-        if spec.draft is None:
-            raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
-        if spec.num_draft_tokens == 0:  # DFLASH: the checkpoint's block minus the newest token
-            spec.num_draft_tokens = (
-                min(block_size_of(spec.draft) - 1, MAX_DRAFT_TOKENS)
-                if spec.algo == "dflash"
-                else DEFAULT_DRAFT_TOKENS
-            )
-        if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise SpeculantError(
-                f"num_draft_tokens={spec.num_draft_tokens} must be in "
-                f"1..{MAX_DRAFT_TOKENS} with --algo"
-            )
-
-    def _build_drafter(self) -> Drafter | None:
-        spec, max_positions = self.config.spec, self.max_model_len + self.tokens_per_req
-        if spec.algo is None:
-            return None
-        if spec.algo in ("eagle3", "dflash"):  # a head in its published layout, on our target
-            load, drafter_cls = (
-                (load_eagle3, Eagle3Drafter)
-                if spec.algo == "eagle3"
-                else (load_dflash, DFlashDrafter)
-            )
-            head = load(
-                spec.draft,
-                self.model_config,
-                self.device,
-                self.dtype,
-                self.pctx,
-                max_positions,
-                self.config.load_format,
-                self.config.seed + 1,
-            )
-            return drafter_cls(
-                self._with_kernels(head),
-                self.model,
-                self.kv,
-                self.dtype,
-                spec.num_draft_tokens,
-                self.attention_backend,
-            )
-        draft_cfg = ModelConfig.from_dir(spec.draft)
-        with default_device_and_dtype(self.device, self.dtype):
-            draft_lm = CausalLM(draft_cfg, max_positions, self.pctx)
-        if self.config.load_format == "dummy":
-            init_dummy_weights(draft_lm, self.config.seed + 1)
-        else:
-            load_weights(draft_lm, iter_safetensors(spec.draft), spec.draft)
-        return DraftModelDrafter(
-            self._with_kernels(draft_lm.eval()),
-            self.model_config.vocab_size,
-            self.kv,
-            self.dtype,
-            spec.num_draft_tokens,
-            self.attention_backend,
-        )
-
-    def _check_capture_sizes(self) -> None:
-        graph, cap = self.config.graph, self.config.cache.max_num_seqs // self.config.parallel.dp
-        if graph.capture_sizes and max(graph.capture_sizes) > cap:
-            raise SpeculantError(
-                f"capture size {max(graph.capture_sizes)} exceeds max_num_seqs "
-                f"per DP rank ({cap}); lower --capture-sizes or raise "
-                "--max-num-seqs"
-            )
-        if not capture_sizes(graph, self.config.cache.max_num_seqs, self.config.parallel.dp):
-            raise SpeculantError(
-                f"no batch size to capture under --max-capture-size="
-                f"{graph.max_capture_size}; raise it to at least 1"
-            )
-
-    def _build_model(self) -> CausalLM:
-        cfg, mc = self.config, self.model_config
-        with default_device_and_dtype(self.device, self.dtype):
-            model = build_causal_lm(
-                mc,
-                self.max_model_len + self.tokens_per_req,
-                self.pctx,
-                cfg.moe,
-                decode_tokens=self.max_num_seqs * self.tokens_per_req,
-            )
-        if cfg.load_format == "dummy":
-            init_dummy_weights(model, cfg.seed)
-        else:
-            load_weights(model, iter_safetensors(cfg.target), cfg.target)
-        return self._with_kernels(model.eval())
-
-    def _with_kernels(self, model: torch.nn.Module) -> torch.nn.Module:
-        """With the Triton attention backend, single-row projections run the Triton GEMV
-        (kernels/gemv.py); the torch backend stays the pure-torch reference."""
-        if self.attention_backend == "triton":
-            enable_gemv(model)
-        return model
-
-    def _build_kv_cache(self) -> PagedKVCache:
-        cache, mc = self.config.cache, self.model_config
-        attn = self.model.model.layers[0].self_attn
-        per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, self.dtype)
-        num_pages = choose_num_pages(
-            cache.page_size,
-            self.max_num_seqs,
-            self.max_model_len,
-            per_token,
-            self.device,
-            cache.kv_cache_memory_fraction,
-            cache.num_pages,
-        )
-        max_pages = -(-(self.max_model_len + self.tokens_per_req) // cache.page_size)
-        return PagedKVCache(
-            mc.num_layers,
-            num_pages,
-            cache.page_size,
-            attn.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
-            self.max_num_seqs,
-            max_pages,
-        )
 
     # ------------------------------------------------------------------ requests
 

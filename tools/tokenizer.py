@@ -2,7 +2,7 @@
 
 Special tokens come first: `<|endoftext|>` (id 0: end of sequence, separates files) and
 `<|MASK|>` (id 1: DFLASH's mask token). Pre-tokenizer, decoder and post-processor are byte-level,
-like the demo model's (launch/demo.py), so `speculant.executor.engine.load_tokenizer` reads it
+like the demo model's (launch/demo.py), so `speculant.executor.build.load_tokenizer` reads it
 and `transformers.AutoTokenizer` loads it as a PreTrainedTokenizerFast.
 """
 

@@ -1,0 +1,259 @@
+"""What one rank's Engine is built from: the flat options as an EngineConfig (`engine_config`),
+their checks, and the components (`build_model`, `build_kv_cache`, `build_drafter`) for a
+`RankSetup`: the sizes, device and dtype the engine settled on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import (
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    ModelConfig,
+    MoeConfig,
+    ParallelConfig,
+    SpecConfig,
+)
+from speculant.drafter.base import Drafter
+from speculant.drafter.dflash import DFlashDrafter, block_size_of, load_dflash
+from speculant.drafter.draft_model import DraftModelDrafter
+from speculant.drafter.eagle import load_eagle3
+from speculant.drafter.eagle_drafter import Eagle3Drafter
+from speculant.errors import SpeculantError
+from speculant.executor.cuda_graph import capture_sizes
+from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
+from speculant.models.layers import enable_gemv
+from speculant.models.llama import CausalLM
+from speculant.models.loader import (
+    build_causal_lm,
+    default_device_and_dtype,
+    init_dummy_weights,
+    iter_safetensors,
+    load_weights,
+)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+ALGOS = ("eagle3", "draft-model", "dflash")
+MAX_DRAFT_TOKENS = 16
+DEFAULT_DRAFT_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """The settled sizes one rank's components are built for."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    pctx: ParallelContext
+    device: str
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int  # request rows on this DP rank
+    tokens_per_req: int  # k + 1
+    attention_backend: str
+
+    @property
+    def max_positions(self) -> int:
+        """Positions a row may reach: the context plus one step's tokens."""
+        return self.max_model_len + self.tokens_per_req
+
+
+def load_tokenizer(path: str | Path):
+    """tokenizer.json of a checkpoint as a `tokenizers.Tokenizer`, or None when absent."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:
+        raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export the tokenizer") from exc
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpeculantError(
+            f"device {device!r} was asked for but CUDA is not available; pass --device cpu"
+        )
+    if device != "cpu" and not device.startswith("cuda"):
+        raise SpeculantError(f"device {device!r} is not supported; use cpu or cuda")
+    return device
+
+
+def engine_config(target: str, **options) -> EngineConfig:
+    """An EngineConfig from the flat keyword options `Engine` and the CLI take."""
+    groups = {
+        "cache": (
+            CacheConfig,
+            {"page_size", "max_num_seqs", "max_model_len", "num_pages", "kv_cache_memory_fraction"},
+        ),
+        "graph": (
+            GraphConfig,
+            {
+                "capture_sizes",
+                "max_capture_size",
+                "enforce_eager",
+                "eager_padding",
+                "disable_graph_padding",
+            },
+        ),
+        "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),
+        "parallel": (ParallelConfig, {"tp", "dp"}),
+        "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
+    }
+    sections = {}
+    for section, (cls, names) in groups.items():
+        values = {n: options.pop(n) for n in list(options) if n in names}
+        if "disable_graph_padding" in values:
+            values["disable_padding"] = values.pop("disable_graph_padding")
+        if section == "moe":
+            values = {n.removeprefix("moe_"): v for n, v in values.items()}
+        sections[section] = cls(**values)
+    unknown = set(options) - {"device", "dtype", "load_format", "seed", "attention_backend"}
+    if unknown:
+        raise TypeError(f"unknown Engine option(s): {sorted(unknown)}")
+    return EngineConfig(target=target, **options, **sections)
+
+
+def check_spec(spec: SpecConfig) -> None:
+    """Validate the speculative options; k defaults to DEFAULT_DRAFT_TOKENS with an algo."""
+    if spec.algo is None:
+        if spec.num_draft_tokens or spec.draft:
+            raise SpeculantError(f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)})")
+        return
+    if spec.algo not in ALGOS:
+        raise SpeculantError(f"algo {spec.algo!r} is not supported; use one of {', '.join(ALGOS)}")
+    if spec.draft is None:
+        raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
+    if spec.num_draft_tokens == 0:  # DFLASH: the checkpoint's block minus the newest token
+        spec.num_draft_tokens = (
+            min(block_size_of(spec.draft) - 1, MAX_DRAFT_TOKENS)
+            if spec.algo == "dflash"
+            else DEFAULT_DRAFT_TOKENS
+        )
+    if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise SpeculantError(
+            f"num_draft_tokens={spec.num_draft_tokens} must be in 1..{MAX_DRAFT_TOKENS} with --algo"
+        )
+
+
+def check_capture_sizes(config: EngineConfig) -> None:
+    """Explicit capture sizes must fit max_num_seqs per DP rank, and some size must remain."""
+    graph, cap = config.graph, config.cache.max_num_seqs // config.parallel.dp
+    if graph.capture_sizes and max(graph.capture_sizes) > cap:
+        raise SpeculantError(
+            f"capture size {max(graph.capture_sizes)} exceeds max_num_seqs "
+            f"per DP rank ({cap}); lower --capture-sizes or raise "
+            "--max-num-seqs"
+        )
+    if not capture_sizes(graph, config.cache.max_num_seqs, config.parallel.dp):
+        raise SpeculantError(
+            f"no batch size to capture under --max-capture-size="
+            f"{graph.max_capture_size}; raise it to at least 1"
+        )
+
+
+def build_model(setup: RankSetup) -> CausalLM:
+    """The target model, its weights loaded (or dummy), with the backend's kernels."""
+    cfg, mc = setup.config, setup.model_config
+    with default_device_and_dtype(setup.device, setup.dtype):
+        model = build_causal_lm(
+            mc,
+            setup.max_positions,
+            setup.pctx,
+            cfg.moe,
+            decode_tokens=setup.max_num_seqs * setup.tokens_per_req,
+        )
+    if cfg.load_format == "dummy":
+        init_dummy_weights(model, cfg.seed)
+    else:
+        load_weights(model, iter_safetensors(cfg.target), cfg.target)
+    return with_kernels(model.eval(), setup.attention_backend)
+
+
+def with_kernels(model: torch.nn.Module, attention_backend: str) -> torch.nn.Module:
+    """With the Triton attention backend, single-row projections run the Triton GEMV
+    (kernels/gemv.py); the torch backend stays the pure-torch reference."""
+    if attention_backend == "triton":
+        enable_gemv(model)
+    return model
+
+
+def build_kv_cache(setup: RankSetup, model: CausalLM) -> PagedKVCache:
+    """The paged KV cache: as many pages as the memory budget allows (or --num-pages)."""
+    cache, mc = setup.config.cache, setup.model_config
+    attn = model.model.layers[0].self_attn
+    per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, setup.dtype)
+    num_pages = choose_num_pages(
+        cache.page_size,
+        setup.max_num_seqs,
+        setup.max_model_len,
+        per_token,
+        setup.device,
+        cache.kv_cache_memory_fraction,
+        cache.num_pages,
+    )
+    max_pages = -(-setup.max_positions // cache.page_size)
+    return PagedKVCache(
+        mc.num_layers,
+        num_pages,
+        cache.page_size,
+        attn.num_kv_heads,
+        mc.head_dim,
+        setup.dtype,
+        setup.device,
+        setup.max_num_seqs,
+        max_pages,
+    )
+
+
+def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafter | None:
+    """The drafter --algo names (None without one), sharing the target's KV cache."""
+    cfg, spec, max_positions = setup.config, setup.config.spec, setup.max_positions
+    if spec.algo is None:
+        return None
+    if spec.algo in ("eagle3", "dflash"):  # a head in its published layout, on our target
+        load, drafter_cls = (
+            (load_eagle3, Eagle3Drafter) if spec.algo == "eagle3" else (load_dflash, DFlashDrafter)
+        )
+        head = load(
+            spec.draft,
+            setup.model_config,
+            setup.device,
+            setup.dtype,
+            setup.pctx,
+            max_positions,
+            cfg.load_format,
+            cfg.seed + 1,
+        )
+        return drafter_cls(
+            with_kernels(head, setup.attention_backend),
+            model,
+            kv,
+            setup.dtype,
+            spec.num_draft_tokens,
+            setup.attention_backend,
+        )
+    draft_cfg = ModelConfig.from_dir(spec.draft)
+    with default_device_and_dtype(setup.device, setup.dtype):
+        draft_lm = CausalLM(draft_cfg, max_positions, setup.pctx)
+    if cfg.load_format == "dummy":
+        init_dummy_weights(draft_lm, cfg.seed + 1)
+    else:
+        load_weights(draft_lm, iter_safetensors(spec.draft), spec.draft)
+    return DraftModelDrafter(
+        with_kernels(draft_lm.eval(), setup.attention_backend),
+        setup.model_config.vocab_size,
+        kv,
+        setup.dtype,
+        spec.num_draft_tokens,
+        setup.attention_backend,
+    )
