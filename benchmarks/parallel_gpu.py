@@ -7,7 +7,8 @@
    dummy batches) and with five uneven ones;
 3. decode step time (graph replay, CUDA events, median after warm-up, context 512) of the
    Llama-3.1-8B-shape dummy bf16 target at TP=1 and TP=2, bs 1, 16, 64 (goal: TP=2 <= 0.6 of
-   TP=1 at bs 1).
+   TP=1 at bs 1), TP=2 both with the default all-reduce (one-shot through symmetric memory for
+   decode sizes, comm/all_reduce.py) and with every all-reduce on NCCL.
 
     timeout 500 python benchmarks/parallel_gpu.py --out OUT_DIR
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -191,6 +193,9 @@ def rank_main(args: argparse.Namespace, target: str, head: str) -> None:
 
     tp1_ms = tp1_step_times()
     tp2_ms = tp2.all_gather_object(step_times(tp2, dev, shape, args.context, args.iters))
+    os.environ["SPECULANT_TP_ALL_REDUCE"] = "nccl"  # the same TP=2 step, every all-reduce on NCCL
+    nccl_ms = tp2.all_gather_object(step_times(tp2, dev, shape, args.context, args.iters))
+    os.environ.pop("SPECULANT_TP_ALL_REDUCE")
     if report:
         steps = {}
         for bs in STEP_SIZES:
@@ -200,6 +205,7 @@ def rank_main(args: argparse.Namespace, target: str, head: str) -> None:
                 "tp2_ms": slowest,
                 "tp2_ms_per_rank": [t[bs] for t in tp2_ms],
                 "ratio": slowest / tp1_ms[bs],
+                "tp2_nccl_all_reduce_ms": max(t[bs] for t in nccl_ms),
             }
         dtypes = [tp1_ms["dtype"]] + [t["dtype"] for t in tp2_ms]
         report.add(
@@ -270,10 +276,13 @@ def table(data: dict) -> str:
             f"decode step, {steps['shape']} shape, context {steps['context']}, "
             f"dtype (TP=1, TP=2 ranks) {steps['dtype']}"
         )
-        lines.append("| bs | TP=1 ms | TP=2 ms | TP=2 / TP=1 |")
-        lines.append("| --- | --- | --- | --- |")
+        lines.append("| bs | TP=1 ms | TP=2 ms | TP=2 / TP=1 | TP=2, all-reduce on NCCL |")
+        lines.append("| --- | --- | --- | --- | --- |")
         for bs, s in steps["by_bs"].items():
-            lines.append(f"| {bs} | {s['tp1_ms']:.3f} | {s['tp2_ms']:.3f} | {s['ratio']:.2f} |")
+            nccl = s.get("tp2_nccl_all_reduce_ms", float("nan"))
+            lines.append(
+                f"| {bs} | {s['tp1_ms']:.3f} | {s['tp2_ms']:.3f} | {s['ratio']:.2f} | {nccl:.3f} |"
+            )
         again = phases.get("tp1_steps_again")
         if again:
             lines.append(f"TP=1 timed again after the other phases (ms): {again}")

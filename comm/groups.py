@@ -40,6 +40,7 @@ class ParallelContext:
     local_rank: int = 0  # GPU index on this node
     backend: str = "none"  # device backend: "nccl", "gloo", or "none" for one process
     timeout_s: float = DEFAULT_TIMEOUT_S
+    one_shot: Any = None  # comm/all_reduce.OneShotAllReduce for small TP all-reduces, or None
 
     @property
     def world_size(self) -> int:
@@ -143,8 +144,12 @@ class ParallelContext:
     # ------------------------------------------------------------------ device collectives
 
     def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the TP group in place (identity at tp=1)."""
+        """The sum of `x` over the TP group (identity at tp=1): small tensors through the one-shot
+        kernel into a new tensor when `one_shot` is set, else NCCL (or gloo) in place. Use the
+        returned tensor."""
         if self.tp_size > 1:
+            if self.one_shot is not None and self.one_shot.fits(x):
+                return self.one_shot(x)
             dist.all_reduce(x, group=self.tp_group)
         return x
 

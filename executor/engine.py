@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from speculant.comm.all_reduce import build_one_shot
 from speculant.comm.groups import ParallelContext, resolve_context
 from speculant.config import ModelConfig, ParallelConfig
 from speculant.errors import SpeculantError
@@ -85,6 +86,7 @@ class Engine:
             self.tokens_per_req, self.attention_backend,
         )  # fmt: skip
         self.model = build_model(setup)
+        self.pctx.one_shot = build_one_shot(self.pctx, self.dtype, self.device)
         self.tokenizer = load_tokenizer(cfg.target)
         self.kv = build_kv_cache(setup, self.model)
         self.drafter = build_drafter(setup, self.model, self.kv)

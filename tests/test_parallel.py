@@ -355,3 +355,91 @@ def test_cli_fails_on_a_dead_or_stuck_rank(llama_dir, how):
     assert expected in last, err
     assert "exceeds" not in err and "requests=1" not in err  # it failed, and for this reason
     assert time.monotonic() - start < 60
+
+
+# ------------------------------------------------------------------ one-shot TP all-reduce
+
+
+def test_one_shot_all_reduce_stays_off_where_it_cannot_run(monkeypatch):
+    """No symmetric memory on one rank, on gloo, or when SPECULANT_TP_ALL_REDUCE=nccl; a bad
+    value names itself and the choices."""
+    from speculant.comm import all_reduce
+
+    assert all_reduce.build_one_shot(ParallelContext.single(), torch.float32, "cpu") is None
+    gloo = ParallelContext(tp_size=2, backend="gloo")
+    assert all_reduce.build_one_shot(gloo, torch.float32, "cpu") is None
+    monkeypatch.setenv("SPECULANT_TP_ALL_REDUCE", "nccl")
+    assert all_reduce.build_one_shot(ParallelContext(tp_size=2, backend="nccl"), None, "") is None
+    monkeypatch.setenv("SPECULANT_TP_ALL_REDUCE", "fast")
+    with pytest.raises(ValueError, match="SPECULANT_TP_ALL_REDUCE=fast: use auto or nccl"):
+        all_reduce.requested()
+
+
+def test_all_reduce_tp_routes_small_tensors_to_the_one_shot_kernel(monkeypatch):
+    """The routing protocol (a recording stand-in for the kernel): tensors it fits return its
+    result; the rest go to the group's all_reduce in place."""
+    import torch.distributed as dist
+
+    class Recorder:
+        calls: list = []
+
+        def fits(self, x):
+            return x.numel() <= 8
+
+        def __call__(self, x):
+            self.calls.append(x.numel())
+            return x * 2
+
+    nccl_calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: nccl_calls.append(x.numel()))
+    pctx = ParallelContext(tp_size=2, backend="nccl", one_shot=Recorder())
+    small, large = torch.ones(8), torch.ones(16)
+    assert torch.equal(pctx.all_reduce_tp(small), torch.full((8,), 2.0))
+    assert pctx.all_reduce_tp(large) is large
+    assert Recorder.calls == [8] and nccl_calls == [16]
+
+
+def one_shot_rank(sizes: list[int]) -> dict:
+    """Rank body: one-shot sums vs NCCL's on the same random tensors, eagerly and replayed from
+    a CUDA graph with fresh inputs, in bf16 and fp32."""
+    import torch.distributed as dist
+
+    from speculant.comm.all_reduce import OneShotAllReduce
+
+    pctx = ParallelContext.from_env(2, 1, "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
+    gen = torch.Generator().manual_seed(100 + pctx.rank)
+    checks = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        fast = OneShotAllReduce(pctx.tp_group, dtype, "cuda")
+        for n in sizes:
+            x = torch.randn(n, generator=gen).to(dtype=dtype, device="cuda")
+            ref, before = x.clone(), x.clone()
+            dist.all_reduce(ref, group=pctx.tp_group)
+            eager = torch.equal(fast(x), ref) and torch.equal(x, before)
+            static = torch.zeros_like(x)
+            fast(static)  # first use outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fast(static)
+            replays = []
+            for _ in range(3):
+                static.copy_(torch.randn(n, generator=gen).to(dtype=dtype, device="cuda"))
+                ref = static.clone()
+                dist.all_reduce(ref, group=pctx.tp_group)
+                graph.replay()
+                replays.append(torch.equal(out, ref))
+            checks[f"{dtype} {n}"] = {"eager": eager, "graph": all(replays), "fits": fast.fits(x)}
+    pctx.barrier()
+    return checks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_shot_all_reduce_equals_nccl_on_two_gpus():
+    sizes = [4096, 16 * 4096, 128 * 4096]  # bs 1, 4 x 4 and 32 x 4 rows of hidden 4096 (fp32 fits)
+    ranks = run_ranks(one_shot_rank, 2, (sizes,), device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    for rank, checks in enumerate(ranks):
+        assert len(checks) == 6
+        for name, check in checks.items():
+            assert check == {"eager": True, "graph": True, "fits": True}, (rank, name)
