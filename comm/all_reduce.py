@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import torch
 
@@ -64,11 +65,15 @@ class OneShotAllReduce:
 
 def build_one_shot(pctx, dtype: torch.dtype, device: str) -> OneShotAllReduce | None:
     """A one-shot all-reduce for pctx's TP group, or None (NCCL) where it cannot run: not CUDA,
-    tp = 1, SPECULANT_TP_ALL_REDUCE=nccl, or the op or its buffer failed on any TP rank (the
-    ranks agree first: one rank on NCCL and another on one-shot would hang). Collective over the
-    TP group."""
+    tp = 1, SPECULANT_TP_ALL_REDUCE=nccl, a TP group spread over hosts, or the op or its buffer
+    failed on any rank. Every rank takes the same decision (one on NCCL and another on one-shot
+    would hang); collective over all ranks."""
     if pctx.tp_size == 1 or pctx.backend != "nccl" or requested() == "nccl":
         return None
+    hosts = pctx.all_gather_object(socket.gethostname())
+    tp = pctx.tp_size
+    if any(len(set(hosts[d * tp : (d + 1) * tp])) > 1 for d in range(pctx.dp_size)):
+        return None  # the buffer is shared through CUDA IPC: one host per TP group, all or none
     fast, error = None, None
     try:
         fast = OneShotAllReduce(pctx.tp_group, dtype, device)

@@ -443,3 +443,15 @@ def test_one_shot_all_reduce_equals_nccl_on_two_gpus():
         assert len(checks) == 6
         for name, check in checks.items():
             assert check == {"eager": True, "graph": True, "fits": True}, (rank, name)
+
+
+def test_one_shot_all_reduce_stays_off_across_hosts(monkeypatch):
+    """A TP group on two hosts cannot share a CUDA IPC buffer: every rank keeps NCCL, decided
+    from the same gathered host list (no rank enters the buffer's rendezvous)."""
+    from speculant.comm import all_reduce
+
+    pctx = ParallelContext(tp_size=2, dp_size=2, backend="nccl")
+    gathered = []
+    monkeypatch.setattr(pctx, "all_gather_object", lambda obj: gathered.append(obj) or list("aabc"))
+    assert all_reduce.build_one_shot(pctx, torch.bfloat16, "cuda") is None
+    assert len(gathered) == 1  # the host names only: no buffer, no probe, no error exchange
