@@ -37,7 +37,7 @@ PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "down": (4096, 14336)}  # fmt: skip
 COPIES = 8
 DEFAULTS = {"blas": "cublas", "min_keys": 256, "pdl": runtime.PDL_MODE,
-            "prefetch": gemv.PREFETCH_BYTES}  # fmt: skip
+            "prefetch": gemv.PREFETCH_BYTES, "gemv_rows": gemv.MAX_ROWS}  # fmt: skip
 VARIANTS = {
     "default": {},
     "cublaslt": {"blas": "cublaslt"},
@@ -53,13 +53,14 @@ VARIANTS = {
     "pdl2_prefetch_8k": {"pdl": 2, "prefetch": 8192},
     "pdl2_prefetch_16k": {"pdl": 2, "prefetch": 16384},
     "pdl2_prefetch_64k": {"pdl": 2, "prefetch": 65536},
+    "gemv_gate_up": {"gemv_rows": 32768},  # the Triton GEMV on gate_up too (not the LM head)
 }
 
 
-def step_variant(target: str, vocab: int, blas: str, min_keys: int, pdl: int, prefetch: int):
+def step_variant(target, vocab, blas, min_keys, pdl, prefetch, gemv_rows) -> dict:
     torch.backends.cuda.preferred_blas_library(blas)
     pa.MIN_KEYS_PER_SPLIT = min_keys
-    runtime.PDL_MODE, gemv.PREFETCH_BYTES = pdl, prefetch
+    runtime.PDL_MODE, gemv.PREFETCH_BYTES, gemv.MAX_ROWS = pdl, prefetch, gemv_rows
     engine = Engine(target, device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=1,
                     max_model_len=1024, capture_sizes=[1], attention_backend="triton")  # fmt: skip
     try:
@@ -76,6 +77,7 @@ def step_variant(target: str, vocab: int, blas: str, min_keys: int, pdl: int, pr
         torch.backends.cuda.preferred_blas_library(DEFAULTS["blas"])
         pa.MIN_KEYS_PER_SPLIT = DEFAULTS["min_keys"]
         runtime.PDL_MODE, gemv.PREFETCH_BYTES = DEFAULTS["pdl"], DEFAULTS["prefetch"]
+        gemv.MAX_ROWS = DEFAULTS["gemv_rows"]
 
 
 def triton_gemv(x, w, y, block_n, block_k, warps, stages):
