@@ -18,6 +18,8 @@ import socket
 
 import torch
 
+from speculant.errors import SpeculantError
+
 log = logging.getLogger("speculant")
 MAX_BYTES = 2 << 20  # bs 64 x 4 rows x hidden 4096 in bf16
 CHOICES = ("auto", "nccl")
@@ -27,7 +29,7 @@ def requested() -> str:
     """SPECULANT_TP_ALL_REDUCE: auto (one-shot where it can run) or nccl."""
     choice = os.environ.get("SPECULANT_TP_ALL_REDUCE", "auto")
     if choice not in CHOICES:
-        raise ValueError(f"SPECULANT_TP_ALL_REDUCE={choice}: use {' or '.join(CHOICES)}")
+        raise SpeculantError(f"SPECULANT_TP_ALL_REDUCE={choice}: use {' or '.join(CHOICES)}")
     return choice
 
 

@@ -10,13 +10,14 @@ import os
 
 import torch
 
+from speculant.errors import SpeculantError
+
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_TRITON = True
-except ImportError:  # the CPU CI installs no triton: every op takes its torch reference
+except ImportError:  # no triton installed: every op takes its torch reference
 
     class _NoTriton:
         """Just enough of `triton` and `triton.language` for kernel definitions to import."""
@@ -29,6 +30,13 @@ except ImportError:  # the CPU CI installs no triton: every op takes its torch r
 
     triton = tl = _NoTriton()
     HAS_TRITON = False
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # no triton, or one before 3.3: no programmatic dependent launch
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -38,9 +46,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on
 # once that kernel has finished and its writes are visible. 0: off; 1: each kernel lets its
 # successor launch once it has passed its own wait (one kernel of look-ahead); 2: before it (a
 # chain of waiting kernels up to the next launch without PDL). Set by SPECULANT_PDL.
-PDL_MODE = int(os.environ.get("SPECULANT_PDL", "1"))
-if PDL_MODE not in (0, 1, 2):
-    raise ValueError(f"SPECULANT_PDL={PDL_MODE}: use 0 (off), 1 or 2")
+_PDL_SETTING = os.environ.get("SPECULANT_PDL", "1")
+if _PDL_SETTING not in ("0", "1", "2"):
+    raise SpeculantError(f"SPECULANT_PDL={_PDL_SETTING}: use 0 (off), 1 or 2")
+PDL_MODE = int(_PDL_SETTING)
 
 
 def runs_triton(x: torch.Tensor) -> bool:
@@ -54,8 +63,9 @@ def _has_pdl(device: torch.device) -> bool:
 
 
 def pdl_mode(x: torch.Tensor) -> int:
-    """The PDL mode for a launch on x's device: PDL_MODE on compiled sm_90+ CUDA, else 0."""
-    if PDL_MODE == 0 or not (HAS_TRITON and x.is_cuda) or INTERPRET:
+    """The PDL mode for a launch on x's device: PDL_MODE on compiled sm_90+ CUDA with a triton
+    that has it (3.3+), else 0."""
+    if PDL_MODE == 0 or not (HAS_GDC and x.is_cuda) or INTERPRET:
         return 0
     return PDL_MODE if _has_pdl(x.device) else 0
 
