@@ -322,7 +322,7 @@ class Engine:
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
         out = self.graphs.run(bs, padded_bs, variant, allow_graph)
-        host = torch.cat([out.tokens, out.drafts, out.accept_len.unsqueeze(1)], dim=1).tolist()
+        host = out.host_rows()
         T, seconds = self.tokens_per_req, time.perf_counter() - start
         for request, row in zip(requests, host, strict=True):  # one sync above
             request.decode_seconds += seconds

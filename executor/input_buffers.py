@@ -9,14 +9,22 @@ from speculant.executor.forward_batch import SamplingInfo
 
 
 class InputBuffers:
+    """The step's per-row inputs in two packed device tensors (integers, floats), so the host
+    writes them with two copies per step instead of one per field; every field is a contiguous
+    slice of its pack (the kernels index them as flat arrays)."""
+
     def __init__(self, max_bs: int, tokens_per_req: int, device: str | torch.device):
         self.max_bs, self.tokens_per_req = max_bs, tokens_per_req
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_bs, tokens_per_req, dtype=torch.int64, device=device)
-        self.temperature = torch.zeros(max_bs, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.top_p = torch.ones(max_bs, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        n = max_bs
+        self._ints = torch.zeros((3 + tokens_per_req) * n, dtype=torch.int64, device=device)
+        self._floats = torch.zeros(2 * n, dtype=torch.float32, device=device)
+        self.req_pool_indices = self._ints[:n]
+        self.top_k = self._ints[n : 2 * n]
+        self.seed = self._ints[2 * n : 3 * n]
+        self.input_ids = self._ints[3 * n :].view(n, tokens_per_req)
+        self.temperature = self._floats[:n]
+        self.top_p = self._floats[n:]
+        self.top_p.fill_(1.0)
 
     def fill(
         self,
@@ -29,16 +37,19 @@ class InputBuffers:
         padded_bs: int,
         sentinel_row: int,
     ) -> None:
-        """Write live rows, then padded rows pointing at the sentinel row (greedy, token 0)."""
-        pad = padded_bs - len(rows)
-        self.req_pool_indices[:padded_bs].copy_(torch.tensor(rows + [sentinel_row] * pad))
-        self.input_ids[:padded_bs].copy_(
-            torch.tensor(input_ids + [[0] * self.tokens_per_req] * pad, dtype=torch.int64)
-        )
-        self.temperature[:padded_bs].copy_(torch.tensor(temperature + [0.0] * pad))
-        self.top_k[:padded_bs].copy_(torch.tensor(top_k + [0] * pad))
-        self.top_p[:padded_bs].copy_(torch.tensor(top_p + [1.0] * pad))
-        self.seed[:padded_bs].copy_(torch.tensor(seed + [0] * pad, dtype=torch.int64))
+        """Write live rows, then padded rows pointing at the sentinel row (greedy, token 0); rows
+        past padded_bs are zeroed (no step of this size reads them)."""
+        n, T, live = self.max_bs, self.tokens_per_req, len(rows)
+        pad, rest = padded_bs - live, n - padded_bs
+        ints = [*rows, *[sentinel_row] * pad, *[0] * rest]
+        ints += [*top_k, *[0] * (pad + rest)]
+        ints += [*seed, *[0] * (pad + rest)]
+        for ids in input_ids:
+            ints += ids
+        ints += [0] * (T * (pad + rest))
+        floats = [*temperature, *[0.0] * (pad + rest), *top_p, *[1.0] * (pad + rest)]
+        self._ints.copy_(torch.tensor(ints, dtype=torch.int64))
+        self._floats.copy_(torch.tensor(floats, dtype=torch.float32))
 
     def sampling(self, bs: int) -> SamplingInfo:
         return SamplingInfo(self.temperature[:bs], self.top_k[:bs], self.top_p[:bs], self.seed[:bs])

@@ -24,9 +24,23 @@ class StepOutput:
     tokens: torch.Tensor  # [bs, T] emitted tokens, -1 after the last
     accept_len: torch.Tensor  # [bs] tokens emitted per row (accepted drafts + 1)
     drafts: torch.Tensor  # [bs, k] the next step's draft tokens
+    packed: torch.Tensor | None = None  # [bs, T + k + 1]: tokens, drafts, accept_len
+
+    @classmethod
+    def of(cls, tokens, accept_len, drafts) -> StepOutput:
+        """With the packed copy made on the device (inside the graph when captured), so the
+        host reads a step's results with one transfer."""
+        return cls(tokens, accept_len, drafts, torch.cat([tokens, drafts, accept_len[:, None]], 1))
 
     def narrow(self, bs: int) -> StepOutput:
-        return StepOutput(self.tokens[:bs], self.accept_len[:bs], self.drafts[:bs])
+        packed = None if self.packed is None else self.packed[:bs]
+        return StepOutput(self.tokens[:bs], self.accept_len[:bs], self.drafts[:bs], packed)
+
+    def host_rows(self) -> list[list[int]]:
+        """Per row on the host: tokens (T), drafts (k), accept_len (one sync)."""
+        if self.packed is None:
+            return StepOutput.of(self.tokens, self.accept_len, self.drafts).packed.tolist()
+        return self.packed.tolist()
 
 
 class ModelRunner:
@@ -63,7 +77,7 @@ class ModelRunner:
         """Verify (or plainly decode) the bs rows of the input buffers, then draft the next k
         tokens; reads only static buffers and device state, so it is graph-capturable."""
         inputs, accept_len = self.verify_step(bs, variant)
-        return StepOutput(inputs.next_tokens, accept_len, self._propose(inputs, variant))
+        return StepOutput.of(inputs.next_tokens, accept_len, self._propose(inputs, variant))
 
     def verify_step(self, bs: int, variant: str) -> tuple[DraftInputs, torch.Tensor]:
         """The target half of the step: forward over T tokens per row, verify, grow the valid

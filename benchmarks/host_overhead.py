@@ -1,0 +1,120 @@
+"""Host time per decode step of the bundled model on one GPU, where the tiny model's tokens/s are
+decided: the wall time of a steady-state step (`generate` of one or 32 prompts, 128 new tokens,
+divided by its steps) against its graph replay alone (CUDA events), for the step's host path as
+it is (inputs packed into two copies, outputs packed inside the graph) and as it was before
+(one input copy per field, the output concatenated outside the graph), alternated in one process.
+
+    python benchmarks/host_overhead.py [--json OUT.json] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from speculant import Engine, SamplingParams
+from speculant.executor.input_buffers import InputBuffers
+from speculant.executor.model_runner import StepOutput
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = {"plain": (None, None, 0), "eagle3 k=4": ("eagle3", "eagle3", 4)}
+
+
+def fill_per_field(self, rows, input_ids, temperature, top_k, top_p, seed, padded_bs, sentinel):
+    """The earlier InputBuffers.fill: one host-to-device copy per field."""
+    pad = padded_bs - len(rows)
+    self.req_pool_indices[:padded_bs].copy_(torch.tensor(rows + [sentinel] * pad))
+    self.input_ids[:padded_bs].copy_(
+        torch.tensor(input_ids + [[0] * self.tokens_per_req] * pad, dtype=torch.int64)
+    )
+    self.temperature[:padded_bs].copy_(torch.tensor(temperature + [0.0] * pad))
+    self.top_k[:padded_bs].copy_(torch.tensor(top_k + [0] * pad))
+    self.top_p[:padded_bs].copy_(torch.tensor(top_p + [1.0] * pad))
+    self.seed[:padded_bs].copy_(torch.tensor(seed + [0] * pad, dtype=torch.int64))
+
+
+def rows_by_cat(self) -> list[list[int]]:
+    """The earlier read-back: concatenate outside the graph, then one transfer."""
+    return torch.cat([self.tokens, self.drafts, self.accept_len.unsqueeze(1)], dim=1).tolist()
+
+
+PATHS = {
+    "packed": (InputBuffers.fill, StepOutput.host_rows),
+    "per_field": (fill_per_field, rows_by_cat),
+}
+
+
+def replay_ms(engine: Engine, bs: int) -> float:
+    graph = engine.graphs.graphs[("greedy", engine.graphs.padded_bs(bs))]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 50
+
+
+def step_ms(engine: Engine, prompts: list[str], path: str, repeats: int) -> tuple[float, int]:
+    InputBuffers.fill, StepOutput.host_rows = PATHS[path]
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    per_step = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        steps = max(o.stats["num_verify_steps"] for o in outputs)
+        per_step.append((time.perf_counter() - start) * 1e3 / steps)
+    InputBuffers.fill, StepOutput.host_rows = PATHS["packed"]
+    return statistics.median(per_step), steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--assets", default=str(ROOT / "assets"))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    assets = Path(args.assets)
+    rows = (assets / "prompts" / "heldout_prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(r)["prompt"] for r in rows if r.strip()]
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "command": " ".join(sys.argv), "runs": {}}  # fmt: skip
+    for name, (algo, folder, k) in RUNS.items():
+        engine = Engine(str(assets / "target"), device="cuda", dtype="bfloat16", max_num_seqs=32,
+                        algo=algo, draft=str(assets / folder) if folder else None,
+                        num_draft_tokens=k)  # fmt: skip
+        for bs in (1, 32):
+            entry: dict = {"replay_ms": replay_ms(engine, bs)}
+            for path in ("packed", "per_field", "packed", "per_field"):  # alternated: drift
+                ms, steps = step_ms(engine, prompts[:bs], path, args.repeats)
+                entry.setdefault(path, []).append(ms)
+            entry["steps"] = steps
+            report["runs"][f"{name} bs={bs}"] = entry
+            print(name, bs, json.dumps(entry), flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"\n{report['gpu']}  torch {report['torch']}  {report['date']}")
+    print("| run | replay ms | step ms, packed | step ms, per field | host ms saved |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, e in report["runs"].items():
+        packed, per_field = statistics.median(e["packed"]), statistics.median(e["per_field"])
+        print(f"| {name} | {e['replay_ms']:.3f} | {packed:.3f} | {per_field:.3f} | "
+              f"{per_field - packed:.3f} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
