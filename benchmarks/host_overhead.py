@@ -51,7 +51,11 @@ PATHS = {
 
 
 def replay_ms(engine: Engine, bs: int) -> float:
-    graph = engine.graphs.graphs[("greedy", engine.graphs.padded_bs(bs))]
+    """The graph replay alone, on a dummy batch (every row on the sentinel row, as an idle DP
+    rank runs it): the inputs must be filled before any replay."""
+    padded = engine.graphs.padded_bs(bs)
+    engine.runner.buffers.fill([], [], [], [], [], [], padded, engine.kv.sentinel_row)
+    graph = engine.graphs.graphs[("greedy", padded)]
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
