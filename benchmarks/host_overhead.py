@@ -1,9 +1,8 @@
 """Host time per decode step of the bundled model on one GPU, where the tiny model's tokens/s are
 decided: the wall time of a steady-state step (`generate` of one or 32 prompts, 128 new tokens,
 divided by its steps) against its graph replay alone (CUDA events), for the step's host path as
-it is (inputs packed into two non-blocking copies from pinned memory, outputs packed inside the
-graph), with blocking copies from pageable memory, and as it was first (one input copy per
-field, the output concatenated outside the graph), alternated in one process.
+it is (inputs packed into two copies, outputs packed inside the graph) and as it was before
+(one input copy per field, the output concatenated outside the graph), alternated in one process.
 
     python benchmarks/host_overhead.py [--json OUT.json] [--repeats 5]
 """
@@ -40,13 +39,6 @@ def fill_per_field(self, rows, input_ids, temperature, top_k, top_p, seed, padde
     self.seed[:padded_bs].copy_(torch.tensor(seed + [0] * pad, dtype=torch.int64))
 
 
-def fill_packed_pageable(self, *args):
-    """The packed fill from pageable memory (blocking copies), before the pinned staging."""
-    ints, floats = self.pack(*args)
-    self._ints.copy_(torch.tensor(ints, dtype=torch.int64))
-    self._floats.copy_(torch.tensor(floats, dtype=torch.float32))
-
-
 def rows_by_cat(self) -> list[list[int]]:
     """The earlier read-back: concatenate outside the graph, then one transfer."""
     return torch.cat([self.tokens, self.drafts, self.accept_len.unsqueeze(1)], dim=1).tolist()
@@ -54,7 +46,6 @@ def rows_by_cat(self) -> list[list[int]]:
 
 PATHS = {
     "packed": (InputBuffers.fill, StepOutput.host_rows),
-    "packed_pageable": (fill_packed_pageable, StepOutput.host_rows),
     "per_field": (fill_per_field, rows_by_cat),
 }
 
