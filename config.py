@@ -217,6 +217,9 @@ class EngineConfig:
     seed: int = 0
     # auto (triton on CUDA when it imports, else torch) | triton | torch
     attention_backend: str = "auto"
+    # one rank: launch the next decode step before reading back the current one (when the
+    # batch cannot change in between)
+    overlap: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

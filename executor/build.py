@@ -117,7 +117,9 @@ def engine_config(target: str, **options) -> EngineConfig:
         if section == "moe":
             values = {n.removeprefix("moe_"): v for n, v in values.items()}
         sections[section] = cls(**values)
-    unknown = set(options) - {"device", "dtype", "load_format", "seed", "attention_backend"}
+    unknown = set(options) - {
+        "device", "dtype", "load_format", "seed", "attention_backend", "overlap"
+    }  # fmt: skip
     if unknown:
         raise TypeError(f"unknown Engine option(s): {sorted(unknown)}")
     return EngineConfig(target=target, **options, **sections)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -30,13 +31,24 @@ from speculant.executor.build import (
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.dp import DPCoordinator, generate_distributed
 from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.model_runner import ModelRunner
+from speculant.executor.input_buffers import PendingResults, Readback
+from speculant.executor.model_runner import ModelRunner, StepOutput
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.models.loader import resolve_dtype
 
 log = logging.getLogger("speculant")
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step on the device whose results the host has not applied yet."""
+
+    requests: list[Request]
+    padded_bs: int
+    results: PendingResults
+    start: float  # perf_counter at launch
 
 
 class Engine:
@@ -105,6 +117,11 @@ class Engine:
         self.graphs.capture()
         self.dp = DPCoordinator(self.pctx, self.graphs, self.tokens_per_req, mc.is_moe)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.tokens_per_req)
+        self.readback = Readback(self.max_num_seqs, self.device)
+        # one rank only: several ranks agree on every step's batch before it runs
+        self.overlap = cfg.overlap and self.pctx.world_size == 1
+        self._launched: LaunchedStep | None = None
+        self.steps_ahead = 0  # decode steps launched before the previous one was read back
         if self._compiles_at_first_use():
             self.warm_up()
 
@@ -260,7 +277,9 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Prefill newly admitted requests, or else decode every running one; returns the
-        requests that finished in this step."""
+        requests that finished in this step (with overlap, those whose end this step read)."""
+        if self.overlap:
+            return self._step_overlapped()
         admitted, running = self.scheduler.admit(), self.scheduler.running
         has_work = self.scheduler.has_unfinished()
         # forward_prefill pads every prompt to the longest: the tokens of the one prefill forward
@@ -276,10 +295,52 @@ class Engine:
             self.runner.buffers.fill([], [], [], [], [], [], plan.decode_bs, self.kv.sentinel_row)
             self.graphs.run(0, plan.decode_bs, GREEDY, plan.allow_graph)
         self.graphs.set_step_sizes(None)  # the agreed sizes hold for this step only
+        return self._finish_done()
+
+    def _finish_done(self) -> list[Request]:
         finished = [r for r in self.scheduler.running if r.finish_reason is not None]
         for request in finished:
             self.scheduler.finish(request)
         return finished
+
+    def _step_overlapped(self) -> list[Request]:
+        """One rank, overlap on: launch the next decode step before reading back the one in
+        flight, when the batch cannot change in between (see `_can_run_ahead`); else read it,
+        then admit / prefill / launch as `step` does. The step launched ahead takes its input
+        ids from the device (the graph writes them); a request that ended in the step read
+        meanwhile is dropped from the one ahead (its wasted rows stay within its KV pages)."""
+        launched, self._launched = self._launched, None
+        if launched is not None and self._can_run_ahead(launched):
+            ahead = self._launch(launched.requests, launched.padded_bs, fill=False)
+            self.steps_ahead += 1
+            self._read(launched)
+            if all(r.finish_reason is not None for r in ahead.requests):
+                ahead.results.wait()  # every request ended meanwhile: nothing to apply
+            else:
+                self._launched = ahead
+            return self._finish_done()
+        if launched is not None:
+            self._read(launched)
+        finished = self._finish_done()
+        admitted, running = self.scheduler.admit(), list(self.scheduler.running)
+        if admitted:
+            tokens = len(admitted) * max(len(r.prompt_ids) for r in admitted)
+            self.dp.plan(len(admitted), 0, True, tokens)
+            self._prefill(admitted)
+            self.graphs.set_step_sizes(None)
+        elif running:
+            self._launched = self._launch(running, self.graphs.padded_bs(len(running)), fill=True)
+        return finished + self._finish_done()
+
+    def _can_run_ahead(self, launched: LaunchedStep) -> bool:
+        """Nothing waits for admission, and no request can reach its length limit in the step
+        in flight nor in the one launched ahead (2 x T tokens): the step ahead stays within
+        every request's reserved KV pages, and only a stop token can end one early."""
+        reach = 2 * self.tokens_per_req
+        return not self.scheduler.waiting and all(
+            r.finish_reason is None and r.max_new_tokens - len(r.output_ids) > reach
+            for r in launched.requests
+        )
 
     def _sampling_info(self, requests: list[Request]) -> SamplingInfo:
         def col(values, dtype):
@@ -308,23 +369,43 @@ class Engine:
             request.accepted_per_position = [0] * (len(row) - 1)
 
     def _decode(self, requests: list[Request], padded_bs: int, allow_graph: bool = True) -> None:
+        self._read(self._launch(requests, padded_bs, allow_graph))
+
+    def _launch(
+        self, requests: list[Request], padded_bs: int, allow_graph: bool = True, fill: bool = True
+    ) -> LaunchedStep:
+        """Run the decode step for `requests` (inputs from the host when `fill`, else those the
+        previous step left on the device) and start copying its results to the host."""
         bs = len(requests)
-        self.runner.buffers.fill(
-            [r.row for r in requests],
-            [r.next_input for r in requests],
-            [r.params.temperature for r in requests],
-            [r.params.top_k for r in requests],
-            [r.params.top_p for r in requests],
-            [r.seed for r in requests],
-            padded_bs,
-            self.kv.sentinel_row,
-        )
+        if fill:
+            self.runner.buffers.fill(
+                [r.row for r in requests],
+                [r.next_input for r in requests],
+                [r.params.temperature for r in requests],
+                [r.params.top_k for r in requests],
+                [r.params.top_p for r in requests],
+                [r.seed for r in requests],
+                padded_bs,
+                self.kv.sentinel_row,
+            )
+        else:
+            self.dp.plan(0, bs, True)  # one rank: announces this step's sizes to the graphs
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
         out = self.graphs.run(bs, padded_bs, variant, allow_graph)
-        host = out.host_rows()
-        T, seconds = self.tokens_per_req, time.perf_counter() - start
-        for request, row in zip(requests, host, strict=True):  # one sync above
+        if not fill:
+            self.graphs.set_step_sizes(None)
+        packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
+        return LaunchedStep(requests, padded_bs, self.readback.start(packed), start)
+
+    def _read(self, launched: LaunchedStep) -> None:
+        """Wait for a launched step's results and apply them to its requests (those that ended
+        in an earlier step, when it ran ahead, are skipped)."""
+        host = launched.results.wait()
+        T, seconds = self.tokens_per_req, time.perf_counter() - launched.start
+        for request, row in zip(launched.requests, host, strict=True):
+            if request.finish_reason is not None:
+                continue
             request.decode_seconds += seconds
             emitted = row[: row[-1]]
             request.record_verify(len(emitted))

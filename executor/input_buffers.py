@@ -1,7 +1,10 @@
-"""Static device buffers the decode step reads, sized for the largest batch. The host fills the
-first bs rows (and padded rows with the sentinel) before each eager run or graph replay."""
+"""Static device buffers the decode step reads, sized for the largest batch (the host fills the
+first bs rows, and padded rows with the sentinel, before each eager run or graph replay), and
+the host buffers its packed results are copied back into."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -60,3 +63,47 @@ class InputBuffers:
 
     def sampling(self, bs: int) -> SamplingInfo:
         return SamplingInfo(self.temperature[:bs], self.top_k[:bs], self.top_p[:bs], self.seed[:bs])
+
+
+@dataclass
+class PendingResults:
+    """A step's packed results on their way to the host."""
+
+    host: torch.Tensor  # [bs, T + k + 1]
+    copied: torch.cuda.Event | None  # recorded after the copy (None: the copy was synchronous)
+
+    def wait(self) -> list[list[int]]:
+        """Per row: tokens (T), drafts (k), accept_len; waits for this copy only, not for
+        steps launched after it."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
+class Readback:
+    """Two host buffers (pinned on CUDA) that steps' packed results are copied into without
+    blocking, in turn: one step's results can be read while the next step's are on their way
+    (a buffer is reused two launches later, after its results were read)."""
+
+    def __init__(self, max_bs: int, device: str | torch.device):
+        self.max_bs, self.cuda = max_bs, torch.device(device).type == "cuda"
+        self.buffers: list[torch.Tensor] = []
+        self.turn = 0
+
+    def start(self, packed: torch.Tensor) -> PendingResults:
+        """Start copying `packed` [bs, width] (bs <= max_bs) to the host."""
+        bs, width = packed.shape
+        first = self.buffers[0] if self.buffers else None
+        if first is None or first.numel() < self.max_bs * width or first.dtype != packed.dtype:
+            self.buffers = [
+                torch.empty(self.max_bs * width, dtype=packed.dtype, pin_memory=self.cuda)
+                for _ in range(2)
+            ]
+        host = self.buffers[self.turn][: bs * width].view(bs, width)
+        self.turn ^= 1
+        host.copy_(packed, non_blocking=self.cuda)
+        copied = None
+        if self.cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        return PendingResults(host, copied)

@@ -29,18 +29,15 @@ class StepOutput:
     @classmethod
     def of(cls, tokens, accept_len, drafts) -> StepOutput:
         """With the packed copy made on the device (inside the graph when captured), so the
-        host reads a step's results with one transfer."""
+        host reads a step's results with one transfer (input_buffers.Readback)."""
         return cls(tokens, accept_len, drafts, torch.cat([tokens, drafts, accept_len[:, None]], 1))
 
     def narrow(self, bs: int) -> StepOutput:
         packed = None if self.packed is None else self.packed[:bs]
         return StepOutput(self.tokens[:bs], self.accept_len[:bs], self.drafts[:bs], packed)
 
-    def host_rows(self) -> list[list[int]]:
-        """Per row on the host: tokens (T), drafts (k), accept_len (one sync)."""
-        if self.packed is None:
-            return StepOutput.of(self.tokens, self.accept_len, self.drafts).packed.tolist()
-        return self.packed.tolist()
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.accept_len, self.drafts
 
 
 class ModelRunner:
@@ -77,7 +74,12 @@ class ModelRunner:
         """Verify (or plainly decode) the bs rows of the input buffers, then draft the next k
         tokens; reads only static buffers and device state, so it is graph-capturable."""
         inputs, accept_len = self.verify_step(bs, variant)
-        return StepOutput.of(inputs.next_tokens, accept_len, self._propose(inputs, variant))
+        drafts = self._propose(inputs, variant)
+        # the next step's input ids (last emitted token, then the drafts), for a step launched
+        # before the host has read this one (the host's fill writes the same ids otherwise)
+        last = inputs.next_tokens.gather(1, (accept_len - 1).unsqueeze(1))
+        self.buffers.input_ids[:bs].copy_(torch.cat([last, drafts.to(last.dtype)], dim=1))
+        return StepOutput.of(inputs.next_tokens, accept_len, drafts)
 
     def verify_step(self, bs: int, variant: str) -> tuple[DraftInputs, torch.Tensor]:
         """The target half of the step: forward over T tokens per row, verify, grow the valid

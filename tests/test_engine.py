@@ -194,3 +194,75 @@ def test_warm_up_leaves_the_engine_as_it_was(llama_dir, tmp_path):
     assert [o.token_ids for o in warmed.generate(prompts, params)] == [
         o.token_ids for o in fresh.generate(prompts, params)
     ]
+
+
+# ------------------------------------------------------------------ overlap (one rank)
+
+
+def overlap_pair(target, **options) -> tuple[Engine, Engine]:
+    common = dict(device="cpu", max_num_seqs=4, max_model_len=128, page_size=4, **options)
+    return Engine(target, overlap=True, **common), Engine(target, overlap=False, **common)
+
+
+def outputs_of(engine: Engine, prompts, params) -> list[tuple]:
+    outs = engine.generate(prompts, params)
+    return [(o.token_ids, o.finish_reason, o.stats["num_verify_steps"]) for o in outs]
+
+
+def check_overlap(ahead: Engine, synchronous: Engine, prompts, params) -> None:
+    """Same tokens, finish reasons and step counts with and without overlap; steps really ran
+    ahead; every page returned and no step left in flight."""
+    before = ahead.steps_ahead
+    assert outputs_of(ahead, prompts, params) == outputs_of(synchronous, prompts, params)
+    assert ahead.steps_ahead > before and synchronous.steps_ahead == 0
+    assert len(ahead.kv.free_pages) == ahead.kv.num_pages - 1 and ahead._launched is None
+
+
+def test_overlap_equals_synchronous_steps_plain(llama_dir):
+    """Stop tokens that end requests while a step runs ahead (its rows for them are dropped),
+    ragged length limits, a seeded sampled request, and more requests than rows (admissions
+    run synchronously until the queue drains)."""
+    ahead, synchronous = overlap_pair(llama_dir)
+    vocab = ahead.model_config.vocab_size
+    prompts = random_prompts(vocab, (5, 9, 3, 12, 7, 4), seed=11)
+    free = outputs_of(synchronous, prompts[:3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    stops = (free[0][0][21], free[2][0][29])  # first seen late in the run: requests end mid-run
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, stop_token_ids=stops)
+              for n in (40, 33, 40)]  # fmt: skip
+    check_overlap(ahead, synchronous, prompts[:3], params)
+    assert "stop" in [o.finish_reason for o in ahead.generate(prompts[:3], params)]
+    mixed = [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, stop_token_ids=stops)
+        for n in (40, 33, 28, 40, 9, 21)
+    ]
+    mixed[3] = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=3,
+                              ignore_eos=True)  # fmt: skip
+    check_overlap(ahead, synchronous, prompts, mixed)
+    check_overlap(ahead, synchronous, prompts[:1], mixed[0])  # one request, alone
+
+
+def test_overlap_equals_synchronous_steps_speculative(llama_dir, tmp_path):
+    """EAGLE-3 (k = 3, greedy and sampled drafts) and padded eager batches: the step launched
+    ahead takes its input ids (last token, then drafts) from the device."""
+    from helpers_eagle import write_random_eagle3
+
+    write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+    spec = dict(algo="eagle3", draft=str(tmp_path), num_draft_tokens=3, eager_padding=True)
+    ahead, synchronous = overlap_pair(llama_dir, **spec)
+    prompts = random_prompts(ahead.model_config.vocab_size, (6, 11, 4), seed=12)
+    greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (48, 30, 41)]
+    check_overlap(ahead, synchronous, prompts, greedy)
+    sampled = SamplingParams(max_new_tokens=40, temperature=1.0, seed=9, ignore_eos=True)
+    check_overlap(ahead, synchronous, prompts, [greedy[0], sampled, greedy[2]])
+
+
+def test_overlap_never_runs_ahead_into_the_length_limit(llama_dir):
+    """A request within 2 x T tokens of its limit, or one near max_model_len, is never run ahead:
+    the extra step could write past its reserved KV pages."""
+    ahead, synchronous = overlap_pair(llama_dir)
+    prompt = random_prompts(ahead.model_config.vocab_size, (100,), seed=13)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)  # capped at max_model_len
+    check_overlap(ahead, synchronous, prompt, params)
+    steps = ahead.steps_ahead
+    ahead.generate(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert ahead.steps_ahead == steps  # 2 tokens: never more than 2 x T left
