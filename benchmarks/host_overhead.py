@@ -1,8 +1,10 @@
 """Host time per decode step of the bundled model on one GPU, where the tiny model's tokens/s are
 decided: the wall time of a steady-state step (`generate` of one or 32 prompts, 128 new tokens,
-divided by its steps) against its graph replay alone (CUDA events), for the step's host path as
-it is (inputs packed into two copies, outputs packed inside the graph) and as it was before
-(one input copy per field, the output concatenated outside the graph), alternated in one process.
+divided by its steps) against its graph replay alone (CUDA events), alternated in one process for
+three host paths: overlap (the default on one rank: the next step is launched from device-side
+inputs before the current one is read back), synchronous steps (`overlap=False`: inputs packed
+into two copies, results read back before the next launch), and synchronous steps with the
+earlier one-copy-per-field input fill.
 
     python benchmarks/host_overhead.py [--json OUT.json] [--repeats 5]
 """
@@ -20,7 +22,6 @@ import torch
 
 from speculant import Engine, SamplingParams
 from speculant.executor.input_buffers import InputBuffers
-from speculant.executor.model_runner import StepOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"plain": (None, None, 0), "eagle3 k=4": ("eagle3", "eagle3", 4)}
@@ -39,14 +40,10 @@ def fill_per_field(self, rows, input_ids, temperature, top_k, top_p, seed, padde
     self.seed[:padded_bs].copy_(torch.tensor(seed + [0] * pad, dtype=torch.int64))
 
 
-def rows_by_cat(self) -> list[list[int]]:
-    """The earlier read-back: concatenate outside the graph, then one transfer."""
-    return torch.cat([self.tokens, self.drafts, self.accept_len.unsqueeze(1)], dim=1).tolist()
-
-
-PATHS = {
-    "packed": (InputBuffers.fill, StepOutput.host_rows),
-    "per_field": (fill_per_field, rows_by_cat),
+PATHS = {  # name -> (overlap, InputBuffers.fill)
+    "overlap": (True, InputBuffers.fill),
+    "synchronous": (False, InputBuffers.fill),
+    "synchronous_per_field": (False, fill_per_field),
 }
 
 
@@ -68,7 +65,7 @@ def replay_ms(engine: Engine, bs: int) -> float:
 
 
 def step_ms(engine: Engine, prompts: list[str], path: str, repeats: int) -> tuple[float, int]:
-    InputBuffers.fill, StepOutput.host_rows = PATHS[path]
+    engine.overlap, InputBuffers.fill = PATHS[path]
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
     per_step = []
@@ -79,7 +76,7 @@ def step_ms(engine: Engine, prompts: list[str], path: str, repeats: int) -> tupl
         torch.cuda.synchronize()
         steps = max(o.stats["num_verify_steps"] for o in outputs)
         per_step.append((time.perf_counter() - start) * 1e3 / steps)
-    InputBuffers.fill, StepOutput.host_rows = PATHS["packed"]
+    engine.overlap, InputBuffers.fill = PATHS["overlap"]
     return statistics.median(per_step), steps
 
 
