@@ -311,7 +311,7 @@ class Engine:
         meanwhile is dropped from the one ahead (its wasted rows stay within its KV pages)."""
         launched, self._launched = self._launched, None
         if launched is not None and self._can_run_ahead(launched):
-            ahead = self._launch(launched.requests, launched.padded_bs, fill=False)
+            ahead = self._launch_one_rank(launched.requests, launched.padded_bs, fill=False)
             self.steps_ahead += 1
             self._read(launched)
             if all(r.finish_reason is not None for r in ahead.requests):
@@ -329,8 +329,18 @@ class Engine:
             self._prefill(admitted)
             self.graphs.set_step_sizes(None)
         elif running:
-            self._launched = self._launch(running, self.graphs.padded_bs(len(running)), fill=True)
+            padded_bs = self.graphs.padded_bs(len(running))
+            self._launched = self._launch_one_rank(running, padded_bs, fill=True)
         return finished + self._finish_done()
+
+    def _launch_one_rank(self, requests: list[Request], padded_bs: int, fill: bool):
+        """`_launch` with this step's sizes announced to the graph runner (what `step` does
+        through the DP plan; one rank: no exchange), which replays check them."""
+        self.dp.plan(0, len(requests), True)
+        try:
+            return self._launch(requests, padded_bs, fill=fill)
+        finally:
+            self.graphs.set_step_sizes(None)
 
     def _can_run_ahead(self, launched: LaunchedStep) -> bool:
         """Nothing waits for admission, and no request can reach its length limit in the step
@@ -388,13 +398,9 @@ class Engine:
                 padded_bs,
                 self.kv.sentinel_row,
             )
-        else:
-            self.dp.plan(0, bs, True)  # one rank: announces this step's sizes to the graphs
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
         out = self.graphs.run(bs, padded_bs, variant, allow_graph)
-        if not fill:
-            self.graphs.set_step_sizes(None)
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         return LaunchedStep(requests, padded_bs, self.readback.start(packed), start)
 
