@@ -31,7 +31,7 @@ from speculant.executor.build import (
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.dp import DPCoordinator, generate_distributed
 from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.input_buffers import PendingResults, Readback
+from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.model_runner import ModelRunner, StepOutput
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
@@ -47,7 +47,7 @@ class LaunchedStep:
 
     requests: list[Request]
     padded_bs: int
-    results: PendingResults
+    results: PendingResults | ReadResults
     start: float  # perf_counter at launch
 
 
@@ -110,6 +110,9 @@ class Engine:
             self.drafter,
             self.attention_backend,
         )
+        # one rank only: several ranks agree on every step's batch before it runs
+        self.overlap = cfg.overlap and self.pctx.world_size == 1
+        self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
         self.graphs = GraphRunner(
             self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx
         )
@@ -118,8 +121,6 @@ class Engine:
         self.dp = DPCoordinator(self.pctx, self.graphs, self.tokens_per_req, mc.is_moe)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.tokens_per_req)
         self.readback = Readback(self.max_num_seqs, self.device)
-        # one rank only: several ranks agree on every step's batch before it runs
-        self.overlap = cfg.overlap and self.pctx.world_size == 1
         self._launched: LaunchedStep | None = None
         self.steps_ahead = 0  # decode steps launched before the previous one was read back
         if self._compiles_at_first_use():
@@ -402,7 +403,9 @@ class Engine:
         start = time.perf_counter()
         out = self.graphs.run(bs, padded_bs, variant, allow_graph)
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
-        return LaunchedStep(requests, padded_bs, self.readback.start(packed), start)
+        # synchronous steps read back at once; overlapped ones start a copy and read it later
+        results = self.readback.start(packed) if self.overlap else ReadResults(packed.tolist())
+        return LaunchedStep(requests, padded_bs, results, start)
 
     def _read(self, launched: LaunchedStep) -> None:
         """Wait for a launched step's results and apply them to its requests (those that ended

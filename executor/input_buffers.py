@@ -66,6 +66,16 @@ class InputBuffers:
 
 
 @dataclass
+class ReadResults:
+    """A step's results already on the host (a synchronous read-back)."""
+
+    rows: list[list[int]]
+
+    def wait(self) -> list[list[int]]:
+        return self.rows
+
+
+@dataclass
 class PendingResults:
     """A step's packed results on their way to the host."""
 

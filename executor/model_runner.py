@@ -55,6 +55,7 @@ class ModelRunner:
         self.drafter = drafter
         self.device = kv.req_to_page.device
         self.k = num_draft_tokens
+        self.writes_next_inputs = False  # set by the engine with overlap on, before capture
         self.tokens_per_req = num_draft_tokens + 1
         if drafter is not None:
             model.aux_layer_ids = drafter.aux_layer_ids
@@ -75,10 +76,11 @@ class ModelRunner:
         tokens; reads only static buffers and device state, so it is graph-capturable."""
         inputs, accept_len = self.verify_step(bs, variant)
         drafts = self._propose(inputs, variant)
-        # the next step's input ids (last emitted token, then the drafts), for a step launched
-        # before the host has read this one (the host's fill writes the same ids otherwise)
-        last = inputs.next_tokens.gather(1, (accept_len - 1).unsqueeze(1))
-        self.buffers.input_ids[:bs].copy_(torch.cat([last, drafts.to(last.dtype)], dim=1))
+        if self.writes_next_inputs:
+            # the next step's input ids (last emitted token, then the drafts), for a step
+            # launched before the host has read this one back (overlap)
+            last = inputs.next_tokens.gather(1, (accept_len - 1).unsqueeze(1))
+            self.buffers.input_ids[:bs].copy_(torch.cat([last, drafts.to(last.dtype)], dim=1))
         return StepOutput.of(inputs.next_tokens, accept_len, drafts)
 
     def verify_step(self, bs: int, variant: str) -> tuple[DraftInputs, torch.Tensor]:

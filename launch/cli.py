@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
     spec.add_argument(
-        "--no-overlap",
+        "--overlap",
         action="store_true",
-        help="read back every decode step before launching the next (one rank)",
+        help="one rank: launch the next decode step before reading the current one back",
     )
     spec.add_argument(
         "--attention-backend",
@@ -306,7 +306,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         disable_graph_padding=args.disable_graph_padding,
         enforce_eager=args.enforce_eager,
         eager_padding=args.eager_padding,
-        overlap=not args.no_overlap,
+        overlap=args.overlap,
         attention_backend=args.attention_backend,
         tp=args.tp,
         dp=args.dp,

@@ -71,6 +71,20 @@ def test_jsonl_prompts_write_output_file(llama_dir, tmp_path):
     assert all(isinstance(line["text"], str) for line in lines)
 
 
+def test_overlap_flag_gives_the_same_outputs(llama_dir, tmp_path):
+    """`--overlap` (launch a step before reading the previous one back) writes the same file."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [5, 6, 7]},
+                                                 {"prompt": "import os"}])  # fmt: skip
+    files = []
+    for flags in ([], ["--overlap"]):
+        files.append(tmp_path / f"out{len(files)}.jsonl")
+        proc = run_cli("--target", llama_dir, "--prompts", prompts, "--output", files[-1],
+                       "--max-new-tokens", 24, "--ignore-eos", *flags)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    rows = [[json.loads(line)["token_ids"] for line in f.read_text().splitlines()] for f in files]
+    assert rows[0] == rows[1] and len(rows[0]) == 2 and len(rows[0][0]) == 24
+
+
 def test_checkpoint_without_tokenizer_takes_token_ids(qwen2_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [3, 1, 4, 1, 5]}])
     proc = run_cli("--target", qwen2_dir, "--prompts", prompts, "--max-new-tokens", 4)

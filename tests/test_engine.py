@@ -275,7 +275,7 @@ def test_overlap_announces_each_steps_sizes_to_the_graphs(llama_dir):
     from speculant.executor.cuda_graph import dp_capture_dummies
 
     engine = Engine(llama_dir, device="cpu", max_num_seqs=4, max_model_len=128, page_size=4,
-                    eager_padding=True)  # fmt: skip
+                    eager_padding=True, overlap=True)  # fmt: skip
     graphs = engine.graphs
     for variant, bs in graphs.capture_plan():
         graphs.captured_sizes[(variant, bs)] = dp_capture_dummies(bs, engine.tokens_per_req, 1)
