@@ -3,9 +3,7 @@
 # benchmarks/levers.py alternating the default 8B bs=1 step with the Triton GEMV on gate_up
 # too. Logs and JSON under $OUT; each step has its own timeout.
 set -u
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -6 \
     | tee "$OUT/pytest_gpu.log"
 cd benchmarks

@@ -3,9 +3,7 @@
 # DP=2 with graphs against one GPU) and, on GPU 0 alone, issue 3's graph-vs-eager table
 # (benchmarks/graphs.py, the default attention backend). Logs and JSON under $OUT.
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 timeout 330 python3 benchmarks/launch_gpu.py --out "$OUT" 2>&1 | tee "$OUT/launch_gpu.log"
 echo "launch_gpu exit ${PIPESTATUS[0]}"
 (cd benchmarks && CUDA_VISIBLE_DEVICES=0 timeout 200 python3 graphs.py --json "$OUT/graphs.json") \

@@ -4,11 +4,7 @@
 # (the summary's time= no longer includes Triton's compilation), then the EP=2 engine check
 # (engines built, hence warmed up, on both ranks). Logs and JSON in $OUT.
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/site:/tmp/spk
+source "$(dirname "$0")/gpu_env.sh" deepep
 for backend in deepep all2all; do
     mkdir -p "$OUT/$backend"
     timeout 200 python3 benchmarks/launch_gpu.py --out "$OUT/$backend" --layouts dp2,tp2 --moe \

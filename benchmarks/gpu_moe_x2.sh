@@ -7,11 +7,7 @@
 #      cost / necessity of the low-latency clean before each replay.
 # Each step has its own timeout and logs under $OUT, so one failing leaves the other's results.
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/site:/tmp/spk
+source "$(dirname "$0")/gpu_env.sh" deepep
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 timeout "${MOE_ENGINE_S:-300}" python3 benchmarks/moe_engine_gpu.py --out "$OUT" \
     --budget-s $(( ${MOE_ENGINE_S:-300} - 20 )) 2>&1 | tee "$OUT/moe_engine_gpu.log" | grep -v "it/s\]$"

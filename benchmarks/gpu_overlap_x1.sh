@@ -4,9 +4,7 @@
 # replay == eager and speculative equality now run with overlap on), then bundled.py (tokens/s).
 # Logs and JSON in $OUT; each step has its own timeout.
 set -u
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 (cd benchmarks && timeout 90 python3 host_overhead.py --json "$OUT/host_overhead.json" 2>&1 \
     | grep -v "it/s\]" | tee "$OUT/host_overhead.log" | tail -7)
 timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4 \

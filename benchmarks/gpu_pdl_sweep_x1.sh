@@ -3,9 +3,7 @@
 # in alternation (benchmarks/levers.py, one process), then benchmarks/decode.py (issue 10's table,
 # with the transformers peers) on the defaults. Logs and JSON in $OUT.
 set -u
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 cd benchmarks
 ONE=no_pdl,pdl1_prefetch_8k,pdl1_prefetch_16k,pdl1_prefetch_32k,pdl2_prefetch_8k,pdl2_no_prefetch
 timeout 200 python3 levers.py --skip-gemv --variants "$ONE,$ONE" --json "$OUT/levers.json" 2>&1 \

@@ -4,9 +4,7 @@
 # benchmarks/levers.py over the PDL variants of the 8B bs=1 graph step (one process; no_pdl first
 # and last to see drift), then graphs.py (issue 3's table) on the defaults. Logs and JSON in $OUT.
 set -u
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -4 \
     | tee "$OUT/pytest_kernels.log"
 cd benchmarks

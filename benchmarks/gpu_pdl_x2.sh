@@ -5,11 +5,7 @@
 # DP=2 with graphs vs one GPU in float32, every GPU-marked test, then graphs.py (issue 3's table)
 # on GPU 0. Logs and JSON in $OUT; each step has its own timeout.
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/site:/tmp/spk
+source "$(dirname "$0")/gpu_env.sh" deepep
 timeout 100 python3 benchmarks/moe_engine_gpu.py --out "$OUT" --budget-s 90 2>&1 \
     | tee "$OUT/moe_engine_gpu.log" | grep -E "^\||step ms|wall|Error|error" | tail -14
 timeout 120 python3 benchmarks/launch_gpu.py --out "$OUT" --dtypes float32 --case-timeout-s 50 \

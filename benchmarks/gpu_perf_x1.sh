@@ -4,9 +4,7 @@
 # process) then benchmarks/bundled.py (bundled target + drafters vs transformers). Logs and JSON
 # under $OUT.
 set -u
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 cd benchmarks
 timeout 400 python3 decode.py --budget-s 320 --json "$OUT/decode.json" 2>&1 | grep -v "it/s\]" \
     | tee "$OUT/decode.log" | tail -40

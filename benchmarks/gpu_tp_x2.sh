@@ -4,9 +4,7 @@
 # (TP=2 / DP=2 with graphs == one GPU; 8B-shape step at TP=1, TP=2, and TP=2 with every
 # all-reduce on NCCL), then torchrun TP=2 on the bundled job against one GPU. Logs in $OUT.
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/spk
+source "$(dirname "$0")/gpu_env.sh"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_parallel.py 2>&1 | tail -4 \
     | tee "$OUT/pytest_one_shot.log"
 timeout 330 python3 benchmarks/parallel_gpu.py --out "$OUT" --budget-s 300 2>&1 \

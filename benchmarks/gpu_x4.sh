@@ -4,11 +4,7 @@
 #   bash benchmarks/gpu_x4.sh layers-and-torchrun # per-layer dispatch+combine on 4; MoE via torchrun
 # Every step has its own timeout; logs and JSON under $OUT.
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/spk && ln -sfn "$PWD" /tmp/spk/speculant
-export PYTHONPATH=/tmp/site:/tmp/spk
+source "$(dirname "$0")/gpu_env.sh" deepep
 case "${1:-}" in
 dense-and-engine)
     mkdir -p "$OUT/dense"
