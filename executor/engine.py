@@ -278,9 +278,17 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Prefill newly admitted requests, or else decode every running one; returns the
-        requests that finished in this step (with overlap, those whose end this step read)."""
+        requests that finished in this step (with overlap, those whose end this step read).
+        With overlap (one rank), the decode step in flight is first either run ahead of (the
+        next one is launched before it is read back, see `_can_run_ahead`) or read back."""
+        finished = []
         if self.overlap:
-            return self._step_overlapped()
+            launched, self._launched = self._launched, None
+            if launched is not None and self._can_run_ahead(launched):
+                return self._run_ahead(launched)
+            if launched is not None:
+                self._read(launched)
+            finished = self._finish_done()
         admitted, running = self.scheduler.admit(), self.scheduler.running
         has_work = self.scheduler.has_unfinished()
         # forward_prefill pads every prompt to the longest: the tokens of the one prefill forward
@@ -296,7 +304,7 @@ class Engine:
             self.runner.buffers.fill([], [], [], [], [], [], plan.decode_bs, self.kv.sentinel_row)
             self.graphs.run(0, plan.decode_bs, GREEDY, plan.allow_graph)
         self.graphs.set_step_sizes(None)  # the agreed sizes hold for this step only
-        return self._finish_done()
+        return finished + self._finish_done()
 
     def _finish_done(self) -> list[Request]:
         finished = [r for r in self.scheduler.running if r.finish_reason is not None]
@@ -304,44 +312,20 @@ class Engine:
             self.scheduler.finish(request)
         return finished
 
-    def _step_overlapped(self) -> list[Request]:
-        """One rank, overlap on: launch the next decode step before reading back the one in
-        flight, when the batch cannot change in between (see `_can_run_ahead`); else read it,
-        then admit / prefill / launch as `step` does. The step launched ahead takes its input
-        ids from the device (the graph writes them); a request that ended in the step read
-        meanwhile is dropped from the one ahead (its wasted rows stay within its KV pages)."""
-        launched, self._launched = self._launched, None
-        if launched is not None and self._can_run_ahead(launched):
-            ahead = self._launch_one_rank(launched.requests, launched.padded_bs, fill=False)
-            self.steps_ahead += 1
-            self._read(launched)
-            if all(r.finish_reason is not None for r in ahead.requests):
-                ahead.results.wait()  # every request ended meanwhile: nothing to apply
-            else:
-                self._launched = ahead
-            return self._finish_done()
-        if launched is not None:
-            self._read(launched)
-        finished = self._finish_done()
-        admitted, running = self.scheduler.admit(), list(self.scheduler.running)
-        if admitted:
-            tokens = len(admitted) * max(len(r.prompt_ids) for r in admitted)
-            self.dp.plan(len(admitted), 0, True, tokens)
-            self._prefill(admitted)
-            self.graphs.set_step_sizes(None)
-        elif running:
-            padded_bs = self.graphs.padded_bs(len(running))
-            self._launched = self._launch_one_rank(running, padded_bs, fill=True)
-        return finished + self._finish_done()
-
-    def _launch_one_rank(self, requests: list[Request], padded_bs: int, fill: bool):
-        """`_launch` with this step's sizes announced to the graph runner (what `step` does
-        through the DP plan; one rank: no exchange), which replays check them."""
-        self.dp.plan(0, len(requests), True)
-        try:
-            return self._launch(requests, padded_bs, fill=fill)
-        finally:
-            self.graphs.set_step_sizes(None)
+    def _run_ahead(self, launched: LaunchedStep) -> list[Request]:
+        """Launch the next decode step of the same batch from the input ids the step in flight
+        writes on the device, then read that one back; a request that ended in it is dropped
+        from the step ahead (its wasted rows stay within its KV pages)."""
+        self.dp.plan(0, len(launched.requests), True)  # one rank: announces the step's sizes
+        ahead = self._launch(launched.requests, launched.padded_bs, fill=False)
+        self.graphs.set_step_sizes(None)
+        self.steps_ahead += 1
+        self._read(launched)
+        if all(r.finish_reason is not None for r in ahead.requests):
+            ahead.results.wait()  # every request ended meanwhile: nothing to apply
+        else:
+            self._launched = ahead
+        return self._finish_done()
 
     def _can_run_ahead(self, launched: LaunchedStep) -> bool:
         """Nothing waits for admission, and no request can reach its length limit in the step
@@ -380,7 +364,11 @@ class Engine:
             request.accepted_per_position = [0] * (len(row) - 1)
 
     def _decode(self, requests: list[Request], padded_bs: int, allow_graph: bool = True) -> None:
-        self._read(self._launch(requests, padded_bs, allow_graph))
+        launched = self._launch(requests, padded_bs, allow_graph)
+        if self.overlap:
+            self._launched = launched  # read back in the next step, after or without running ahead
+        else:
+            self._read(launched)
 
     def _launch(
         self, requests: list[Request], padded_bs: int, allow_graph: bool = True, fill: bool = True
@@ -405,7 +393,7 @@ class Engine:
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         # synchronous steps read back at once; overlapped ones start a copy and read it later
         results = self.readback.start(packed) if self.overlap else ReadResults(packed.tolist())
-        return LaunchedStep(requests, padded_bs, results, start)
+        return LaunchedStep(list(requests), padded_bs, results, start)
 
     def _read(self, launched: LaunchedStep) -> None:
         """Wait for a launched step's results and apply them to its requests (those that ended
