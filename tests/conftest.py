@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny HF checkpoints (built once per session) and the `gpu` skip."""
+"""Shared fixtures: tiny HF checkpoints (built once per session), the `gpu` skip and the
+`needs(package)` skip for tests of optional packages."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,9 +14,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import helpers_ckpt  # noqa: E402
 
+# How to get each optional package a test may need (`@pytest.mark.needs("triton")`); the
+# README's test install leaves them out, and `python -m pytest -m needs tests` runs just these.
+INSTALL_HINTS = {
+    "triton": "pip install triton==3.6.0 (a CUDA build of torch brings it)",
+    "ray": "pip install -e '.[ray]'",
+    "matplotlib": "pip install -e '.[plot]'",
+}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` when CUDA is not available."""
+    """Skip tests marked `needs(package)` when the package is not installed, and tests marked
+    `gpu` when CUDA is not available."""
+    for item in items:
+        for marker in item.iter_markers("needs"):
+            missing = [name for name in marker.args if importlib.util.find_spec(name) is None]
+            if missing:
+                hints = "; ".join(INSTALL_HINTS.get(n, f"pip install {n}") for n in missing)
+                item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)}: {hints}"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

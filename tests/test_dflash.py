@@ -19,6 +19,10 @@ from speculant.errors import SpeculantError
 from speculant.executor.sampling import GREEDY as GREEDY_VARIANT
 from speculant.executor.sampling import filtered_probs
 
+# On the CPU the triton backend runs through the kernels' torch references or Triton's
+# interpreter; either way it needs triton itself to build.
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.needs("triton"))]
+
 
 @pytest.fixture(scope="module")
 def dflash_dir(tmp_path_factory, llama_dir):
@@ -34,7 +38,7 @@ def plain(llama_dir):
 
 @pytest.mark.parametrize("k", [7, 3, 1])
 @pytest.mark.parametrize("padding", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dflash_greedy_equals_plain(plain, llama_dir, dflash_dir, k, padding, backend):
     """Lossless on both attention backends (on the CPU the triton backend runs its block
     attention through the kernels' torch references, or Triton's interpreter)."""
@@ -59,7 +63,7 @@ def _hf_target(llama_dir):
     return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dflash_drafts_match_the_published_forward(llama_dir, tmp_path, backend):
     """After prefill and after two verify steps, our drafts equal a float64 dense reference of
     the published model fed with transformers' hidden states of the accepted sequence, on both

@@ -29,11 +29,10 @@ from speculant.executor.triton_attention import TritonPagedAttention  # noqa: E4
 from speculant.kernels import activation, norm, reference, rope, runtime  # noqa: E402
 from speculant.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
 
-NO_TRITON = "triton is not installed (the kernels' torch references run)"
 CPU = pytest.param(
     "cpu",
     marks=[
-        pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON),
+        pytest.mark.needs("triton"),
         pytest.mark.skipif(
             runtime.HAS_TRITON and not runtime.INTERPRET,
             reason="CPU variants need Triton's interpreter (TRITON_INTERPRET=1 before triton's "
@@ -342,7 +341,7 @@ def test_pdl_is_off_where_it_cannot_run():
     assert runtime.pdl_options(2) == {"PDL": 2, "launch_pdl": True}
 
 
-@pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
+@pytest.mark.needs("triton")
 def test_bad_pdl_setting_names_the_value():
     import subprocess
 
@@ -436,7 +435,7 @@ def test_pdl_graph_chain_equals_plain_launches(mode, prefetch, monkeypatch):
     assert not torch.equal(plain[0][0], plain[1][0])  # the inputs reach the outputs
 
 
-@pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
+@pytest.mark.needs("triton")
 def test_triton_backend_engines_route_linears_through_gemv(llama_dir, tmp_path):
     """The Triton backend sets the GEMV on every projection of the target and the EAGLE-3 head
     (not the LM head); the torch backend, the reference, leaves them on F.linear."""
@@ -458,7 +457,7 @@ def test_triton_backend_engines_route_linears_through_gemv(llama_dir, tmp_path):
         assert all(m.gemv is expected for m in linears), backend
 
 
-@pytest.mark.skipif(not runtime.HAS_TRITON, reason=NO_TRITON)
+@pytest.mark.needs("triton")
 def test_fallbacks_where_triton_cannot_run(monkeypatch):
     """CPU tensors without the interpreter: every op is exactly its torch reference."""
     monkeypatch.setattr(runtime, "INTERPRET", False)

@@ -216,6 +216,7 @@ def ray_command() -> str:
     return str(beside) if beside.is_file() else shutil.which("ray") or "ray"
 
 
+@pytest.mark.needs("ray")
 class TestRayDriver:
     """The driver in this process, on a local cluster of 4 logical CPUs started here (torn down
     before the `ray job submit` test starts its own head)."""
@@ -367,6 +368,7 @@ def actor_processes(root: int | None = None) -> list[int]:
     return [pid for pid in actors if descends(pid)]
 
 
+@pytest.mark.needs("ray")
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks for stray actors in /proc")
 def test_ray_job_submit(flags, expected, prompts_file, tmp_path):
     """`ray job submit --working-dir . -- python -m speculant.launch.ray generate ...` against a
