@@ -37,6 +37,7 @@ class ExpertTokens:
 
     hidden: torch.Tensor  # [num_local_experts, capacity, H]
     counts: torch.Tensor  # [num_local_experts] int32
+    max_rows: int | None = None  # a host-known bound on sum(counts) (None: every row may be real)
 
 
 @dataclass
@@ -76,7 +77,9 @@ def pack_by_expert(
     buffer = hidden.new_empty(spare + 1, width)
     buffer.index_copy_(0, rows, hidden.unsqueeze(1).expand(n, k, width).reshape(n * k, width))
     tokens = ExpertTokens(
-        buffer[:spare].view(num_local, capacity, width), counts[:num_local].to(torch.int32)
+        buffer[:spare].view(num_local, capacity, width),
+        counts[:num_local].to(torch.int32),
+        max_rows=n * k,
     )
     return tokens, torch.where(valid, rows, 0), valid
 

@@ -93,20 +93,61 @@ class Experts(nn.Module):
     def forward(self, tokens: ExpertTokens, dense: bool | None = None) -> torch.Tensor:
         """SwiGLU of every local expert over its rows -> [E_local, C, H]. `dense` computes every
         row, padding included, in two batched matmuls of fixed shape (the default while capturing
-        a graph, and for small buffers); otherwise only the valid rows, expert by expert, after
-        one host sync for the counts."""
+        a graph, and for small buffers); otherwise only the valid rows, in two grouped matmuls
+        over the rows packed by expert. Neither reads the counts on the host (no sync); where
+        the grouped matmul would (a CUDA tensor it has no kernel for), the dense path runs."""
         x = tokens.hidden
         if dense is None:
             dense = is_capturing() or x.shape[0] * x.shape[1] <= DENSE_EXPERT_ROWS
-        if dense:
+        if dense or not x.numel() or not self._grouped_without_sync(x):
             gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
             return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
-        out = torch.empty_like(x)  # padding rows stay unset: combine never reads them
-        for e, n in enumerate(tokens.counts.tolist()):
-            if n:
-                gate, up = F.linear(x[e, :n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                out[e, :n] = F.linear(F.silu(gate) * up, self.down_proj[e])
-        return out
+        return self._grouped(tokens)
+
+    def _grouped_without_sync(self, x: torch.Tensor) -> bool:
+        """torch._grouped_mm reads its offsets on the device only in its CUDA kernels (bfloat16,
+        sm90/sm100; elsewhere it copies them to the host); on the CPU there is no device to wait
+        for. Its operands need rows of a multiple of 16 bytes."""
+        if not hasattr(torch, "_grouped_mm"):
+            return False
+        widths = (x.shape[-1], self.intermediate)
+        if any(w * x.element_size() % 16 for w in widths):
+            return False
+        if x.device.type == "cpu":
+            return True
+        return (
+            x.device.type == "cuda"
+            and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+        )
+
+    def _grouped(self, tokens: ExpertTokens) -> torch.Tensor:
+        """Packs the valid rows expert after expert (row s of the pack is row s - start[e] of the
+        expert e whose segment holds s, found on the device), runs both projections as grouped
+        matmuls over the segments and scatters the results back. The pack holds
+        `tokens.max_rows` rows (a host-known bound) plus one spare; rows past the last segment
+        are not computed and land in a dropped row, so padding rows stay unset (combine never
+        reads them)."""
+        x, counts = tokens.hidden, tokens.counts
+        num_local, capacity, width = x.shape
+        rows = num_local * capacity
+        packed = min(rows, rows if tokens.max_rows is None else tokens.max_rows) + 1
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)  # segment e ends at row ends[e]
+        slot = torch.arange(packed, dtype=torch.int32, device=x.device)
+        expert = torch.searchsorted(ends, slot, right=True)  # num_local past the last segment
+        real = expert < num_local
+        expert = expert.clamp_max(num_local - 1)
+        source = expert * capacity + (slot - ends[expert] + counts[expert])
+        source = torch.where(real, source, rows)  # row `rows`: a dropped one, in and out
+        flat = x.reshape(rows, width)
+        picked = flat.index_select(0, source.clamp_max(rows - 1))
+        gate, up = torch._grouped_mm(picked, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(
+            2, dim=-1
+        )
+        down = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        out = x.new_empty(rows + 1, width)
+        out.index_copy_(0, source, down)
+        return out[:rows].view(num_local, capacity, width)
 
 
 class SparseMoeBlock(nn.Module):

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import socket
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,7 +40,12 @@ from speculant.executor.attention import TorchPagedAttention
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.model_runner import StepOutput
 from speculant.models.loader import build_causal_lm, iter_safetensors, load_weights
-from speculant.models.qwen3_moe import Experts, Qwen3MoeForCausalLM, make_dispatcher
+from speculant.models.qwen3_moe import (
+    DENSE_EXPERT_ROWS,
+    Experts,
+    Qwen3MoeForCausalLM,
+    make_dispatcher,
+)
 
 TINY_MOE = dict(
     hidden_size=64,
@@ -306,6 +312,80 @@ def test_pack_handles_no_tokens():
     assert tokens.hidden.shape == (3, 0, 4) and tokens.counts.tolist() == [0, 0, 0]
     out = combine_weighted(tokens.hidden, ExpertSlots(rows, valid, torch.zeros(0, 2)))
     assert out.shape == (0, 4)
+
+
+# Tensor -> Python conversions: each one waits for the device on CUDA (a host sync)
+HOST_READS = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextmanager
+def host_reads_fail(monkeypatch, *also: str):
+    """Inside, reading a tensor's values on the host raises (so does each `torch` function
+    named in `also`); outside, everything is restored."""
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, _refuse(f"Tensor.{name}"), raising=False)
+        for name in also:
+            patch.setattr(torch, name, _refuse(f"torch.{name}"))
+        yield
+
+
+def _refuse(name: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{name} called: a host sync in the eager MoE forward")
+
+    return refused
+
+
+def per_expert_swiglu(experts: Experts, tokens: ExpertTokens) -> list[torch.Tensor]:
+    """Expert by expert over its valid rows (the reading of the counts the forward avoids)."""
+    outs = []
+    for e, n in enumerate(tokens.counts.tolist()):
+        gate, up = F.linear(tokens.hidden[e, :n], experts.gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, experts.down_proj[e]))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_moe_block_reads_nothing_on_the_host(moe_models, monkeypatch, dtype):
+    """A sparse block's eager forward on a buffer above DENSE_EXPERT_ROWS (router, dispatch,
+    experts over the valid rows only, combine) reads no tensor value on the host, calls no
+    batched matmul over the padding, and gives, row for row, what the experts give run one
+    by one over their valid rows (bitwise on the CPU); the block's output equals the dense
+    reference."""
+    path = moe_models["per_expert"][0]
+    model = build_causal_lm(ModelConfig.from_dir(path), 64, ParallelContext.single(), None, 512)
+    load_weights(model, iter_safetensors(path), path)
+    block = model.model.layers[0].mlp.to(dtype)
+    num_tokens = DENSE_EXPERT_ROWS // block.experts.num_local + 45  # 8 x 301 rows
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    block.dispatcher.begin_forward(num_tokens)
+    tokens, slots = block.dispatcher.dispatch(x, *block.gate(x))
+    assert tokens.hidden.shape[0] * tokens.hidden.shape[1] > DENSE_EXPERT_ROWS
+    with torch.inference_mode(), host_reads_fail(monkeypatch, "bmm"):
+        out = block.experts(tokens)
+        got = block(x)
+    for e, expected in enumerate(per_expert_swiglu(block.experts, tokens)):
+        assert torch.equal(out[e, : len(expected)], expected), e
+    ids, weights = block.gate(x)
+    reference = dense_reference(block.experts.float(), x.float(), ids, weights)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), reference, rtol=tol, atol=tol)
+
+
+def test_grouped_experts_cover_empty_and_full_experts(monkeypatch):
+    """Experts with no rows, with every row, and a buffer whose rows are all real: the grouped
+    path without host reads equals the dense batched matmuls on every valid row."""
+    experts = random_experts(4, 16, 8)
+    counts = torch.tensor([0, 700, 0, 699], dtype=torch.int32)
+    hidden = torch.randn(4, 700, 16, generator=torch.Generator().manual_seed(4))
+    for max_rows in (None, 1399):
+        tokens = ExpertTokens(hidden, counts, max_rows=max_rows)
+        with host_reads_fail(monkeypatch, "bmm"):
+            out = experts(tokens, dense=False)
+        dense = experts(tokens, dense=True)
+        for e, n in enumerate(counts.tolist()):
+            torch.testing.assert_close(out[e, :n], dense[e, :n], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- two gloo ranks
