@@ -162,7 +162,8 @@ class CacheConfig:
     the CPU, or from `kv_cache_memory_fraction` of free memory on a GPU."""
 
     page_size: int = 16
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: 256 on a GPU, 64 on the CPU (over all DP ranks)
+    max_num_batched_tokens: int | None = None  # tokens per forward; None: 8192 GPU, 2048 CPU
     max_model_len: int | None = None
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.85

@@ -199,9 +199,9 @@ class DeepEPDispatcher(MoeDispatcher):
     def replay_hooks(self) -> list:
         return [DeepEPGraphAdapter(self.ep)]
 
-    def begin_forward(self, num_tokens: int) -> None:
+    def begin_forward(self, num_tokens: int, tokens_per_rank: list[int] | None = None) -> None:
         limit = self.max_tokens_per_rank
-        self.most_tokens = most = self.max_tokens_over_ranks(num_tokens)
+        self.most_tokens = most = self.max_tokens_over_ranks(num_tokens, tokens_per_rank)
         if is_capturing():
             self.check_tokens(most)
             if self.ep.mode is not DispatchMode.LOW_LATENCY:

@@ -7,10 +7,10 @@ outputs in that layout into each token's weighted sum. Shapes depend only on the
 the configured per-rank limit, never on the routing, so dispatch and combine can be captured in a
 CUDA graph. Expert e lives on EP rank e // (num_experts / ep_size); the EP group is every rank.
 
-Every forward is planned from every EP rank's token count (`set_tokens_per_rank`): the engine
-sets them each step from the DP exchange (executor/dp.py), and the graph wrapper sets uniform
-dummies while capturing, since a graph bakes the plan in. Without them (a model used on its
-own) `begin_forward` asks the other ranks with a host all-reduce, which cannot run in a graph.
+Every forward is planned from every EP rank's token count, handed to `begin_forward` with the
+forward (the step plan's `DPStepSizes`, from the DP exchange in executor/dp.py; uniform dummies
+while capturing, since a graph bakes the plan in). Without them (a model used on its own)
+`begin_forward` asks the other ranks with a host all-reduce, which cannot run in a graph.
 
 Implementations: `LocalDispatcher` (one EP rank), `AllToAllDispatcher` (all_to_all_single over
 fixed per-rank blocks; gloo on CPU, NCCL on GPU) and comm/deepep.py's `DeepEPDispatcher`.
@@ -126,30 +126,25 @@ class MoeDispatcher(ABC):
         self.cpu_group = cpu_group  # gloo group over the EP ranks (None: the default group)
         self.num_chunks, self.chunk_tokens = 1, max_tokens_per_rank or 1
         self.most_tokens = 0  # the largest token count of any EP rank in the planned forward
-        self.tokens_per_rank: list[int] | None = None  # the next forwards' counts, by EP rank
         self.num_forwards = 0  # forwards planned (eagerly run or captured) on this rank
 
-    def set_tokens_per_rank(self, tokens_per_rank: list[int] | None) -> None:
-        """Every EP rank's token count in the forwards that follow, the same list on every rank
-        (None: ask the other ranks in each forward)."""
-        if tokens_per_rank is not None and len(tokens_per_rank) != self.ep_size:
-            raise ValueError(f"{len(tokens_per_rank)} token counts for {self.ep_size} EP ranks")
-        self.tokens_per_rank = None if tokens_per_rank is None else list(tokens_per_rank)
-
-    def begin_forward(self, num_tokens: int) -> None:
-        """Plan this forward's dispatches: ceil(max tokens over EP ranks / limit) chunks."""
-        self.most_tokens = most = self.max_tokens_over_ranks(num_tokens)
+    def begin_forward(self, num_tokens: int, tokens_per_rank: list[int] | None = None) -> None:
+        """Plan this forward's dispatches: ceil(max tokens over EP ranks / limit) chunks.
+        `tokens_per_rank`: every EP rank's token count in this forward, the same list on every
+        rank (None: ask the other ranks)."""
+        self.most_tokens = most = self.max_tokens_over_ranks(num_tokens, tokens_per_rank)
         limit = self.max_tokens_per_rank or max(most, 1)
         self.num_chunks, self.chunk_tokens = max(1, -(-most // limit)), limit
 
-    def max_tokens_over_ranks(self, num_tokens: int) -> int:
+    def max_tokens_over_ranks(self, num_tokens: int, planned: list[int] | None = None) -> int:
         """The largest token count of any EP rank this forward, from `tokens_per_rank` (checked
         against this rank's own count), else by a host-side all-reduce (never inside a graph)."""
         self.num_forwards += 1
         if self.ep_size == 1:
             return num_tokens
-        planned = self.tokens_per_rank
         if planned is not None:
+            if len(planned) != self.ep_size:
+                raise ValueError(f"{len(planned)} token counts for {self.ep_size} EP ranks")
             if planned[self.ep_rank] != num_tokens:
                 raise SpeculantError(
                     f"this forward has {num_tokens} tokens but the step's per-rank token counts "
@@ -160,7 +155,7 @@ class MoeDispatcher(ABC):
         if is_capturing():
             raise SpeculantError(
                 "capturing an expert-parallel forward needs every rank's token count; call "
-                "set_tokens_per_rank first (the graph runner sets uniform dummies)"
+                "pass tokens_per_rank (the graph runner captures with uniform dummies)"
             )
         most = torch.tensor([num_tokens], dtype=torch.int64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.cpu_group)
@@ -242,8 +237,8 @@ class AllToAllDispatcher(MoeDispatcher):
         self.group = group  # device-backend group over the EP ranks (None: the default group)
         self.block_tokens = max_tokens_per_rank  # M
 
-    def begin_forward(self, num_tokens: int) -> None:
-        super().begin_forward(num_tokens)
+    def begin_forward(self, num_tokens: int, tokens_per_rank: list[int] | None = None) -> None:
+        super().begin_forward(num_tokens, tokens_per_rank)
         self.block_tokens = max(1, min(self.most_tokens, self.chunk_tokens))
 
     def dispatch(self, hidden, topk_ids, topk_weights):

@@ -29,14 +29,15 @@ class Proposal:
 
 @dataclass
 class DraftInputs:
-    """What the target step hands the drafter. For prefill: the prompt batch, its hidden and aux
-    states, and the sampled next token. For decode: the verify batch, verify outputs."""
+    """What the target step hands the drafter: the batch it ran (packed prefill chunks and verify
+    rows, or a decode batch), its hidden and aux states, and the token after every input
+    position (the prompt's next token, a sampled or verified one)."""
 
     batch: ForwardBatch
-    hidden: torch.Tensor  # [bs * T, H] target final-norm hidden states
-    aux: list[torch.Tensor]  # target residual entering each of `aux_layer_ids`, [bs * T, H] each
-    next_tokens: torch.Tensor  # [bs, T]: the token at position (input position + 1), -1 after
-    last_index: torch.Tensor  # [bs]: the input index whose successor is the newest token
+    hidden: torch.Tensor  # [N, H] target final-norm hidden states, N = the batch's tokens
+    aux: list[torch.Tensor]  # target residual entering each of `aux_layer_ids`, [N, H] each
+    next_tokens: torch.Tensor  # [N] (or [bs, T]): the token at (input position + 1), -1 after
+    last_flat: torch.Tensor  # [bs]: per sequence, the input index whose successor is the newest
     target_slots: torch.Tensor  # the target attention's key slots for this batch (shared)
 
 
@@ -44,6 +45,7 @@ class Drafter(ABC):
     """Proposes `num_draft_tokens` tokens per request. Subclasses set `aux_layer_ids`."""
 
     aux_layer_ids: tuple[int, ...] = ()
+    block_attention = False  # DFLASH's block attention instead of causal paged attention
 
     def __init__(
         self,
@@ -56,13 +58,27 @@ class Drafter(ABC):
         attention_backend: str = "torch",
     ):
         self.k = num_draft_tokens
+        self.pool_layout = (num_layers, num_kv_heads, head_dim, dtype)
+        self.attention_backend = attention_backend
+        self.bind_kv(kv)
+
+    def bind_kv(self, kv: PagedKVCache) -> None:
+        """Own K/V pools of `kv`'s size on its block table (the engine profiles a step on a small
+        cache, then binds the drafter to the real one)."""
+        num_layers, num_kv_heads, head_dim, dtype = self.pool_layout
         self.kv = kv
+        self.k_pools = self.v_pools = []  # the old pools go before the new ones are made
         shape = (kv.num_pages * kv.page_size, num_kv_heads, head_dim)
         device = kv.req_to_page.device
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.attn = paged_attention_backend(
-            attention_backend, self.k_pools, self.v_pools, kv.req_to_page, kv.page_size
+            self.attention_backend,
+            self.k_pools,
+            self.v_pools,
+            kv.req_to_page,
+            kv.page_size,
+            self.block_attention,
         )
 
     @abstractmethod
@@ -114,7 +130,6 @@ class Drafter(ABC):
         return Proposal(torch.stack(drafts, dim=1), stacked)
 
 
-def gather_rows(x: torch.Tensor, bs: int, index: torch.Tensor) -> torch.Tensor:
-    """Row `index[i]` of request i from a row-major [bs * T, ...] tensor."""
-    T = x.shape[0] // bs
-    return x[torch.arange(bs, device=x.device) * T + index]
+def flat_index(bs: int, T: int, index: torch.Tensor) -> torch.Tensor:
+    """Flat positions of `index[i]` of row i in a row-major [bs * T] layout."""
+    return torch.arange(bs, device=index.device) * T + index

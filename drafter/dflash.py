@@ -12,6 +12,23 @@ embedding table, its queries attend to the cached context before the block and t
 block non-causally; the final norm and the target's lm_head give drafts for block positions
 1..B-1. Missing `target_layer_ids` default to the published spread: [L // 2] for one draft
 layer, else round(1 + i * (L - 4) / (n - 1)) for the n draft layers, L the target's layers.
+
+Config fields the reference reads, each honoured or refused: `block_size`, `mask_token_id`,
+`target_layer_ids`, `input_embedding_scale` (scales the raw embeddings), `output_multiplier` and
+`final_logit_softcapping` (logits * m, then tanh(l / c) * c) from `dflash_config` or the top level;
+`is_causal` from the top level only, as the reference reads it (a causal block, every layer);
+`layer_types` with `sliding_window` (which counts only with `use_sliding_window`, as transformers'
+Qwen3Config reads it): a sliding layer's block is causal unless `is_causal` says otherwise. We run
+one block mask for all layers (a mix of causal and non-causal layers is refused) and no window (a
+window is refused unless it covers every position the engine reaches, where it changes nothing).
+
+The speculators format (vLLM's `DFlashConverter` output, `speculators_model_type: dflash`; see
+drafter/checkpoint.py): layer shapes in `transformer_layer_config`, `block_size` and
+`mask_token_id` at the top level, `aux_hidden_state_layer_ids` = z-lab id + 1 (the input of that
+layer), `sliding_window_non_causal` (default False: windowed sliding layers are causal; full
+layers and unwindowed ones never are).
+A reduced draft vocabulary (own lm_head and d2t), `sample_from_anchor` and aux id L (the final
+hidden state, taken before the final norm by vLLM and after it by z-lab) are refused.
 """
 
 from __future__ import annotations
@@ -25,10 +42,15 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, read_hf_config
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
-from speculant.drafter.checkpoint import read_head_weights, require_tensors
+from speculant.drafter.checkpoint import (
+    format_of,
+    read_head_weights,
+    require_tensors,
+    speculators_fields,
+)
 from speculant.drafter.eagle import ReplicatedLinear
 from speculant.errors import SpeculantError
-from speculant.executor.attention import BlockContextAttention, paged_attention_backend
+from speculant.executor.attention import BlockContextAttention
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
@@ -65,12 +87,16 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     logit_softcap: float = 0.0
+    sliding_window: int | None = None  # of its sliding layers; load_dflash checks it never binds
     source: str = "config.json"
 
     @classmethod
     def from_dir(cls, path: str | Path, target: ModelConfig) -> DFlashConfig:
         hf = read_hf_config(path)
         source = str(Path(path) / "config.json")
+        fmt = format_of(hf, source)
+        if fmt.speculators:
+            hf = _speculators_dflash(hf, fmt.algo, target, source)
         archs = hf.get("architectures") or []
         if archs and not any("dflash" in arch.lower() for arch in archs):
             raise SpeculantError(
@@ -85,13 +111,9 @@ class DFlashConfig:
         extra = hf.get("dflash_config") or {}
 
         def value(name, default=None):
-            return extra.get(name, hf.get(name, default))
+            found = extra.get(name, hf.get(name))
+            return default if found is None else found
 
-        if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
-            raise SpeculantError(
-                f"layer_types {hf['layer_types']} in {source}: only full-attention DFLASH "
-                "layers are supported (no sliding windows)"
-            )
         layer = ModelConfig.from_hf({**hf, "architectures": ["Qwen3ForCausalLM"]}, source)
         if layer.hidden_size != target.hidden_size:
             raise SpeculantError(
@@ -123,19 +145,116 @@ class DFlashConfig:
             )
         if len(set(ids)) != len(ids):
             raise SpeculantError(f"{key} in {source} repeats a layer; list distinct layers")
-        causal = value("is_causal")
+        causal, window = _block_attention(hf, extra, layer.num_layers, fmt.speculators, source)
         return cls(
             layer=layer,
             num_layers=layer.num_layers,
             block_size=block,
             mask_token_id=int(mask_id),
             target_layer_ids=tuple(ids),
-            causal_block=bool(causal) if causal is not None else False,
+            causal_block=causal,
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
-            logit_softcap=float(value("final_logit_softcapping") or 0.0),
+            logit_softcap=float(value("final_logit_softcapping", 0.0)),
+            sliding_window=window,
             source=source,
         )
+
+
+def _block_attention(
+    hf: dict, extra: dict, num_layers: int, speculators: bool, source: str
+) -> tuple[bool, int | None]:
+    """(causal, sliding window) of the block, one for every layer as the drafter runs. Window and
+    default layer types follow transformers' Qwen3Config, which both references read the config
+    with: `sliding_window` counts only with `use_sliding_window`, and without `layer_types` the
+    layers from `max_window_layers` on slide."""
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    first_sliding = hf.get("max_window_layers", 28) if window is not None else num_layers
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers:
+        raise SpeculantError(
+            f"layer_types {types} in {source} names {len(types)} layers, but "
+            f"num_hidden_layers is {num_layers}; fix config.json"
+        )
+    unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if unknown:
+        raise SpeculantError(
+            f"layer_types value {unknown[0]!r} in {source} is not supported; supported: "
+            "full_attention, sliding_attention"
+        )
+    sliding = [t == "sliding_attention" for t in types]
+    if "is_causal" in extra:
+        raise SpeculantError(
+            f"dflash_config.is_causal in {source}: the reference reads is_causal only at the top "
+            "level of config.json; move it there"
+        )
+    if speculators:  # its anchor-block mask: causal only on windowed sliding layers
+        if "is_causal" in hf:
+            raise SpeculantError(
+                f"is_causal in the transformer_layer_config of {source} is not supported: the "
+                "speculators format sets the block's causality by sliding_window_non_causal"
+            )
+        causal_window = window is not None and not hf.get("sliding_window_non_causal", False)
+        causal = [s and causal_window for s in sliding]
+    else:  # z-lab: is_causal for every layer, else causal on sliding layers
+        is_causal = hf.get("is_causal")
+        causal = [s if is_causal is None else bool(is_causal) for s in sliding]
+    if len(set(causal)) > 1:
+        raise SpeculantError(
+            f"layer_types {types} in {source} make the sliding layers' block causal and the "
+            "full layers' not; one block mask for all layers is supported, not a mix"
+        )
+    if not any(sliding):
+        return causal[0], None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise SpeculantError(
+            f"sliding_window={window!r} in {source} must be a positive integer for its "
+            "sliding_attention layers; fix config.json"
+        )
+    return causal[0], window
+
+
+def _speculators_dflash(hf: dict, algo: str, target: ModelConfig, source: str) -> dict:
+    """The flat config of a speculators DFLASH drafter, its layer ids in the z-lab convention."""
+    if algo != "dflash":
+        raise SpeculantError(
+            f"{source} is a speculators {algo} drafter, not a DFLASH drafter; pass --algo {algo} "
+            "(or leave --algo out)"
+        )
+    flat = speculators_fields(hf, source)
+    if flat.get("sample_from_anchor"):
+        raise SpeculantError(
+            f"sample_from_anchor=true in {source} is not supported: DFLASH drafts the block "
+            "positions after the newest token only"
+        )
+    for name, ours in (
+        ("draft_vocab_size", target.vocab_size),
+        ("target_hidden_size", target.hidden_size),
+    ):
+        if flat.get(name) is not None and int(flat[name]) != ours:
+            raise SpeculantError(
+                f"{name}={flat[name]} in {source} != the target's {ours}: that needs the "
+                "drafter's own lm_head or embeddings, which DFLASH does not support"
+            )
+    aux, L = flat.get("aux_hidden_state_layer_ids"), target.num_layers
+    if not aux:
+        raise SpeculantError(
+            f"{source} lacks aux_hidden_state_layer_ids; re-convert it with the speculators "
+            "package (DFlashConverter)"
+        )
+    if any(not 1 <= int(a) < L for a in aux) or len(set(aux)) != len(aux):
+        raise SpeculantError(
+            f"aux_hidden_state_layer_ids={aux} in {source} must be distinct target layers in "
+            f"1..{L - 1} (the input of layer a, z-lab's id a - 1) for a target with {L} layers"
+        )
+    dflash = {
+        "target_layer_ids": [int(a) - 1 for a in aux],
+        "block_size": flat.get("block_size", 8),  # the speculators schema's default
+        "mask_token_id": flat.get("mask_token_id"),
+    }
+    return {**flat, "dflash_config": dflash}
 
 
 def block_size_of(path: str | Path) -> int:
@@ -249,6 +368,12 @@ def load_dflash(
     (`load_format="dummy"`: random weights, no weight files needed)."""
     check_load_format(load_format)
     cfg = DFlashConfig.from_dir(path, target_cfg)
+    if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
+        raise SpeculantError(
+            f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "
+            f"{max_positions} positions a request may reach, and windowed attention is not "
+            "supported; lower --max-model-len so that it plus k + 1 is at most the window"
+        )
     with default_device_and_dtype(device, dtype):
         model = DFlashModel(cfg, max_positions, pctx)
     if load_format == "dummy":
@@ -264,6 +389,8 @@ class DFlashDrafter(Drafter):
     """Writes the context K/V of every input position of the batch (rejected positions are
     rewritten later and hidden meanwhile: the block only sees positions before it), then drafts
     k = B - 1 tokens from one forward over the block [newest token, mask x k]."""
+
+    block_attention = True
 
     def __init__(
         self,
@@ -281,12 +408,15 @@ class DFlashDrafter(Drafter):
                 f"{cfg.block_size} (at most {cfg.block_size - 1}); lower --num-draft-tokens"
             )
         super().__init__(
-            kv, model.config.num_layers, model.num_kv_heads, model.head_dim, dtype, num_draft_tokens
+            kv,
+            model.config.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            num_draft_tokens,
+            attention_backend,
         )
         self.model, self.target = model, target
-        self.attn = paged_attention_backend(
-            attention_backend, self.k_pools, self.v_pools, kv.req_to_page, kv.page_size, True
-        )
         # Layer outputs are our aux ids id + 1, handed in layer order (fc wants the config's
         # order); the last layer's output is the final-norm hidden, as in HF's hidden_states.
         last = target.config.num_layers - 1
@@ -301,9 +431,8 @@ class DFlashDrafter(Drafter):
 
     def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
         batch, bs, cfg = inputs.batch, inputs.batch.bs, self.model.config
-        rows = torch.arange(bs, device=inputs.last_index.device)
-        newest = inputs.next_tokens[rows, inputs.last_index].clamp(min=0)
-        block_start = batch.positions.view(bs, -1)[rows, inputs.last_index] + 1
+        newest = inputs.next_tokens.reshape(-1)[inputs.last_flat].clamp(min=0)
+        block_start = batch.positions[inputs.last_flat] + 1
         block_ids = torch.cat([newest[:, None], self.mask.expand(bs, -1)], dim=1)
         block_positions = block_start[:, None] + self.offsets
         self.attn.prepare(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.drafter.base import Drafter, DraftInputs, Proposal, gather_rows
+from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
@@ -43,11 +43,11 @@ class DraftModelDrafter(Drafter):
         self.lm = draft_lm
 
     def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
-        batch, bs = inputs.batch, inputs.batch.bs
+        batch = inputs.batch
         self.attn.prepare(batch, shared_slots=inputs.target_slots)
         self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
-        token = gather_rows(inputs.next_tokens.reshape(-1), bs, inputs.last_index)
-        position = gather_rows(batch.positions, bs, inputs.last_index) + 1
+        token = inputs.next_tokens.reshape(-1)[inputs.last_flat]
+        position = batch.positions[inputs.last_flat] + 1
         drafts, probs = [], []
         for _ in range(self.k):
             one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.drafter.base import Drafter, DraftInputs, Proposal, gather_rows
+from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.eagle import Eagle3Head
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
@@ -42,7 +42,7 @@ class Eagle3Drafter(Drafter):
         return self.head.draft_probs_to_target(probs)
 
     def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
-        batch, bs = inputs.batch, inputs.batch.bs
+        batch = inputs.batch
         tokens = inputs.next_tokens.clamp(min=0).reshape(-1)
         self.attn.prepare(batch, shared_slots=inputs.target_slots)
         hidden = self.head(
@@ -51,8 +51,8 @@ class Eagle3Drafter(Drafter):
             batch.positions,
             self.attn,
         )
-        hidden = gather_rows(hidden, bs, inputs.last_index)
-        position = gather_rows(batch.positions, bs, inputs.last_index)
+        hidden = hidden[inputs.last_flat]
+        position = batch.positions[inputs.last_flat]
         drafts, probs = [], []
         for step in range(self.k):
             token, q = self.pick(self.head.logits(hidden), sampling, position + 2, variant)

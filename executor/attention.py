@@ -6,6 +6,7 @@ declares the element-wise ops the layers run around it as `ops` (kernels/ops.py)
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -90,10 +91,18 @@ class TorchPagedAttention(PoolAttention):
         `shared_slots` and skips its own gather."""
         self.kv_slots = key_slots(batch, self.req_to_page, self.page_size, shared_slots)
         key_pos = torch.arange(batch.kv_len, device=self.kv_slots.device)
+        self.batch = batch
+        if batch.is_varlen:  # one (bs 1) mask per packed sequence
+            bounds = [0, *itertools.accumulate(batch.seq_lens)]
+            self.spans = list(itertools.pairwise(bounds))
+            self.visible_per_seq = [
+                key_pos <= batch.positions[a:b].view(1, 1, b - a, 1) for a, b in self.spans
+            ]
+            self.masks_per_seq = [{} for _ in self.spans]
+            return
         query_pos = batch.positions.view(batch.bs, 1, batch.tokens_per_req, 1)
         self.visible = key_pos <= query_pos  # [bs, 1, T, kv_len]
         self.masks = {}
-        self.batch = batch
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d]."""
@@ -101,9 +110,22 @@ class TorchPagedAttention(PoolAttention):
         k_pool, v_pool = self.k_pools[layer_id], self.v_pools[layer_id]
         k_pool.index_copy_(0, batch.out_cache_loc, k.to(k_pool.dtype))
         v_pool.index_copy_(0, batch.out_cache_loc, v.to(v_pool.dtype))
+        group = q.shape[1] // k.shape[1]
+        if batch.is_varlen:
+            out = torch.empty_like(q)
+            for i, (a, b) in enumerate(self.spans):
+                slots = self.kv_slots[i : i + 1]
+                bias = additive_mask(self.visible_per_seq[i], group, q.dtype, self.masks_per_seq[i])
+                out[a:b] = folded_sdpa(
+                    q[a:b],
+                    k_pool[slots].transpose(1, 2),
+                    v_pool[slots].transpose(1, 2),
+                    bias,
+                    b - a,
+                )
+            return out
         keys = k_pool[self.kv_slots].transpose(1, 2)  # [bs, kv_heads, kv_len, d]
         values = v_pool[self.kv_slots].transpose(1, 2)
-        group = q.shape[1] // k.shape[1]
         return folded_sdpa(
             q,
             keys,

@@ -20,6 +20,7 @@ from speculant.config import (
     SpecConfig,
 )
 from speculant.drafter.base import Drafter
+from speculant.drafter.checkpoint import drafter_format
 from speculant.drafter.dflash import DFlashDrafter, block_size_of, load_dflash
 from speculant.drafter.draft_model import DraftModelDrafter
 from speculant.drafter.eagle import load_eagle3
@@ -59,8 +60,10 @@ class RankSetup:
 
     @property
     def max_positions(self) -> int:
-        """Positions a row may reach: the context plus one step's tokens."""
-        return self.max_model_len + self.tokens_per_req
+        """Positions a row may reach: the context, then the last step's verify tokens and the
+        drafter's lookahead past them (a chain drafter writes up to k - 1 positions past the
+        newest token, DFLASH's block k + 1): at most 2 x (k + 1)."""
+        return self.max_model_len + 2 * self.tokens_per_req
 
 
 def load_tokenizer(path: str | Path):
@@ -93,7 +96,14 @@ def engine_config(target: str, **options) -> EngineConfig:
     groups = {
         "cache": (
             CacheConfig,
-            {"page_size", "max_num_seqs", "max_model_len", "num_pages", "kv_cache_memory_fraction"},
+            {
+                "page_size",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+                "num_pages",
+                "kv_cache_memory_fraction",
+            },
         ),
         "graph": (
             GraphConfig,
@@ -126,21 +136,31 @@ def engine_config(target: str, **options) -> EngineConfig:
 
 
 def check_spec(spec: SpecConfig) -> None:
-    """Validate the speculative options; k defaults to DEFAULT_DRAFT_TOKENS with an algo."""
+    """Validate the speculative options. Without --algo, a drafter whose config.json names its
+    algorithm (speculators' `speculators_model_type`, or a published head's architectures) sets
+    it; k defaults to the speculators `speculative_tokens`, DFLASH's block minus the newest token,
+    else DEFAULT_DRAFT_TOKENS. Explicit --algo / --num-draft-tokens win."""
+    fmt = None
+    if spec.draft is not None and (spec.algo is None or spec.num_draft_tokens == 0):
+        fmt = drafter_format(spec.draft)
+        spec.algo = spec.algo or fmt.algo
     if spec.algo is None:
         if spec.num_draft_tokens or spec.draft:
-            raise SpeculantError(f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)})")
+            raise SpeculantError(
+                f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)}): the drafter's "
+                "config.json does not name its algorithm"
+            )
         return
     if spec.algo not in ALGOS:
         raise SpeculantError(f"algo {spec.algo!r} is not supported; use one of {', '.join(ALGOS)}")
     if spec.draft is None:
         raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
-    if spec.num_draft_tokens == 0:  # DFLASH: the checkpoint's block minus the newest token
-        spec.num_draft_tokens = (
-            min(block_size_of(spec.draft) - 1, MAX_DRAFT_TOKENS)
-            if spec.algo == "dflash"
-            else DEFAULT_DRAFT_TOKENS
-        )
+    if spec.num_draft_tokens == 0:
+        k = fmt.num_draft_tokens if fmt.speculators and fmt.algo == spec.algo else None
+        if spec.algo == "dflash":  # at most the block minus the newest token
+            block_k = block_size_of(spec.draft) - 1
+            k = block_k if k is None else min(k, block_k)
+        spec.num_draft_tokens = min(k or DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS)
     if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise SpeculantError(
             f"num_draft_tokens={spec.num_draft_tokens} must be in 1..{MAX_DRAFT_TOKENS} with --algo"
@@ -189,20 +209,26 @@ def with_kernels(model: torch.nn.Module, attention_backend: str) -> torch.nn.Mod
     return model
 
 
-def build_kv_cache(setup: RankSetup, model: CausalLM) -> PagedKVCache:
-    """The paged KV cache: as many pages as the memory budget allows (or --num-pages)."""
+def build_kv_cache(
+    setup: RankSetup, model: CausalLM, num_pages: int | None = None, reserved_bytes: int = 0
+) -> PagedKVCache:
+    """The paged KV cache: as many pages as the memory budget allows after `reserved_bytes` (or
+    --num-pages); `num_pages` given: a scratch cache of that size with one request row."""
     cache, mc = setup.config.cache, setup.model_config
     attn = model.model.layers[0].self_attn
     per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, setup.dtype)
-    num_pages = choose_num_pages(
-        cache.page_size,
-        setup.max_num_seqs,
-        setup.max_model_len,
-        per_token,
-        setup.device,
-        cache.kv_cache_memory_fraction,
-        cache.num_pages,
-    )
+    max_requests = setup.max_num_seqs if num_pages is None else 1
+    if num_pages is None:
+        num_pages = choose_num_pages(
+            cache.page_size,
+            setup.max_num_seqs,
+            setup.max_model_len,
+            per_token,
+            setup.device,
+            cache.kv_cache_memory_fraction,
+            cache.num_pages,
+            reserved_bytes,
+        )
     max_pages = -(-setup.max_positions // cache.page_size)
     return PagedKVCache(
         mc.num_layers,
@@ -212,7 +238,7 @@ def build_kv_cache(setup: RankSetup, model: CausalLM) -> PagedKVCache:
         mc.head_dim,
         setup.dtype,
         setup.device,
-        setup.max_num_seqs,
+        max_requests,
         max_pages,
     )
 
@@ -236,6 +262,8 @@ def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafte
             cfg.load_format,
             cfg.seed + 1,
         )
+        if spec.algo == "eagle3":  # a speculators head's copy of the target's table is dropped
+            head.share_target_embeddings(model.model.embed_tokens)
         return drafter_cls(
             with_kernels(head, setup.attention_backend),
             model,

@@ -1,14 +1,14 @@
 """The graph wrapper: one CUDA graph per (sampler variant, padded batch size) for the whole decode
-step, replayed for every batch up to the largest captured size (see DESIGN.md, "Graph wrapper
-behaviour"). Without CUDA, or with --enforce-eager, the same step runs eagerly; `eager_padding`
-pads eager batches exactly as replay would, so padding is testable on the CPU."""
+step, replayed for every batch up to the largest captured size (docs/ARCHITECTURE.md, "Graphs").
+Without CUDA, or with --enforce-eager, the same step runs eagerly; `eager_padding` pads eager
+batches exactly as replay would, so padding is testable on the CPU."""
 
 from __future__ import annotations
 
 import bisect
 import gc
 import logging
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -17,10 +17,14 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import GraphConfig
 from speculant.errors import SpeculantError
 from speculant.executor.model_runner import ModelRunner, StepOutput
+from speculant.executor.step_plan import DPStepSizes
 
 log = logging.getLogger("speculant")
 
-DEFAULT_SIZES = [1, 2, 4] + [8 * i for i in range(1, 21)]
+# every decode batch up to 512 replays a graph (padded to the next size)
+DEFAULT_SIZES = (
+    [1, 2, 4] + list(range(8, 161, 8)) + list(range(176, 257, 16)) + list(range(288, 513, 32))
+)
 NO_PADDING_SIZES = list(range(1, 33)) + [64, 96, 128, 160]
 WARMUP_RUNS = 3
 
@@ -53,15 +57,6 @@ def dp_can_use_graph(
     return global_bs in sizes if disable_padding else global_bs <= max(sizes)
 
 
-class DPStepSizes(NamedTuple):
-    """Every rank's target forward in one step, by global rank: its tokens and its batch size
-    (the same lists on every rank, from the DP exchange). The MoE dispatches are planned from the
-    token counts, and a graph bakes in the sizes it was captured with."""
-
-    tokens_per_rank: list[int]
-    bs_per_rank: list[int]
-
-
 def dp_capture_dummies(bs: int, tokens_per_req: int, world_size: int) -> DPStepSizes:
     """Uniform per-rank token counts and batch sizes used while capturing under DP; leaving them
     unset or non-uniform makes the replayed collectives read stale sizes."""
@@ -87,7 +82,10 @@ class GraphRunner:
         max_num_seqs: int,
         variants: tuple[str, ...],
         pctx: ParallelContext,
+        plans_dispatch: bool = False,
     ):
+        """`plans_dispatch`: the model's forwards hold collectives planned from every rank's
+        sizes (a MoE target), which its graphs bake in."""
         self.runner, self.cfg, self.pctx = runner, cfg, pctx
         self.sizes = capture_sizes(cfg, max_num_seqs, pctx.dp_size)
         self.variants = variants
@@ -98,15 +96,11 @@ class GraphRunner:
         self.outputs: dict[tuple[str, int], StepOutput] = {}
         self.graph_memory_bytes = 0
         self.capture_order: list[tuple[str, int]] = []  # (variant, bs) as captured, in order
-        self.step_sizes: DPStepSizes | None = None  # every rank's forward in this step
+        # a MoE target's graphs bake in every rank's sizes (its dispatches); a dense one's do not
+        self.plans_dispatch = plans_dispatch
         self.captured_sizes: dict[tuple[str, int], DPStepSizes | None] = {}  # baked into graphs
-        self.num_replays = 0  # replays, or with eager padding their eager stand-ins
-
-    def set_step_sizes(self, sizes: DPStepSizes | None) -> None:
-        """Every rank's forward in the next step (DP exchange or capture dummies); the model plans
-        its MoE dispatches from the token counts. None: unknown (the model asks the ranks)."""
-        self.step_sizes = sizes
-        self.runner.model.set_rank_tokens(None if sizes is None else sizes.tokens_per_rank)
+        self.num_replays = 0  # CUDA graph replays
+        self.num_stand_ins = 0  # eager steps at a captured size standing in for a replay
 
     def capture_plan(self) -> list[tuple[str, int]]:
         """Every (variant, bs) to capture, in capture order: per variant, largest size first."""
@@ -134,14 +128,26 @@ class GraphRunner:
     def will_replay(self, padded_bs: int) -> bool:
         return self.use_graphs and padded_bs in self.sizes
 
-    def run(self, bs: int, padded_bs: int, variant: str, allow_graph: bool = True) -> StepOutput:
+    def run(
+        self,
+        bs: int,
+        padded_bs: int,
+        variant: str,
+        allow_graph: bool = True,
+        sizes: DPStepSizes | None = None,
+    ) -> StepOutput:
         """Run the step for the first padded_bs rows of the input buffers (already filled);
-        `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform)."""
+        `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform).
+        `sizes`: every rank's forward this step (the step plan's; a MoE target's dispatch plan,
+        which a replayed graph must have been captured with)."""
         key = (variant, padded_bs)
-        if allow_graph and self.pad and key in self.captured_sizes:
-            self._check_baked_sizes(key)  # a replay, or eager padding standing in for one
+        checked = allow_graph and self.pad and key in self.captured_sizes
+        if checked:
+            self._check_baked_sizes(key, sizes)  # a replay, or eager padding standing in for one
         if not allow_graph or not self.will_replay(padded_bs):
-            return self.runner.decode_step(padded_bs, variant).narrow(bs)
+            self.num_stand_ins += checked
+            tokens = None if sizes is None else sizes.tokens_per_rank
+            return self.runner.decode_step(padded_bs, variant, tokens).narrow(bs)
         if key not in self.graphs:
             captured = sorted({v for v, _ in self.graphs})
             raise SpeculantError(
@@ -151,26 +157,27 @@ class GraphRunner:
         for hook in self.hooks:
             hook.replay()
         self.graphs[key].replay()
+        self.num_replays += 1
         return self.outputs[key].narrow(bs)
 
-    def _check_baked_sizes(self, key: tuple[str, int]) -> None:
-        """A replayed graph runs with the per-rank sizes it was captured with (its collectives'
-        shapes): they must be this step's, or the ranks would exchange mismatched buffers."""
+    def _check_baked_sizes(self, key: tuple[str, int], sizes: DPStepSizes | None) -> None:
+        """A MoE target's replayed graph runs with the per-rank sizes it was captured with (its
+        collectives' shapes): they must be this step's, or the ranks would exchange mismatched
+        buffers. A dense target's graphs hold no cross-DP collective: any sizes do."""
         baked = self.captured_sizes[key]
-        if baked != self.step_sizes:
+        if self.plans_dispatch and baked != sizes:
             raise RuntimeError(
                 f"graph {key} was captured with per-rank sizes {baked} but this step's ranks run "
-                f"{self.step_sizes}; capture must use the uniform dummies of dp_capture_dummies "
+                f"{sizes}; capture must use the uniform dummies of dp_capture_dummies "
                 "and every DP rank must run the step's uniform size"
             )
-        self.num_replays += 1
 
-    def _set_capture_sizes(self, variant: str, bs: int) -> None:
+    def _capture_sizes(self, variant: str, bs: int) -> DPStepSizes:
         """Every rank captures size bs: uniform dummy token counts and batch sizes, recorded as
         what the graph bakes in."""
         sizes = dp_capture_dummies(bs, self.runner.tokens_per_req, self.pctx.world_size)
-        self.set_step_sizes(sizes)
-        self.captured_sizes[(variant, bs)] = self.step_sizes
+        self.captured_sizes[(variant, bs)] = sizes
+        return sizes
 
     def capture(self) -> None:
         """Capture every (variant, size), largest size first, into one shared memory pool. With
@@ -183,7 +190,6 @@ class GraphRunner:
             if self.pctx.world_size > 1:
                 for variant, bs in items:
                     self._lockstep_eager(variant, bs)
-                self.set_step_sizes(None)
             return
         device = self.runner.device
         reserved_before = torch.cuda.memory_reserved(device)
@@ -199,7 +205,6 @@ class GraphRunner:
                 self.capture_order.append((variant, bs))
         finally:
             gc.unfreeze()
-            self.set_step_sizes(None)
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         if self.pctx.rank == 0:
             log.info(
@@ -213,21 +218,21 @@ class GraphRunner:
     def _lockstep_eager(self, variant: str, bs: int) -> None:
         """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
         self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)
-        self._set_capture_sizes(variant, bs)
+        sizes = self._capture_sizes(variant, bs)
         self.pctx.barrier()
-        self.runner.decode_step(bs, variant)
+        self.runner.decode_step(bs, variant, sizes.tokens_per_rank)
         self.pctx.barrier()
         self.capture_order.append((variant, bs))
 
     def _capture_one(self, variant: str, bs: int, stream, pool):
         runner = self.runner
         runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
-        self._set_capture_sizes(variant, bs)
+        tokens = self._capture_sizes(variant, bs).tokens_per_rank
         torch.cuda.synchronize()
         self.pctx.barrier()
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                runner.decode_step(bs, variant)
+                runner.decode_step(bs, variant, tokens)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         for hook in self.hooks:
@@ -236,7 +241,7 @@ class GraphRunner:
             with torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
-                out = runner.decode_step(bs, variant)
+                out = runner.decode_step(bs, variant, tokens)
         except torch.OutOfMemoryError as exc:
             raise SpeculantError(
                 f"out of GPU memory capturing the CUDA graph for batch size {bs}; "

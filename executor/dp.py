@@ -1,44 +1,38 @@
-"""Data parallelism: each DP rank has its own scheduler, requests and KV cache.
+"""Data parallelism: each DP rank has its own scheduler, requests and KV cache, and plans its
+own steps (executor/scheduler.py); this module settles what must agree across DP ranks.
 
 Global rank 0 holds the user's prompts: it sends them to every rank, each DP rank takes its
-share (balanced by tokens), runs it, and rank 0 gathers the outputs back in input order.
+share (balanced by tokens, `assign_requests`), runs it, and rank 0 gathers the outputs back in
+input order (Engine.generate).
 
-The per-step protocol. Every step each DP rank sends (mode, tokens, requests, has_work): mode is
-PREFILL (one eager forward over its newly admitted prompts, `tokens` of them padded), DECODE (its
-running requests, `tokens` = requests * (k + 1)) or IDLE. From the same table every rank derives
-what every rank runs:
+The per-step protocol. Every step each DP rank sends (mode, tokens, rows, has_work): mode is
+DECODE (a pure decode step of `rows` requests, `tokens` = rows * (k + 1)), EXTEND (an eager
+forward over prefill chunks and verify rows, `tokens` of them) or IDLE. From the same table
+every rank derives what it runs:
 1. no rank has work: the generation loop ends;
-2. every rank decodes or is idle and the global batch ceil(max decode tokens / (k + 1)) fits the
-   captured sizes: every rank runs that size padded to a captured one (a graph replays), an idle
-   rank on sentinel rows only;
-3. otherwise each rank runs its own step eagerly: its prefill, or its decode batch unpadded; an
-   idle rank sits the step out, except with a MoE target, where it runs a one-row dummy decode
-   step, because expert dispatches are collectives over every rank.
+2. a dense target: each rank runs its own plan (a decode step replays the graph of its own
+   padded size; an extend step runs eagerly; an idle rank sits the step out): nothing in a
+   dense forward crosses DP ranks, so nothing needs to line up;
+3. a MoE target (expert dispatches are collectives over every rank): when every rank decodes
+   or is idle and the global batch ceil(max decode tokens / (k + 1)) fits the captured sizes,
+   every rank runs that size padded to a captured one (a graph replays), an idle rank on
+   sentinel rows only; otherwise every rank runs eagerly: its extend or its decode batch
+   unpadded, and an idle rank a one-row dummy decode step.
 So with a MoE target every rank runs exactly one target forward per step whenever any rank does,
-in the same order, and knows every rank's token count (`DPStepSizes`, handed to the model
-through the graph runner): the expert dispatches are planned from it, with no collective of
-their own, so an eager forward and a replayed graph make the same collectives. The drafter's
-forwards are dense and need no partner."""
+in the same order, and knows every rank's token count (`DPStepSizes`, in the plan the runner
+gets): the expert dispatches are planned from it, with no collective of their own, so an eager
+forward and a replayed graph make the same collectives. The drafter's forwards are dense."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from speculant.comm.groups import ParallelContext
-from speculant.executor.cuda_graph import (
-    DPStepSizes,
-    GraphRunner,
-    dp_can_use_graph,
-    dp_graph_batch_size,
-)
-from speculant.executor.request import Request, RequestOutput
+from speculant.executor.cuda_graph import GraphRunner, dp_can_use_graph, dp_graph_batch_size
+from speculant.executor.request import Request
+from speculant.executor.step_plan import DPStepSizes, StepPlan
 
-if TYPE_CHECKING:
-    from speculant.executor.engine import Engine
-
-IDLE, DECODE, PREFILL = 0, 1, 2  # what a DP rank runs in a step, as exchanged
+IDLE, DECODE, EXTEND = 0, 1, 2  # what a DP rank runs in a step, as exchanged
 
 
 def assign_requests(costs: Sequence[int], dp: int) -> list[list[int]]:
@@ -58,20 +52,10 @@ def request_cost(request: Request) -> int:
     return len(request.prompt_ids) + request.max_new_tokens
 
 
-@dataclass
-class StepPlan:
-    """What this rank runs in one step, as agreed with the other DP ranks."""
-
-    decode_bs: int  # rows the decode step runs (live rows, then sentinel rows); 0: no decode
-    allow_graph: bool  # a graph may replay (every DP rank decodes or idles at this size)
-    all_idle: bool  # no DP rank has work left: the generation loop ends
-    sizes: DPStepSizes | None = None  # every rank's target forward this step (None: none runs)
-
-
 class DPCoordinator:
-    """Agrees each step's batch size across DP ranks. At dp=1 it exchanges nothing and plans
-    exactly what one rank would run. It records the uniform sizes it ran (`uniform_sizes`) and
-    how many dummy batches this rank ran (`dummy_steps`), so tests can compare ranks."""
+    """Settles each step's plan across DP ranks (graph or eager, padded size, every rank's
+    forward). At dp=1 it exchanges nothing. It records the padded sizes this rank's decode steps
+    ran (`decode_sizes`) and how many dummy steps it ran (`dummy_steps`)."""
 
     def __init__(
         self,
@@ -83,115 +67,78 @@ class DPCoordinator:
         self.pctx, self.graphs, self.tokens_per_req = pctx, graphs, tokens_per_req
         # A MoE target's forward has collectives over all ranks: no rank may skip a step.
         self.collectives_across_dp = collectives_across_dp
-        self.uniform_sizes: list[int] = []
+        self.decode_sizes: list[int] = []
         self.dummy_steps = 0
         self.exchanges = 0
-        self.last = StepPlan(0, True, True)
+        self.last = StepPlan(all_idle=True)
 
-    def plan(
-        self, num_prefill: int, num_decode: int, has_work: bool, prefill_tokens: int = 0
-    ) -> StepPlan:
-        """num_prefill requests to prefill (`prefill_tokens` tokens in the one forward) or else
-        num_decode to decode, on this rank; the plan's sizes are handed to the graph runner."""
+    def agree(self, plan: StepPlan, has_work: bool) -> StepPlan:
+        """Complete this rank's scheduled `plan` (in place, and returned)."""
         T = self.tokens_per_req
+        mode = DECODE if plan.is_pure_decode else EXTEND if plan.requests else IDLE
+        rows = len(plan.decode) if mode == DECODE else len(plan.requests)
         if self.pctx.dp_size == 1:
-            bs = self.graphs.padded_bs(num_decode) if num_decode else 0
-            self.last = StepPlan(bs, True, not has_work)
-            if num_prefill or bs:
-                forward = (prefill_tokens, num_prefill) if num_prefill else (bs * T, bs)
-                self._announce(self.last, [forward])
-            return self.last
-        mode = PREFILL if num_prefill else DECODE if num_decode else IDLE
-        tokens = prefill_tokens if mode == PREFILL else num_decode * T
-        ranks = self.pctx.all_gather_dp([mode, tokens, num_prefill or num_decode, int(has_work)])
+            plan.all_idle = not has_work
+            if mode == DECODE:
+                self._pad_own(plan)
+            if mode != IDLE:
+                self._record(plan, [self._own_forward(plan, mode, plan.num_tokens, rows)])
+            self.last = plan
+            return plan
+        ranks = self.pctx.all_gather_dp([mode, plan.num_tokens, rows, int(has_work)])
         self.exchanges += 1
-        self.last = self._agree(mode, ranks)
-        return self.last
-
-    def _agree(self, mode: int, ranks: list[list[int]]) -> StepPlan:
-        """This rank's plan from every DP rank's (mode, tokens, requests, has_work)."""
+        self.last = plan
         if not any(work for *_, work in ranks):
-            return StepPlan(0, False, True)
-        T = self.tokens_per_req
+            plan.all_idle = True
+            return plan
+        if not self.collectives_across_dp:  # dense: each rank its own step (case 2)
+            if mode == DECODE:
+                self._pad_own(plan)
+                self.decode_sizes.append(plan.padded_bs)
+            return plan  # no forward needs the others' sizes
         decode_tokens = [tokens if m == DECODE else 0 for m, tokens, *_ in ranks]
         global_bs = dp_graph_batch_size(decode_tokens, T)
         uniform = dp_can_use_graph(
-            [m != PREFILL for m, *_ in ranks],
+            [m != EXTEND for m, *_ in ranks],
             global_bs,
             self.graphs.sizes,
             self.graphs.cfg.disable_padding,
         )
         if uniform:
             size = self.graphs.padded_bs(global_bs)
-            self.uniform_sizes.append(size)
-            self.dummy_steps += mode == IDLE
-            return self._announce(StepPlan(size, True, False), [(size * T, size)] * len(ranks))
-        # Another rank prefills, or the batch is above the captured sizes: every rank runs its
-        # own step eagerly (see the module docstring, case 3).
-        forwards = [self._own_forward(m, tokens, reqs) for m, tokens, reqs, _ in ranks]
-        bs = forwards[self.pctx.dp_rank][1]
-        self.dummy_steps += mode == IDLE and bs > 0
-        return self._announce(StepPlan(0 if mode == PREFILL else bs, False, False), forwards)
+            plan.padded_bs, plan.use_graph, plan.dummy = size, True, mode == IDLE
+            self.dummy_steps += plan.dummy
+            return self._record(plan, [(size * T, size)] * len(ranks))
+        # Another rank extends, or the batch is above the captured sizes: every rank runs its
+        # own step eagerly, an idle one a one-row dummy decode step (case 3).
+        forwards = [self._forward(m, tokens, r) for m, tokens, r, _ in ranks]
+        if mode == DECODE:
+            plan.padded_bs = len(plan.decode)
+        elif mode == IDLE:
+            plan.padded_bs, plan.dummy = 1, True
+            self.dummy_steps += 1
+        return self._record(plan, forwards)
 
-    def _own_forward(self, mode: int, tokens: int, num_requests: int) -> tuple[int, int]:
-        """(tokens, bs) of a DP rank's forward in a step of case 3: its prefill or decode batch;
-        idle, a one-row dummy decode step with a MoE target, else nothing."""
+    def _pad_own(self, plan: StepPlan) -> None:
+        plan.padded_bs = self.graphs.padded_bs(len(plan.decode))
+        plan.use_graph = True
+
+    def _own_forward(self, plan: StepPlan, mode: int, tokens: int, rows: int) -> tuple[int, int]:
+        if mode == DECODE:
+            return plan.padded_bs * self.tokens_per_req, plan.padded_bs
+        return tokens, rows
+
+    def _forward(self, mode: int, tokens: int, rows: int) -> tuple[int, int]:
+        """(tokens, rows) of a DP rank's eager forward in case 3."""
         if mode == IDLE:
-            return (self.tokens_per_req, 1) if self.collectives_across_dp else (0, 0)
-        return tokens, num_requests
+            return self.tokens_per_req, 1
+        return tokens, rows
 
-    def _announce(self, plan: StepPlan, forwards: list[tuple[int, int]]) -> StepPlan:
-        """Record every DP rank's (tokens, bs) by global rank (TP peers run the same) and hand
-        them to the graph runner, which passes the token counts to the model."""
+    def _record(self, plan: StepPlan, forwards: list[tuple[int, int]]) -> StepPlan:
+        """Every DP rank's (tokens, rows) by global rank (TP peers run the same), in the plan."""
         tp = self.pctx.tp_size
         per_rank = [forwards[rank // tp] for rank in range(self.pctx.world_size)]
         plan.sizes = DPStepSizes([t for t, _ in per_rank], [b for _, b in per_rank])
-        self.graphs.set_step_sizes(plan.sizes)
+        if plan.padded_bs and (plan.decode or plan.dummy):
+            self.decode_sizes.append(plan.padded_bs)
         return plan
-
-
-def generate_distributed(
-    engine: Engine,
-    prompts: Sequence[str | Sequence[int]] | None,
-    sampling_params,
-    *,
-    use_tqdm: bool = False,
-    on_output: Callable[[RequestOutput], None] | None = None,
-) -> list[RequestOutput]:
-    """`Engine.generate` over every rank of the job: rank 0's prompts and params count (the
-    others may pass None). Rank 0 returns every output in input order and passes each to
-    `on_output` in the step it finishes, on whichever DP rank (one small gather per step, only
-    when rank 0 has an `on_output`): nothing finished is lost to a later interrupt or rank
-    failure. Other ranks return their own DP rank's outputs."""
-    pctx = engine.pctx
-    prompts, sampling_params, stream = pctx.broadcast_object(
-        (prompts, sampling_params, on_output is not None)
-    )
-    requests = engine.make_requests(prompts, sampling_params)  # every rank checks every prompt
-    share = assign_requests([request_cost(r) for r in requests], pctx.dp_size)[pctx.dp_rank]
-    emitted: set[int] = set()
-
-    def stream_to_rank0(finished: list[RequestOutput]) -> None:
-        parts = pctx.gather_object(finished if pctx.tp_rank == 0 else None)
-        for out in (out for part in parts or [] if part for out in part):
-            if out.index not in emitted:
-                emitted.add(out.index)
-                on_output(out)
-
-    local = engine.run(
-        [requests[i] for i in share],
-        use_tqdm=use_tqdm and pctx.rank == 0,
-        on_step=stream_to_rank0 if stream else None,
-    )
-    gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
-    if gathered is None:
-        return local
-    outputs = sorted((out for part in gathered if part for out in part), key=lambda o: o.index)
-    indices = [out.index for out in outputs]
-    if indices != list(range(len(requests))):
-        raise RuntimeError(f"DP ranks returned outputs {indices} for {len(requests)} requests")
-    if on_output is not None:  # streamed already; this catches nothing unless a step was missed
-        for out in outputs:
-            if out.index not in emitted:
-                on_output(out)
-    return outputs

@@ -29,16 +29,20 @@ from speculant.executor.build import (
     resolve_device,
 )
 from speculant.executor.cuda_graph import GraphRunner
-from speculant.executor.dp import DPCoordinator, generate_distributed
+from speculant.executor.dp import DPCoordinator, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
-from speculant.executor.model_runner import ModelRunner, StepOutput
+from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
+from speculant.executor.step_plan import DPStepSizes, StepPlan
 from speculant.models.loader import resolve_dtype
 
 log = logging.getLogger("speculant")
+
+DEFAULT_MAX_NUM_SEQS = {False: 64, True: 256}  # by on_gpu
+DEFAULT_BATCHED_TOKENS = {False: 2048, True: 8192}  # by on_gpu
 
 
 @dataclass
@@ -49,6 +53,15 @@ class LaunchedStep:
     padded_bs: int
     results: PendingResults | ReadResults
     start: float  # perf_counter at launch
+    sizes: DPStepSizes | None = None
+
+
+@dataclass
+class ScratchRequest:
+    """Sampling values for the engine's own scratch forwards (warm-up, memory profile)."""
+
+    params: SamplingParams
+    seed: int = 0
 
 
 class Engine:
@@ -79,6 +92,9 @@ class Engine:
                 f"max_position_embeddings={mc.max_position_embeddings}; lower "
                 "--max-model-len"
             )
+        on_gpu = self.device.startswith("cuda")
+        if cache.max_num_seqs is None:
+            cache.max_num_seqs = max(DEFAULT_MAX_NUM_SEQS[on_gpu], cfg.parallel.dp)
         if cache.page_size < 1 or cache.max_num_seqs < 1:
             raise SpeculantError(
                 f"page_size={cache.page_size} and max_num_seqs="
@@ -92,6 +108,9 @@ class Engine:
             )
         check_capture_sizes(cfg)
         self.tokens_per_req = cfg.spec.num_draft_tokens + 1
+        self.max_num_batched_tokens = cache.max_num_batched_tokens or max(
+            DEFAULT_BATCHED_TOKENS[on_gpu], self.max_num_seqs * self.tokens_per_req
+        )
         self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device)
         setup = RankSetup(
             cfg, mc, self.pctx, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
@@ -100,8 +119,15 @@ class Engine:
         self.model = build_model(setup)
         self.pctx.one_shot = build_one_shot(self.pctx, self.dtype, self.device)
         self.tokenizer = load_tokenizer(cfg.target)
-        self.kv = build_kv_cache(setup, self.model)
-        self.drafter = build_drafter(setup, self.model, self.kv)
+        # the peak memory of a step at the token budget, profiled on a two-page cache, is kept
+        # out of the KV pool: no budget or batch can then run out of memory mid-job
+        scratch = build_kv_cache(setup, self.model, num_pages=2)
+        self.drafter = build_drafter(setup, self.model, scratch)
+        self.activation_bytes = self._profile_step_memory(scratch)
+        self.kv = build_kv_cache(setup, self.model, reserved_bytes=self.activation_bytes)
+        if self.drafter is not None:
+            self.drafter.bind_kv(self.kv)
+        del scratch
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -114,12 +140,15 @@ class Engine:
         self.overlap = cfg.overlap and self.pctx.world_size == 1
         self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
         self.graphs = GraphRunner(
-            self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx
+            self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe
         )
         self.graphs.hooks.extend(self.model.replay_hooks())  # DeepEP's mode reset
         self.graphs.capture()
         self.dp = DPCoordinator(self.pctx, self.graphs, self.tokens_per_req, mc.is_moe)
-        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.tokens_per_req)
+        self.scheduler = Scheduler(
+            self.kv, self.max_num_seqs, self.tokens_per_req, self.max_num_batched_tokens
+        )
+        self.num_steps = self.decode_rows = 0  # steps run, and the decode rows summed over them
         self.readback = Readback(self.max_num_seqs, self.device)
         self._launched: LaunchedStep | None = None
         self.steps_ahead = 0  # decode steps launched before the previous one was read back
@@ -136,17 +165,53 @@ class Engine:
         kernel variants prompts select (query tiles of 16 / 32 / 64 rows, split or not) are
         compiled before the first request is timed; the row is freed, nothing else changes.
         Every rank runs the same prefills (engines are built in lockstep), so a MoE target's
-        dispatches under expert parallelism line up: with no planned step sizes (after capture)
-        each asks the other ranks for their token counts."""
-        request = type("WarmUp", (), {"params": SamplingParams(), "seed": 0})()
-        info = self._sampling_info([request])
+        dispatches under expert parallelism line up (with no planned sizes each forward asks
+        the other ranks for their token counts)."""
+        info = self._sampling_info([ScratchRequest(SamplingParams())])
         for length in lengths:
             n = max(1, min(length, self.max_model_len - 2 * self.tokens_per_req))
             row = self.kv.allocate(n + self.tokens_per_req)
             try:
-                self.runner.prefill([row], [[0] * n], [0], info, GREEDY)
+                self.runner.extend([SeqInput(row, 0, [0] * n, samples=True)], info, GREEDY)
             finally:
                 self.kv.free(row)
+
+    def _profile_step_memory(self, scratch) -> int:
+        """Peak memory (bytes) of the largest eager steps on a two-page scratch cache: one
+        prefill chunk of the whole token budget, and a mixed step of every row verifying; 0
+        on the CPU. Every rank runs the same forwards (MoE dispatches line up)."""
+        if not self.device.startswith("cuda"):
+            return 0
+        T, budget = self.tokens_per_req, self.max_num_batched_tokens
+        runner = ModelRunner(
+            self.model, scratch, 1, self.config.spec.num_draft_tokens, self.drafter,
+            self.attention_backend,
+        )  # fmt: skip
+        rows = min(self.max_num_seqs, budget // T)
+        span = max(1, min(budget, self.max_model_len - 2 * T))
+        steps = [
+            [SeqInput(0, 0, [0] * span, samples=True)],
+            [SeqInput(0, 0, [0] * T, verify=True) for _ in range(rows)],
+        ]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch.allocate_row()
+        for seqs in steps:
+            sampled = [ScratchRequest(SamplingParams(temperature=1.0))] * len(seqs)  # the larger
+            runner.extend(seqs, self._sampling_info(sampled), FULL)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del runner
+        torch.cuda.empty_cache()
+        if self.pctx.rank == 0:
+            log.info(
+                "profiled step activations at %d tokens: %.2f GiB (kept out of the KV cache)",
+                budget,
+                peak / 2**30,
+            )
+        return int(peak * 1.1)  # a margin for allocator fragmentation
 
     # ------------------------------------------------------------------ requests
 
@@ -201,8 +266,8 @@ class Engine:
         any generation starts. With several ranks, every rank calls this; rank 0's prompts are
         spread over the DP ranks and rank 0 returns all outputs (see executor/dp.py)."""
         if self.pctx.world_size > 1:
-            return generate_distributed(
-                self, prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output
+            return self._generate_distributed(
+                prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output
             )
         requests = self.make_requests(prompts, sampling_params)
         return self.run(requests, use_tqdm=use_tqdm, on_output=on_output)
@@ -218,10 +283,16 @@ class Engine:
                 f"{len(sampling_params)} sampling params for {len(prompts)} "
                 "prompts; give one, or one per prompt"
             )
-        return [
+        requests = [
             self._make_request(i, p, sp)
             for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
         ]
+        for request in requests:  # before any generation: never after earlier requests ran
+            try:
+                self.scheduler.check_fits(request)
+            except SpeculantError as exc:
+                raise SpeculantError(f"prompt {request.index}: {exc}") from None
+        return requests
 
     def run(
         self,
@@ -274,13 +345,61 @@ class Engine:
             stats,
         )
 
+    def _generate_distributed(
+        self,
+        prompts: Sequence[str | Sequence[int]] | None,
+        sampling_params,
+        *,
+        use_tqdm: bool = False,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """`Engine.generate` over every rank of the job: rank 0's prompts and params count (the
+        others may pass None). Rank 0 returns every output in input order and passes each to
+        `on_output` in the step it finishes, on whichever DP rank (one small gather per step, only
+        when rank 0 has an `on_output`): nothing finished is lost to a later interrupt or rank
+        failure. Other ranks return their own DP rank's outputs."""
+        pctx = self.pctx
+        prompts, sampling_params, stream = pctx.broadcast_object(
+            (prompts, sampling_params, on_output is not None)
+        )
+        requests = self.make_requests(prompts, sampling_params)  # every rank checks every prompt
+        share = assign_requests([request_cost(r) for r in requests], pctx.dp_size)[pctx.dp_rank]
+        emitted: set[int] = set()
+
+        def stream_to_rank0(finished: list[RequestOutput]) -> None:
+            parts = pctx.gather_object(finished if pctx.tp_rank == 0 else None)
+            for out in (out for part in parts or [] if part for out in part):
+                if out.index not in emitted:
+                    emitted.add(out.index)
+                    on_output(out)
+
+        local = self.run(
+            [requests[i] for i in share],
+            use_tqdm=use_tqdm and pctx.rank == 0,
+            on_step=stream_to_rank0 if stream else None,
+        )
+        gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
+        if gathered is None:
+            return local
+        outputs = sorted((out for part in gathered if part for out in part), key=lambda o: o.index)
+        indices = [out.index for out in outputs]
+        if indices != list(range(len(requests))):
+            raise RuntimeError(f"DP ranks returned outputs {indices} for {len(requests)} requests")
+        if on_output is not None:  # streamed already; this catches nothing unless a step was missed
+            for out in outputs:
+                if out.index not in emitted:
+                    on_output(out)
+        return outputs
+
     # ------------------------------------------------------------------ the step loop
 
     def step(self) -> list[Request]:
-        """Prefill newly admitted requests, or else decode every running one; returns the
-        requests that finished in this step (with overlap, those whose end this step read).
-        With overlap (one rank), the decode step in flight is first either run ahead of (the
-        next one is launched before it is read back, see `_can_run_ahead`) or read back."""
+        """Run one planned step: the scheduler's plan (decode rows, prefill chunks, under the
+        token budget), settled with the other DP ranks, then either a decode step (a graph
+        replay when one was captured for its padded size) or one eager forward over the packed
+        chunks and verify rows. Returns the requests that finished in this step (with overlap,
+        those whose end this step read). With overlap (one rank), the decode step in flight is
+        first either run ahead of (see `_can_run_ahead`) or read back."""
         finished = []
         if self.overlap:
             launched, self._launched = self._launched, None
@@ -289,21 +408,17 @@ class Engine:
             if launched is not None:
                 self._read(launched)
             finished = self._finish_done()
-        admitted, running = self.scheduler.admit(), self.scheduler.running
-        has_work = self.scheduler.has_unfinished()
-        # forward_prefill pads every prompt to the longest: the tokens of the one prefill forward
-        prefill_tokens = len(admitted) * max((len(r.prompt_ids) for r in admitted), default=0)
-        plan = self.dp.plan(
-            len(admitted), 0 if admitted else len(running), has_work, prefill_tokens
-        )
-        if admitted:
-            self._prefill(admitted)
-        elif running:
-            self._decode(running, plan.decode_bs, plan.allow_graph)
-        elif plan.decode_bs:  # idle under DP: a dummy batch keeps the ranks' steps aligned
-            self.runner.buffers.fill([], [], [], [], [], [], plan.decode_bs, self.kv.sentinel_row)
-            self.graphs.run(0, plan.decode_bs, GREEDY, plan.allow_graph)
-        self.graphs.set_step_sizes(None)  # the agreed sizes hold for this step only
+        plan = self.scheduler.schedule()
+        plan = self.dp.agree(plan, self.scheduler.has_unfinished())
+        self.num_steps += 1
+        self.decode_rows += len(plan.decode)
+        if plan.is_pure_decode:
+            self._decode(plan)
+        elif plan.requests:
+            self._extend(plan)
+        elif plan.dummy:  # idle under DP with a MoE target: a dummy batch keeps ranks aligned
+            self.runner.buffers.fill([], [], [], [], [], [], plan.padded_bs, self.kv.sentinel_row)
+            self.graphs.run(0, plan.padded_bs, GREEDY, plan.use_graph, plan.sizes)
         return finished + self._finish_done()
 
     def _finish_done(self) -> list[Request]:
@@ -316,10 +431,14 @@ class Engine:
         """Launch the next decode step of the same batch from the input ids the step in flight
         writes on the device, then read that one back; a request that ended in it is dropped
         from the step ahead (its wasted rows stay within its KV pages)."""
-        self.dp.plan(0, len(launched.requests), True)  # one rank: announces the step's sizes
-        ahead = self._launch(launched.requests, launched.padded_bs, fill=False)
-        self.graphs.set_step_sizes(None)
+        plan = StepPlan(
+            decode=launched.requests, tokens_per_req=self.tokens_per_req,
+            padded_bs=launched.padded_bs, use_graph=True, sizes=launched.sizes,
+        )  # fmt: skip
+        ahead = self._launch(plan, fill=False)
         self.steps_ahead += 1
+        self.num_steps += 1
+        self.decode_rows += len(plan.decode)
         self._read(launched)
         if all(r.finish_reason is not None for r in ahead.requests):
             ahead.results.wait()  # every request ended meanwhile: nothing to apply
@@ -328,18 +447,25 @@ class Engine:
         return self._finish_done()
 
     def _can_run_ahead(self, launched: LaunchedStep) -> bool:
-        """Nothing waits for admission, and no request can reach its length limit in the step
-        in flight nor in the one launched ahead (2 x T tokens): the step ahead stays within
-        every request's reserved KV pages, and only a stop token can end one early."""
+        """Nothing waits for admission or prefill, no request can reach its length limit in the
+        step in flight nor in the one launched ahead (2 x T tokens), and the pool gives every
+        request the pages of both steps: only a stop token can then end one early."""
         reach = 2 * self.tokens_per_req
-        return not self.scheduler.waiting and all(
-            r.finish_reason is None and r.max_new_tokens - len(r.output_ids) > reach
-            for r in launched.requests
+        return (
+            not self.scheduler.waiting
+            and len(self.scheduler.running) == len(launched.requests)
+            and all(
+                r.finish_reason is None and r.max_new_tokens - len(r.output_ids) > reach
+                for r in launched.requests
+            )
+            and self.scheduler.reserve_ahead(launched.requests, steps=2)
         )
 
-    def _sampling_info(self, requests: list[Request]) -> SamplingInfo:
+    def _sampling_info(self, requests) -> SamplingInfo:
+        """Per-row sampling tensors of `requests` (anything with `params` and `seed`)."""
+
         def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            return torch.tensor(values, dtype=dtype).to(self.device)
 
         return SamplingInfo(
             col([r.params.temperature for r in requests], torch.float32),
@@ -348,34 +474,51 @@ class Engine:
             col([r.seed for r in requests], torch.int64),
         )
 
-    def _prefill(self, requests: list[Request]) -> None:
+    def _extend(self, plan: StepPlan) -> None:
+        """One eager forward over the plan's verify rows and prefill chunks, then each request's
+        tokens, drafts and progress applied."""
+        seqs = [
+            SeqInput(r.row, r.num_tokens - 1, r.next_input, verify=True) for r in plan.decode
+        ] + [
+            SeqInput(
+                c.request.row, c.start, c.tokens, successor=c.successor,
+                samples=c.last and c.successor is None,
+            )  # fmt: skip
+            for c in plan.chunks
+        ]
+        requests = plan.requests
         variant = batch_variant([r.params.temperature for r in requests])
-        tokens, drafts = self.runner.prefill(
-            [r.row for r in requests],
-            [r.prompt_ids for r in requests],
-            [0] * len(requests),
-            self._sampling_info(requests),
-            variant,
-        )
-        host = torch.cat([tokens[:, None], drafts], dim=1).tolist()  # one sync
-        for request, row in zip(requests, host, strict=True):
-            request.append(row[:1])
-            request.next_input = row
-            request.accepted_per_position = [0] * (len(row) - 1)
+        info = self._sampling_info(requests)
+        start = time.perf_counter()
+        tokens = None if plan.sizes is None else plan.sizes.tokens_per_rank
+        host = self.runner.extend(seqs, info, variant, tokens).to_host()  # one sync
+        seconds = time.perf_counter() - start
+        T = self.tokens_per_req
+        for request, row in zip(plan.decode, host, strict=False):
+            self._apply_verify(request, row, seconds)
+        for chunk, row in zip(plan.chunks, host[len(plan.decode) :], strict=True):
+            request = chunk.request
+            request.num_computed = chunk.start + len(chunk.tokens)
+            if not chunk.last:
+                continue
+            if chunk.successor is None:  # a new request's first token
+                request.append(row[:1])
+                if not request.accepted_per_position:
+                    request.accepted_per_position = [0] * (T - 1)
+            newest = request.output_ids[-1]
+            request.next_input = [newest] + row[T:-1]
 
-    def _decode(self, requests: list[Request], padded_bs: int, allow_graph: bool = True) -> None:
-        launched = self._launch(requests, padded_bs, allow_graph)
+    def _decode(self, plan: StepPlan) -> None:
+        launched = self._launch(plan)
         if self.overlap:
             self._launched = launched  # read back in the next step, after or without running ahead
         else:
             self._read(launched)
 
-    def _launch(
-        self, requests: list[Request], padded_bs: int, allow_graph: bool = True, fill: bool = True
-    ) -> LaunchedStep:
-        """Run the decode step for `requests` (inputs from the host when `fill`, else those the
+    def _launch(self, plan: StepPlan, fill: bool = True) -> LaunchedStep:
+        """Run the decode step of `plan` (inputs from the host when `fill`, else those the
         previous step left on the device) and start copying its results to the host."""
-        bs = len(requests)
+        requests, padded_bs = plan.decode, plan.padded_bs
         if fill:
             self.runner.buffers.fill(
                 [r.row for r in requests],
@@ -389,22 +532,34 @@ class Engine:
             )
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
-        out = self.graphs.run(bs, padded_bs, variant, allow_graph)
+        out = self.graphs.run(len(requests), padded_bs, variant, plan.use_graph, plan.sizes)
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         # synchronous steps read back at once; overlapped ones start a copy and read it later
         results = self.readback.start(packed) if self.overlap else ReadResults(packed.tolist())
-        return LaunchedStep(list(requests), padded_bs, results, start)
+        return LaunchedStep(list(requests), padded_bs, results, start, plan.sizes)
 
     def _read(self, launched: LaunchedStep) -> None:
         """Wait for a launched step's results and apply them to its requests (those that ended
         in an earlier step, when it ran ahead, are skipped)."""
         host = launched.results.wait()
-        T, seconds = self.tokens_per_req, time.perf_counter() - launched.start
+        seconds = time.perf_counter() - launched.start
         for request, row in zip(launched.requests, host, strict=True):
-            if request.finish_reason is not None:
-                continue
-            request.decode_seconds += seconds
-            emitted = row[: row[-1]]
-            request.record_verify(len(emitted))
-            request.append(emitted)
-            request.next_input = [emitted[-1]] + row[T:-1]
+            if request.finish_reason is None:
+                self._apply_verify(request, row, seconds)
+
+    def _apply_verify(self, request: Request, row: list[int], seconds: float) -> None:
+        """One verify row's result (tokens T, drafts k, accept_len) applied to its request."""
+        request.decode_seconds += seconds
+        emitted = row[: row[-1]]
+        request.record_verify(len(emitted))
+        request.append(emitted)
+        request.next_input = [emitted[-1]] + row[self.tokens_per_req : -1]
+
+    def stats(self) -> dict:
+        """Scheduler figures of the run so far (steps, preemptions, mean decode batch)."""
+        return {
+            "steps": self.num_steps,
+            "preemptions": self.scheduler.num_preemptions,
+            "mean_decode_batch": round(self.decode_rows / max(self.num_steps, 1), 2),
+            "steps_ahead": self.steps_ahead,
+        }

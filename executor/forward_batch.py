@@ -9,7 +9,7 @@ import torch
 
 
 class ForwardMode(enum.Enum):
-    PREFILL = "prefill"  # eager, ragged prompts padded to the longest new-token count
+    EXTEND = "extend"  # packed sequences of their own lengths (prefill chunks, verify rows); eager
     DECODE = "decode"  # tokens_per_req tokens per request (1 plain, k+1 verify); graph-capturable
 
 
@@ -26,10 +26,18 @@ class SamplingInfo:
     def is_greedy(self) -> torch.Tensor:
         return self.temperature <= 0
 
+    def take(self, index) -> SamplingInfo:
+        """The rows `index` (a slice or an index tensor) of every field."""
+        return SamplingInfo(
+            self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index]
+        )
+
 
 @dataclass
 class ForwardBatch:
-    """bs requests with tokens_per_req query tokens each, laid out row-major ([bs * T])."""
+    """bs sequences of query tokens, packed back to back: DECODE has tokens_per_req tokens per
+    sequence (row-major [bs * T]); EXTEND has `seq_lens[i]` tokens for sequence i (tokens_per_req
+    is 0). Each sequence is one request row attending to its cached prefix and itself."""
 
     mode: ForwardMode
     bs: int
@@ -40,4 +48,9 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [bs * T] int64 flat KV slots the new tokens write
     kv_len: int  # key positions each row attends over (a multiple of the page size)
     sampling: SamplingInfo | None = None
-    num_new_tokens: torch.Tensor | None = None  # [bs] valid query tokens per row (prefill)
+    seq_lens: tuple[int, ...] | None = None  # EXTEND: query tokens of each sequence (host)
+    tokens_per_rank: list[int] | None = None  # every rank's tokens this forward (MoE dispatch plan)
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.seq_lens is not None

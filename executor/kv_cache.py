@@ -49,6 +49,7 @@ class PagedKVCache:
         self.free_pages = list(range(num_pages - 1, 0, -1))
         self.free_rows = list(range(max_requests - 1, -1, -1))
         self.pages_of_row: dict[int, list[int]] = {}
+        self.pending: list[tuple[int, int, int]] = []  # (row, column, page) not yet on the device
 
     @property
     def max_tokens_per_req(self) -> int:
@@ -57,37 +58,83 @@ class PagedKVCache:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def usable_pages(self) -> int:
+        """Pages requests can hold (page 0 is the dummy page)."""
+        return self.num_pages - 1
+
     def can_allocate(self, num_tokens: int) -> bool:
         return bool(self.free_rows) and self.pages_for(num_tokens) <= len(self.free_pages)
 
-    def allocate(self, num_tokens: int) -> int:
-        """Take a request row and enough pages for `num_tokens` positions; returns the row."""
+    def check_fits(self, num_tokens: int) -> None:
+        """Refuse a request that could never run: `num_tokens` positions above what a row holds
+        or what the whole pool holds."""
         num = self.pages_for(num_tokens)
         if num > self.max_pages_per_req:
             raise SpeculantError(
                 f"{num_tokens} tokens exceed the {self.max_tokens_per_req} "
                 "positions a request can hold; raise --max-model-len"
             )
-        if num > self.num_pages - 1:
+        if num > self.usable_pages:
             raise SpeculantError(
-                f"a request needs {num} KV pages but the pool has "
-                f"{self.num_pages - 1}; raise --num-pages or "
-                "--kv-cache-memory-fraction, or lower --max-new-tokens"
+                f"a request needs {num} KV pages of {self.page_size} tokens ({num_tokens} "
+                f"positions) but the pool holds {self.usable_pages} usable page(s) (page 0 is "
+                f"reserved); use --num-pages {num + 1} or more (or raise "
+                "--kv-cache-memory-fraction), or lower --max-new-tokens"
             )
+
+    def allocate_row(self) -> int:
+        """Take a request row with no pages yet (it grows with `grow`)."""
         row = self.free_rows.pop()
-        pages = [self.free_pages.pop() for _ in range(num)]
-        self.pages_of_row[row] = pages
-        table = torch.zeros(self.max_pages_per_req, dtype=torch.int32)
-        table[:num] = torch.tensor(pages, dtype=torch.int32)
-        self.req_to_page[row].copy_(table)
+        self.pages_of_row[row] = []
         self.cache_lens[row] = 0
         return row
 
+    def allocate(self, num_tokens: int) -> int:
+        """Take a request row and enough pages for `num_tokens` positions; returns the row."""
+        self.check_fits(num_tokens)
+        row = self.allocate_row()
+        self.grow(row, num_tokens)
+        self.commit()
+        return row
+
+    def pages_needed(self, row: int, num_tokens: int) -> int:
+        """Pages `row` still lacks to hold `num_tokens` positions."""
+        want = min(self.pages_for(num_tokens), self.max_pages_per_req)
+        return max(0, want - len(self.pages_of_row[row]))
+
+    def grow(self, row: int, num_tokens: int) -> bool:
+        """Give `row` pages until it holds `num_tokens` positions (capped at a row's table);
+        False, with nothing taken, when the pool has too few free pages."""
+        extra = self.pages_needed(row, num_tokens)
+        if extra == 0:
+            return True
+        if extra > len(self.free_pages):
+            return False
+        held = self.pages_of_row[row]
+        for _ in range(extra):
+            self.pending.append((row, len(held), self.free_pages[-1]))
+            held.append(self.free_pages.pop())
+        return True
+
+    def commit(self) -> None:
+        """Write the block-table entries `grow` added since the last commit (one copy)."""
+        if not self.pending:
+            return
+        rows, cols, pages = torch.tensor(self.pending, dtype=torch.int64).T
+        self.pending.clear()
+        device = self.req_to_page.device
+        self.req_to_page.index_put_(
+            (rows.to(device), cols.to(device)), pages.to(device, torch.int32)
+        )
+
     def free(self, row: int) -> None:
         """Return a request's pages and row; the row is zeroed like the sentinel."""
-        self.free_pages.extend(self.pages_of_row.pop(row))
+        pages = self.pages_of_row.pop(row)
+        self.pending = [entry for entry in self.pending if entry[0] != row]
+        self.free_pages.extend(pages)
         self.free_rows.append(row)
-        self.req_to_page[row].zero_()
+        self.req_to_page[row, : len(pages)] = 0
         self.cache_lens[row] = 0
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -110,17 +157,23 @@ def choose_num_pages(
     device: str,
     memory_fraction: float,
     requested: int | None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pages for the pool: as requested, else enough for max_num_seqs full-length requests on the
-    CPU, else a fraction of free GPU memory (capped at what max_num_seqs can use)."""
+    CPU, else a fraction of free GPU memory less `reserved_bytes` (the profiled peak activations
+    of a step; capped at what max_num_seqs can use)."""
     full = max_num_seqs * -(-max_model_len // page_size) + 1
     if requested is not None:
         num = requested
         how = "--num-pages"
     elif str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
+        free = max(0, free - reserved_bytes)
         num = min(full, int(free * memory_fraction) // (bytes_per_token * page_size))
-        how = f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB free"
+        how = (
+            f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB free after "
+            f"{reserved_bytes / 2**30:.2f} GiB of profiled step activations"
+        )
     else:
         num = full
         how = f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"

@@ -1,14 +1,15 @@
 """The model runner: one rank's target (and later drafter), KV cache and the two step functions.
 `decode_step` reads only static buffers and device state, so the graph wrapper can capture it;
-`prefill` runs eagerly on ragged prompts."""
+`extend` runs eagerly on packed sequences (prefill chunks, and verify rows of a mixed step)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from speculant.drafter.base import Drafter, DraftInputs, gather_rows
+from speculant.drafter.base import Drafter, DraftInputs, flat_index
 from speculant.executor.attention import paged_attention_backend
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.input_buffers import InputBuffers
@@ -71,10 +72,13 @@ class ModelRunner:
         self.offsets = torch.arange(self.tokens_per_req, device=self.device)
 
     @torch.inference_mode()
-    def decode_step(self, bs: int, variant: str) -> StepOutput:
+    def decode_step(
+        self, bs: int, variant: str, tokens_per_rank: list[int] | None = None
+    ) -> StepOutput:
         """Verify (or plainly decode) the bs rows of the input buffers, then draft the next k
-        tokens; reads only static buffers and device state, so it is graph-capturable."""
-        inputs, accept_len = self.verify_step(bs, variant)
+        tokens; reads only static buffers and device state, so it is graph-capturable.
+        `tokens_per_rank`: every rank's target tokens this step (a MoE target's dispatch plan)."""
+        inputs, accept_len = self.verify_step(bs, variant, tokens_per_rank)
         drafts = self._propose(inputs, variant)
         if self.writes_next_inputs:
             # the next step's input ids (last emitted token, then the drafts), for a step
@@ -83,7 +87,9 @@ class ModelRunner:
             self.buffers.input_ids[:bs].copy_(torch.cat([last, drafts.to(last.dtype)], dim=1))
         return StepOutput.of(inputs.next_tokens, accept_len, drafts)
 
-    def verify_step(self, bs: int, variant: str) -> tuple[DraftInputs, torch.Tensor]:
+    def verify_step(
+        self, bs: int, variant: str, tokens_per_rank: list[int] | None = None
+    ) -> tuple[DraftInputs, torch.Tensor]:
         """The target half of the step: forward over T tokens per row, verify, grow the valid
         cache lengths. Returns what the drafter needs and accept_len [bs]."""
         buf, kv, T = self.buffers, self.kv, self.tokens_per_req
@@ -99,9 +105,10 @@ class ModelRunner:
             out_cache_loc=kv.slots(rows, positions).reshape(-1),
             kv_len=kv.max_tokens_per_req,
             sampling=buf.sampling(bs),
+            tokens_per_rank=tokens_per_rank,
         )
         self.attn.prepare(batch)
-        hidden, aux = self.model(batch.input_ids, batch.positions, self.attn)
+        hidden, aux = self.model(batch.input_ids, batch.positions, self.attn, tokens_per_rank)
         logits = self.model.compute_logits(hidden).view(bs, T, -1)
         sampled_drafts = self.drafter is not None and variant != GREEDY
         q = self.draft_probs[rows] if sampled_drafts else None
@@ -110,52 +117,126 @@ class ModelRunner:
         )
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
-        inputs = DraftInputs(batch, hidden, aux, tokens, accept_len - 1, self.attn.kv_slots)
+        last_flat = flat_index(bs, T, accept_len - 1)
+        inputs = DraftInputs(batch, hidden, aux, tokens, last_flat, self.attn.kv_slots)
         return inputs, accept_len
 
     def _propose(self, inputs: DraftInputs, variant: str) -> torch.Tensor:
         """The drafter's next k tokens per row ([bs, 0] without a drafter); records q."""
         if self.drafter is None:
-            return inputs.next_tokens[:, :0]
+            return inputs.next_tokens.new_empty((inputs.batch.bs, 0))
         proposal = self.drafter.propose(inputs, inputs.batch.sampling, variant)
         if proposal.probs is not None:
             self.draft_probs.index_copy_(0, inputs.batch.req_pool_indices, proposal.probs)
         return proposal.tokens
 
     @torch.inference_mode()
+    def forward_packed(
+        self,
+        seqs: list[SeqInput],
+        sampling: SamplingInfo | None = None,
+        tokens_per_rank: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list, ForwardBatch]:
+        """The target forward over packed sequences, writing their KV: the hidden states [N, H]
+        (N = all their tokens, back to back), the auxiliary states and the batch."""
+        kv, device, T = self.kv, self.device, self.tokens_per_req
+        lens = [len(s.tokens) for s in seqs]
+        ids, positions = [], []
+        for seq in seqs:
+            ids += seq.tokens
+            positions += range(seq.start, seq.start + len(seq.tokens))
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.int64, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(device)
+        token_rows = torch.repeat_interleave(rows, torch.tensor(lens, device=device))
+        reach = max(s.start + len(s.tokens) for s in seqs) + T  # drafts past the newest token
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            bs=len(seqs),
+            tokens_per_req=0,
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
+            positions=pos_t,
+            req_pool_indices=rows,
+            out_cache_loc=kv.slots(token_rows, pos_t[:, None]).reshape(-1),
+            kv_len=min(kv.pages_for(reach), kv.max_pages_per_req) * kv.page_size,
+            sampling=sampling,
+            seq_lens=tuple(lens),
+            tokens_per_rank=tokens_per_rank,
+        )
+        self.attn.prepare(batch)
+        hidden, aux = self.model(batch.input_ids, batch.positions, self.attn, tokens_per_rank)
+        return hidden, aux, batch
+
     def forward_prefill(
         self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int]
     ) -> tuple[torch.Tensor, list, ForwardBatch]:
-        """Write the KV of each row's new tokens after its cached prefix. Returns the hidden
-        states [bs * T, H] (rows padded to the longest), the auxiliary states and the batch."""
-        bs, T = len(rows), max(len(t) for t in new_tokens)
-        lengths = torch.tensor([len(t) for t in new_tokens])
-        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], dtype=torch.int64)
-        starts = torch.tensor(prefix_lens)
-        # room for the drafter's chain steps past the prompt, which share these key slots
-        end = int((starts + lengths).max()) + self.tokens_per_req
-        kv_len = min(self.kv.pages_for(end), self.kv.max_pages_per_req) * self.kv.page_size
-        rows_t = torch.tensor(rows, device=self.device)
-        positions = (starts[:, None] + torch.arange(T)).to(self.device)
-        valid = (torch.arange(T) < lengths[:, None]).to(self.device)
-        slots = torch.where(valid, self.kv.slots(rows_t, positions), 0)  # padding -> dummy page
-        batch = ForwardBatch(
-            mode=ForwardMode.PREFILL,
-            bs=bs,
-            tokens_per_req=T,
-            input_ids=ids.to(self.device).reshape(-1),
-            positions=positions.reshape(-1),
-            req_pool_indices=rows_t,
-            out_cache_loc=slots.reshape(-1),
-            kv_len=kv_len,
-            num_new_tokens=lengths.to(self.device),
-        )
-        self.attn.prepare(batch)
-        hidden, aux = self.model(batch.input_ids, batch.positions, self.attn)
-        self.kv.cache_lens[rows_t] = positions[:, 0] + batch.num_new_tokens
-        return hidden, aux, batch
+        """`forward_packed` of prompts (new tokens after cached prefixes), for tests and
+        benchmarks; the cache lengths are not touched."""
+        seqs = [SeqInput(r, p, t) for r, t, p in zip(rows, new_tokens, prefix_lens, strict=True)]
+        return self.forward_packed(seqs)
 
     @torch.inference_mode()
+    def extend(
+        self,
+        seqs: list[SeqInput],
+        sampling: SamplingInfo,
+        variant: str,
+        tokens_per_rank: list[int] | None = None,
+    ) -> ExtendOutput:
+        """One eager target forward over packed sequences (see `SeqInput`: verify rows of k + 1
+        tokens first, then prefill chunks), each attending to its cached prefix and itself;
+        verify rows are verified, chunks that end a context sample (or take) their next token,
+        the cache lengths grow, and the drafter catches up on every position and drafts after
+        every sequence. `sampling` has one row per sequence."""
+        kv, device, T = self.kv, self.device, self.tokens_per_req
+        num_verify = sum(s.verify for s in seqs)
+        hidden, aux, batch = self.forward_packed(seqs, sampling, tokens_per_rank)
+        pos_t, ids_t, rows = batch.positions, batch.input_ids, batch.req_pool_indices
+        lens = list(batch.seq_lens)
+        starts = list(itertools.accumulate([0, *lens[:-1]]))
+        last_flat = [a + n - 1 for a, n in zip(starts, lens, strict=True)]
+        following = []
+        for seq in seqs:  # the token after each input position (-1 where the step decides it)
+            after = seq.successor if seq.successor is not None else -1
+            following += [-1] * len(seq.tokens) if seq.verify else [*seq.tokens[1:], after]
+        # logits of every verify position, then of every chunk that samples its successor
+        sampled = [i for i in range(num_verify, len(seqs)) if seqs[i].samples]
+        verify_index = [a + t for a in starts[:num_verify] for t in range(T)]
+        wanted = torch.tensor(
+            verify_index + [last_flat[i] for i in sampled], dtype=torch.int64, device=device
+        )
+        logits = self.model.compute_logits(hidden[wanted]) if len(wanted) else None
+        next_tokens = torch.tensor(following, dtype=torch.int64).to(device)
+        last = torch.tensor(last_flat, dtype=torch.int64, device=device)
+        accept_len = torch.zeros(len(seqs), dtype=torch.int64, device=device)
+        emitted = torch.full((len(seqs), T), -1, dtype=torch.int64, device=device)
+        if num_verify:
+            v_rows, v_info = rows[:num_verify], sampling.take(slice(0, num_verify))
+            v_pos = pos_t[: num_verify * T].view(num_verify, T)
+            drafts = ids_t[: num_verify * T].view(num_verify, T)[:, 1:]
+            q = self.draft_probs[v_rows] if self.drafter is not None and variant != GREEDY else None
+            tokens, v_accept = verify(
+                logits[: num_verify * T].view(num_verify, T, -1), drafts, q, v_info, v_pos, variant
+            )
+            emitted[:num_verify] = tokens
+            accept_len[:num_verify] = v_accept
+            next_tokens[: num_verify * T] = tokens.reshape(-1)
+            last[:num_verify] += v_accept - T  # the last accepted input, not the last input
+            kv.cache_lens.index_add_(0, v_rows, v_accept)
+        if sampled:
+            index = torch.tensor(sampled, dtype=torch.int64, device=device)
+            s_pos = pos_t[last[index]] + 1
+            s_tokens = sample(logits[num_verify * T :], sampling.take(index), s_pos, variant)
+            emitted[index, 0] = s_tokens
+            accept_len[index] = 1
+            next_tokens[last[index]] = s_tokens
+        if num_verify < len(seqs):  # chunks: their whole context is now cached
+            c_rows = rows[num_verify:]
+            ends = [s.start + len(s.tokens) for s in seqs[num_verify:]]
+            kv.cache_lens[c_rows] = torch.tensor(ends, dtype=torch.int64, device=device)
+        inputs = DraftInputs(batch, hidden, aux, next_tokens, last, self.attn.kv_slots)
+        drafts = self._propose(inputs, variant)
+        return ExtendOutput(emitted, accept_len, drafts)
+
     def prefill(
         self,
         rows: list[int],
@@ -164,17 +245,39 @@ class ModelRunner:
         sampling: SamplingInfo,
         variant: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill, sample the next token of every row and draft after it.
-        Returns the tokens [bs] and the drafts [bs, k]."""
-        hidden, aux, batch = self.forward_prefill(rows, new_tokens, prefix_lens)
-        batch.sampling = sampling
-        last_index = batch.num_new_tokens - 1
-        logits = self.model.compute_logits(gather_rows(hidden, batch.bs, last_index))
-        next_positions = batch.positions.view(batch.bs, -1)[:, 0] + batch.num_new_tokens
-        tokens = sample(logits, sampling, next_positions, variant)
-        # the token after each input position: the prompt shifted left, then the sampled token
-        ids = batch.input_ids.view(batch.bs, -1)
-        following = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-        following.scatter_(1, last_index[:, None], tokens[:, None])
-        inputs = DraftInputs(batch, hidden, aux, following, last_index, self.attn.kv_slots)
-        return tokens, self._propose(inputs, variant)
+        """Prefill whole prompts, sample each one's next token and draft after it (an `extend`
+        of chunks that end their prompts). Returns the tokens [bs] and the drafts [bs, k]."""
+        seqs = [
+            SeqInput(r, p, t, samples=True)
+            for r, t, p in zip(rows, new_tokens, prefix_lens, strict=True)
+        ]
+        out = self.extend(seqs, sampling, variant)
+        return out.tokens[:, 0], out.drafts
+
+
+@dataclass
+class SeqInput:
+    """One sequence of an extend step: a verify row (its last token and k drafts at its cache
+    length) or a prefill chunk of a context, with the known token after it (`successor`: the
+    next context token, or a resumed request's last emitted token) or None to sample it."""
+
+    row: int
+    start: int
+    tokens: list[int]
+    verify: bool = False
+    successor: int | None = None
+    samples: bool = False  # a chunk that ends a context and samples the token after it
+
+
+@dataclass
+class ExtendOutput:
+    """Per sequence: tokens emitted (verified, or the sampled first token; -1 after), how many,
+    and the next step's drafts."""
+
+    tokens: torch.Tensor  # [bs, T]
+    accept_len: torch.Tensor  # [bs]
+    drafts: torch.Tensor  # [bs, k]
+
+    def to_host(self) -> list[list[int]]:
+        """One read-back: per sequence tokens (T), drafts (k), accept_len."""
+        return torch.cat([self.tokens, self.drafts, self.accept_len[:, None]], 1).tolist()

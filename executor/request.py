@@ -70,6 +70,19 @@ class Request:
     emitted_in_verify: int = 0
     decode_seconds: float = 0.0  # wall time of the decode steps (verify + draft) it took part in
     accepted_per_position: list[int] = field(default_factory=list)
+    num_computed: int = 0  # context positions in the KV cache (prefilled so far, this residency)
+    num_preemptions: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        """What a (re)admitted request prefills: the prompt, then all but its newest output
+        token (the newest is the next step's input)."""
+        return self.prompt_ids + self.output_ids[:-1]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its whole context is cached: it verifies (or decodes) each step."""
+        return bool(self.next_input)
 
     def record_verify(self, emitted: int) -> None:
         """Count one verify step that emitted `emitted` tokens (accepted drafts + 1)."""

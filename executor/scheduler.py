@@ -1,22 +1,46 @@
-"""Continuous batching: admit waiting requests while request rows and KV pages allow (up to
-max_num_seqs running), prefill them, then decode every running request each step. A request
-reserves the pages for its whole length at admission, so a running request never runs out."""
+"""Continuous batching under a token budget, with KV pages on demand and preemption.
+
+Each step `schedule` returns a StepPlan: first the decoding requests (k + 1 tokens each, oldest
+first), each given the pages its step can write; then prefill chunks, in arrival order, fill the
+budget that remains: the unfinished prompts of running requests, then waiting requests while
+request rows (max_num_seqs), pages and budget allow. A prompt longer than what is left is split
+over several steps (chunked prefill). A request holds the pages it has written plus one step's
+lookahead and grows page by page; when the pool cannot serve a decoding request's next step, the
+most recently admitted request is preempted: its pages are freed and it goes back to the front of
+the queue, to be recomputed from its prompt and the tokens it has emitted (vLLM's recompute
+preemption). Output is unchanged by it: greedy steps are deterministic and sampling draws from a
+counter-based RNG keyed by position."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from speculant.errors import SpeculantError
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.request import Request
+from speculant.executor.step_plan import Chunk, StepPlan
 
 
 class Scheduler:
-    def __init__(self, kv: PagedKVCache, max_num_seqs: int, tokens_per_req: int):
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        max_num_seqs: int,
+        tokens_per_req: int,
+        max_num_batched_tokens: int,
+    ):
+        if max_num_batched_tokens < tokens_per_req:
+            raise SpeculantError(
+                f"max_num_batched_tokens={max_num_batched_tokens} is below one verify row's "
+                f"{tokens_per_req} tokens (k + 1); raise --max-num-batched-tokens"
+            )
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.tokens_per_req = tokens_per_req
+        self.budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -25,22 +49,106 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def positions_needed(self, request: Request) -> int:
-        # The last step may write tokens_per_req positions past the final emitted token.
-        return len(request.prompt_ids) + request.max_new_tokens + self.tokens_per_req
+        """Positions a request may write over its life: its longest context, then one step's
+        verify tokens and the drafter's lookahead past them (2 x (k + 1))."""
+        return len(request.prompt_ids) + request.max_new_tokens + 2 * self.tokens_per_req
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests (in arrival order) to running while rows and pages allow."""
-        admitted = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def check_fits(self, request: Request) -> None:
+        """Refuse, before generation starts, a request the pool could never hold alone."""
+        self.kv.check_fits(self.positions_needed(request))
+
+    def decode_reach(self, request: Request, steps: int = 1) -> int:
+        """Positions a decoding request's next `steps` steps may write up to."""
+        cached = len(request.prompt_ids) + len(request.output_ids) - 1
+        return cached + 2 * steps * self.tokens_per_req
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (see the module docstring)."""
+        T, kv = self.tokens_per_req, self.kv
+        plan = StepPlan(tokens_per_req=T)
+        budget = self.budget
+        for request in [r for r in self.running if r.is_decoding]:
+            if request not in self.running:  # preempted for an older request this step
+                continue
+            if budget < T:
+                break  # the rest wait a step
+            while not kv.grow(request.row, self.decode_reach(request)):
+                victim = self.running[-1]
+                self.preempt(victim, plan)
+                if victim is request:
+                    break
+            if request in self.running:
+                plan.decode.append(request)
+                budget -= T
+        for request in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
+                break
+            if request not in self.running:
+                continue
+            chunk = self._chunk(request, budget)
+            while chunk is None:  # a prompt in progress must not wait for pages forever
+                victim = self.running[-1]
+                self.preempt(victim, plan)
+                if victim is request:
+                    break
+                chunk = self._chunk(request, budget)
+            if chunk is not None:
+                plan.chunks.append(chunk)
+                budget -= len(chunk.tokens)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            needed = self.positions_needed(request)
-            if not self.kv.can_allocate(needed) and (self.running or admitted):
-                break  # wait for running requests to return their pages
-            request.row = self.kv.allocate(needed)  # on an empty pool: the error naming the limit
+            request.row = kv.allocate_row()
+            chunk = self._chunk(request, budget)
+            if chunk is None:
+                kv.free(request.row)
+                request.row = -1
+                break
             self.waiting.popleft()
             self.running.append(request)
-            admitted.append(request)
-        return admitted
+            plan.chunks.append(chunk)
+            budget -= len(chunk.tokens)
+        kv.commit()
+        return plan
+
+    def _chunk(self, request: Request, budget: int) -> Chunk | None:
+        """The next chunk of a request's context within `budget` tokens, its pages taken (the
+        chunk's positions and the drafter's lookahead past them); None when pages lack."""
+        context = request.context
+        start = request.num_computed
+        end = min(len(context), start + budget)
+        if not self.kv.grow(request.row, end + self.tokens_per_req):
+            return None
+        last = end == len(context)
+        if not last:
+            successor = context[end]
+        else:  # a resumed request already emitted the token after its context
+            successor = request.output_ids[-1] if request.output_ids else None
+        return Chunk(request, start, context[start:end], last, successor)
+
+    def preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free a running request's pages and row; it resumes first, recomputing its context."""
+        self.running.remove(request)
+        self.kv.free(request.row)
+        request.row = -1
+        request.num_computed = 0
+        request.next_input = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+        if request in plan.decode:  # planned before a prompt in progress needed its pages
+            plan.decode.remove(request)
+        plan.chunks = [c for c in plan.chunks if c.request is not request]
+
+    def reserve_ahead(self, requests: list[Request], steps: int) -> bool:
+        """Pages for `steps` more decode steps of each request, without preempting (overlap's
+        step launched ahead); False when the pool cannot give them."""
+        for request in requests:
+            if not self.kv.grow(request.row, self.decode_reach(request, steps)):
+                self.kv.commit()
+                return False
+        self.kv.commit()
+        return True
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)

@@ -11,7 +11,7 @@ import torch
 from speculant.executor.attention import PoolAttention
 from speculant.executor.forward_batch import ForwardBatch
 from speculant.kernels.ops import TritonOps
-from speculant.kernels.paged_attention import paged_attention
+from speculant.kernels.paged_attention import paged_attention, varlen_tiles
 from speculant.kernels.rope import rope_and_write_kv
 
 
@@ -24,8 +24,10 @@ class TritonPagedAttention(PoolAttention):
     ops = TritonOps()
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
-        """Remember the step; `shared_slots` (a torch backend's gather) is not needed."""
+        """Remember the step; `shared_slots` (a torch backend's gather) is not needed. A packed
+        batch's tile tables are made at the first layer (they depend on the GQA group)."""
         self.batch = batch
+        self.tiles = {}
 
     def forward(
         self,
@@ -45,6 +47,12 @@ class TritonPagedAttention(PoolAttention):
         else:
             k_pool.index_copy_(0, batch.out_cache_loc, k.to(k_pool.dtype))
             v_pool.index_copy_(0, batch.out_cache_loc, v.to(v_pool.dtype))
+        varlen = None
+        if batch.is_varlen:
+            group = q.shape[1] // k.shape[1]
+            if group not in self.tiles:
+                self.tiles[group] = varlen_tiles(list(batch.seq_lens), group, q.device)
+            varlen = self.tiles[group]
         return paged_attention(
             q,
             k_pool,
@@ -55,6 +63,7 @@ class TritonPagedAttention(PoolAttention):
             self.page_size,
             batch.kv_len,
             batch.tokens_per_req,
+            varlen=varlen,
         )
 
 

@@ -11,6 +11,7 @@ outputs by log-sum-exp. Kernels compute in float32 with bf16/fp16 tensor-core do
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +73,10 @@ def _paged_attention_kernel(
     req_to_page_ptr,
     rows_ptr,
     positions_ptr,
+    tile_seq_ptr,
+    tile_m0_ptr,
+    seq_start_ptr,
+    seq_len_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -97,16 +102,23 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    row = pid // m_tiles
-    m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = token * GROUP + head
-    m_ok = m < GROUP * tokens_per_req
-    token = row.to(tl.int64) * tokens_per_req + m // GROUP
+    if VARLEN:  # packed sequences of their own lengths: a tile table names each tile's sequence
+        row = tl.load(tile_seq_ptr + pid).to(tl.int64)
+        m = tl.load(tile_m0_ptr + pid) + tl.arange(0, BLOCK_M)
+        m_ok = m < GROUP * tl.load(seq_len_ptr + row)
+        token = tl.load(seq_start_ptr + row).to(tl.int64) + m // GROUP
+    else:
+        row = (pid // m_tiles).to(tl.int64)
+        m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = token * GROUP + head
+        m_ok = m < GROUP * tokens_per_req
+        token = row * tokens_per_req + m // GROUP
     head = kv_head * GROUP + m % GROUP
     pos = tl.load(positions_ptr + token, mask=m_ok, other=-1)
 
@@ -192,6 +204,40 @@ def _merge_splits_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@dataclass
+class VarlenTiles:
+    """The tile table of packed sequences for one step (made once, read by every layer): tile i
+    covers query rows [tile_m0[i], tile_m0[i] + block_m) of sequence tile_seq[i], a query row
+    being token * group + head of one KV head's group."""
+
+    seq_lens: tuple[int, ...]  # host copy of every sequence's query tokens
+    group: int
+    block_m: int
+    num_tiles: int
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # seq, m0, start, len
+
+
+def varlen_tiles(seq_lens: list[int], group: int, device: torch.device) -> VarlenTiles:
+    """Tiles over packed sequences of `seq_lens` query tokens (laid out back to back), with
+    `group` query heads per KV head; one host-to-device copy."""
+    longest = max(seq_lens, default=1)
+    block_m = min(64, max(16, next_power_of_2(group * longest)))
+    tile_seq, tile_m0, starts, start = [], [], [], 0
+    for seq, length in enumerate(seq_lens):
+        starts.append(start)
+        start += length
+        for m0 in range(0, group * length, block_m):
+            tile_seq.append(seq)
+            tile_m0.append(m0)
+    num_tiles = len(tile_seq)
+    packed = torch.tensor(
+        tile_seq + tile_m0 + starts + list(seq_lens), dtype=torch.int32
+    ).to(device, non_blocking=True)
+    n, bs = num_tiles, len(seq_lens)
+    tensors = (packed[:n], packed[n : 2 * n], packed[2 * n : 2 * n + bs], packed[2 * n + bs :])
+    return VarlenTiles(tuple(seq_lens), group, block_m, num_tiles, tensors)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -219,12 +265,20 @@ def paged_attention(
     tokens_per_req: int,
     num_splits: int | None = None,
     block_n: int | None = None,
+    varlen: VarlenTiles | None = None,
 ) -> torch.Tensor:
     """q [bs * T, heads, d] (row-major: T query tokens per row), pools [num_slots, kv_heads, d],
     req_to_page [rows, max_pages] int32, req_pool_indices [bs], positions [bs * T]; keys at
     positions < kv_len (a multiple of page_size) are reachable. Returns [bs * T, heads, d].
-    `num_splits` / `block_n` override the split-K plan and key block (tests)."""
+    With `varlen` (see `varlen_tiles`) the bs sequences are packed, each of its own length, and
+    `tokens_per_req` is unused. `num_splits` / `block_n` override the split-K plan and key block
+    (tests)."""
     if not runs_triton(q):
+        if varlen is not None:
+            return reference.paged_attention_varlen(
+                q, k_pool, v_pool, req_to_page, req_pool_indices, positions, page_size, kv_len,
+                varlen.seq_lens,
+            )  # fmt: skip
         return reference.paged_attention(
             q, k_pool, v_pool, req_to_page, req_pool_indices, positions, page_size, kv_len,
             tokens_per_req,
@@ -233,15 +287,21 @@ def paged_attention(
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     bs, T = req_pool_indices.shape[0], tokens_per_req
-    assert n == bs * T and heads == group * kv_heads, (q.shape, bs, T, kv_heads)
+    assert heads == group * kv_heads, (q.shape, kv_heads)
+    assert varlen is not None or n == bs * T, (q.shape, bs, T)
     assert k_pool.is_contiguous() and v_pool.stride() == k_pool.stride()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    block_m = min(64, max(16, next_power_of_2(group * T)))
-    m_tiles = -(-group * T // block_m)
+    if varlen is not None:
+        assert varlen.group == group, (varlen.group, group)
+        block_m, m_tiles, programs = varlen.block_m, 1, varlen.num_tiles
+    else:
+        block_m = min(64, max(16, next_power_of_2(group * T)))
+        m_tiles = -(-group * T // block_m)
+        programs = bs * m_tiles
     block_d = max(16, next_power_of_2(d))
     block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)  # shared memory
-    splits = num_splits or choose_num_splits(bs * m_tiles * kv_heads, kv_len, q.device)
+    splits = num_splits or choose_num_splits(programs * kv_heads, kv_len, q.device)
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -251,13 +311,15 @@ def paged_attention(
         part_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
-    _paged_attention_kernel[(bs * m_tiles, kv_heads, splits)](
+    tables = varlen.tensors if varlen is not None else (req_pool_indices,) * 4  # unread
+    _paged_attention_kernel[(programs, kv_heads, splits)](
         q,
         k_pool,
         v_pool,
         req_to_page,
         req_pool_indices,
         positions,
+        *tables,
         out,
         part_out,
         part_lse,
@@ -283,6 +345,7 @@ def paged_attention(
         SPLIT=splits > 1,
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
+        VARLEN=varlen is not None,
         num_warps=4,
         **pdl_options(pdl),
     )

@@ -69,3 +69,27 @@ def paged_attention(
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = torch.einsum("bkgtl,blkd->btkgd", scores.softmax(-1), values)
     return out.reshape(q.shape).to(q.dtype)
+
+
+def paged_attention_varlen(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_page: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+    kv_len: int,
+    seq_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """`paged_attention` over packed sequences of their own lengths (q [sum(seq_lens), heads,
+    d]): each sequence as a batch of one."""
+    out, start = torch.empty_like(q), 0
+    for i, length in enumerate(seq_lens):
+        end = start + length
+        out[start:end] = paged_attention(
+            q[start:end], k_pool, v_pool, req_to_page, req_pool_indices[i : i + 1],
+            positions[start:end], page_size, kv_len, length,
+        )  # fmt: skip
+        start = end
+    return out

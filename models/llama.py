@@ -156,10 +156,6 @@ class CausalLM(nn.Module):
         the DeepEP-backed MoE target returns its adapter."""
         return []
 
-    def set_rank_tokens(self, tokens_per_rank: list[int] | None) -> None:
-        """Every rank's token count in the next forwards (the MoE target plans its expert
-        dispatches from them); a dense model needs none."""
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
@@ -168,8 +164,11 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn,
+        tokens_per_rank: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Returns the final-norm hidden states [N, H] and the requested auxiliary states."""
+        """Returns the final-norm hidden states [N, H] and the requested auxiliary states
+        (`tokens_per_rank`, every rank's tokens in this forward, plans a MoE target's
+        dispatches; a dense model has none to plan)."""
         h = self.embed(input_ids)
         rope = self.model.rotary.lookup(positions, h.dtype)
         aux, residual = [], None  # the residual stream is h + residual (see forward_split)

@@ -200,12 +200,16 @@ class Qwen3MoeForCausalLM(CausalLM):
     def replay_hooks(self) -> list:
         return self.dispatcher.replay_hooks()
 
-    def set_rank_tokens(self, tokens_per_rank: list[int] | None) -> None:
-        """Every rank's token count in the next forwards: the dispatches are planned from it."""
-        self.dispatcher.set_tokens_per_rank(tokens_per_rank)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn):
-        self.dispatcher.begin_forward(input_ids.shape[0])
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn,
+        tokens_per_rank: list[int] | None = None,
+    ):
+        """As CausalLM.forward; the dispatches are planned from `tokens_per_rank` (every rank's
+        token count in this forward; None: the dispatcher asks the other ranks)."""
+        self.dispatcher.begin_forward(input_ids.shape[0], tokens_per_rank)
         return super().forward(input_ids, positions, attn)
 
 

@@ -269,16 +269,17 @@ def test_overlap_never_runs_ahead_into_the_length_limit(llama_dir):
 
 
 def test_overlap_announces_each_steps_sizes_to_the_graphs(llama_dir):
-    """Every launch, run ahead or not, announces its sizes: a replay checks them against those
-    its graph was captured with (simulated on the CPU: eager padding stands in for replays, with
+    """Every launch, run ahead or not, carries its sizes in its plan: a replay checks them against
+    those its graph was captured with (simulated on the CPU: eager padding stands in for replays, with
     the capture sizes recorded as capture records them on a GPU)."""
     from speculant.executor.cuda_graph import dp_capture_dummies
 
     engine = Engine(llama_dir, device="cpu", max_num_seqs=4, max_model_len=128, page_size=4,
                     eager_padding=True, overlap=True)  # fmt: skip
     graphs = engine.graphs
+    graphs.plans_dispatch = True  # check the sizes as a MoE target's graphs need them checked
     for variant, bs in graphs.capture_plan():
         graphs.captured_sizes[(variant, bs)] = dp_capture_dummies(bs, engine.tokens_per_req, 1)
     prompts = random_prompts(engine.model_config.vocab_size, (5, 8, 3), seed=14)
     engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
-    assert engine.steps_ahead > 0 and graphs.num_replays >= 19
+    assert engine.steps_ahead > 0 and graphs.num_stand_ins >= 19

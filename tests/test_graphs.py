@@ -21,7 +21,7 @@ from speculant.executor.model_runner import StepOutput
 @pytest.mark.parametrize(
     "cfg, max_num_seqs, dp, expected",
     [
-        (GraphConfig(), 256, 1, DEFAULT_SIZES),
+        (GraphConfig(), 512, 1, DEFAULT_SIZES),
         (GraphConfig(), 64, 1, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 63, 64]),
         (GraphConfig(), 64, 2, [1, 2, 4, 8, 16, 24, 31, 32]),
         (GraphConfig(), 10, 1, [1, 2, 4, 8, 9, 10]),
@@ -76,7 +76,7 @@ def test_eager_padding_leaves_live_requests_untouched(llama_dir, bs):
     plain, padded = make_engine(llama_dir), make_engine(llama_dir, eager_padding=True)
     calls = []
     original = padded.runner.decode_step
-    padded.runner.decode_step = lambda b, v: calls.append(b) or original(b, v)
+    padded.runner.decode_step = lambda b, v, t=None: calls.append(b) or original(b, v, t)
     ref = plain.generate(prompts, params)
     out = padded.generate(prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
