@@ -90,6 +90,67 @@ def test_eager_padding_leaves_live_requests_untouched(llama_dir, bs):
     assert padded.kv.cache_lens[sentinel] == 0 and not padded.kv.req_to_page[sentinel].any()
 
 
+def check_sentinel_after_every_step(engine) -> list[tuple[int, int, set[int]]]:
+    """Wrap the engine's decode step: after each one the sentinel row is still zero (length 0,
+    every page entry page 0) and no live row holds page 0. Returns per step (rows run, live
+    rows, the live rows' request-pool indices)."""
+    kv, runner, steps = engine.kv, engine.runner, []
+    inner = runner.decode_step
+
+    def decode_step(bs, variant, *args, **kwargs):
+        rows = runner.buffers.req_pool_indices[:bs].tolist()
+        out = inner(bs, variant, *args, **kwargs)
+        live = {row for row in rows if row != kv.sentinel_row}
+        steps.append((bs, len(live), live))
+        assert int(kv.cache_lens[kv.sentinel_row]) == 0, "a padded row grew the sentinel row"
+        assert not kv.req_to_page[kv.sentinel_row].any(), "the sentinel row gained a page"
+        for row in live:
+            pages = kv.req_to_page[row, : kv.pages_for(int(kv.cache_lens[row]))]
+            assert pages.all(), f"live row {row} maps a position to the dummy page 0"
+        return out
+
+    runner.decode_step = decode_step
+    return steps
+
+
+@pytest.mark.parametrize("algo", [None, "eagle3"])
+def test_padded_rows_write_only_the_dummy_page_and_leave_the_sentinel_zero(
+    llama_dir, tmp_path, algo
+):
+    """Every request row in use (9 requests through 6 rows, rows freed and reused) and batches
+    that shrink to sizes padded with sentinel rows (6 sizes [1, 2, 4, 5, 6]: 3 live rows run as
+    4): after every padded step the sentinel row is still zero and no live row maps page 0;
+    the padded rows wrote through the dummy page 0 only (every other page equals the unpadded
+    run's) and the tokens equal it."""
+    from helpers_eagle import write_random_eagle3
+
+    spec = {}
+    if algo == "eagle3":
+        write_random_eagle3(tmp_path, llama_dir, draft_vocab=200, seed=2)
+        spec = dict(algo="eagle3", draft=str(tmp_path), num_draft_tokens=3)
+    options = dict(device="cpu", max_num_seqs=6, max_model_len=128, page_size=4, **spec)
+    plain, padded = Engine(llama_dir, **options), Engine(llama_dir, eager_padding=True, **options)
+    assert padded.graphs.sizes == [1, 2, 4, 5, 6]
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in (5, 17, 2) * 3]
+    lengths = (6, 19, 11, 3, 14, 8, 20, 9, 5)
+    params = [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+        for i, n in enumerate(lengths)
+    ]
+    steps = check_sentinel_after_every_step(padded)
+    ref = plain.generate(prompts, params)
+    out = padded.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert any(bs > live for bs, live, _ in steps), "no step ran padded rows"
+    assert set().union(*(rows for *_, rows in steps)) == set(range(6)), "a row was never used"
+    page = plain.kv.page_size
+    for k_ref, k_pad in zip(plain.kv.k + plain.kv.v, padded.kv.k + padded.kv.v, strict=True):
+        torch.testing.assert_close(k_pad[page:], k_ref[page:], rtol=1e-5, atol=1e-5)
+        assert not k_ref[:page].any()  # nothing unpadded writes the dummy page ...
+    assert any(k[:page].any() for k in padded.kv.k)  # ... padded rows wrote it
+
+
 class RecordingGraph:
     def __init__(self, log):
         self.log = log

@@ -1,11 +1,16 @@
 """Tensor and data parallelism on the CPU with real gloo process groups (one process per rank):
-TP=2, DP=2 and TP2 x DP2 give the same tokens as one rank, the DP ranks agree on every step's
-batch size (an idle rank runs dummy batches), every rank runs the same capture sequence, and the
+TP=2, DP=2 and TP2 x DP2 give the same tokens as one rank, TP peers run the same steps while
+each DP rank of a dense target runs its own batch sizes (an idle one sits the step out), every
+rank runs the same capture sequence, and the
 `speculant generate --tp/--dp` launcher fails a run with a dead or stuck rank instead of hanging.
 
-On the CPU there are no CUDA graphs: `capture_order` records the lockstep eager run of every
-(variant, size) that capture does with barriers on each rank (launch with graphs on a GPU:
-benchmarks/parallel_gpu.py). Every multi-process run has bounded collective and launch timeouts.
+What a rank ran is observed inside it, not read from the plan every rank derives from one
+exchanged table: `DecodeRecorder` wraps ModelRunner.decode_step in the rank's process and logs
+the rows each decode step really ran and how many of them were live (not on the sentinel row).
+On the CPU there are no CUDA graphs: capture runs every (variant, size) once eagerly in
+lockstep with barriers on each rank, and the recorder sees those runs (launch with graphs on a
+GPU: benchmarks/parallel_gpu.py). Every multi-process run has bounded collective and launch
+timeouts.
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ from helpers_eagle import write_random_eagle3
 
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.comm.groups import ParallelContext, check_world
-from speculant.config import GraphConfig
-from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.dp import assign_requests
+from speculant.executor.model_runner import ModelRunner
 from speculant.launch.spawn import RankFailure, run_ranks
 
 COLLECTIVE_TIMEOUT_S = 60  # a rank waits this long for the others before failing
 LAUNCH_TIMEOUT_S = 150  # every rank of a run_ranks launch is killed after this
 ENGINE = dict(device="cpu", max_num_seqs=8, max_model_len=160, page_size=4)
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+# capture_sizes(GraphConfig(), 8, dp), written out: the sizes each rank captures per variant
+CAPTURED = {1: [1, 2, 4, 7, 8], 2: [1, 2, 3, 4]}
 
 
 def prompts_of(lengths, seed, vocab=256):
@@ -49,19 +55,62 @@ def mixed_params(n: int) -> list[SamplingParams]:
     return [GREEDY] * (n - 1) + [sampled]
 
 
+class DecodeRecorder:
+    """Wraps ModelRunner.decode_step in this process (a rank's own) and logs every decode step
+    the runner really runs, seen from its input buffers: (DP exchange it follows, or None while
+    the engine is built, rows run, live rows among them, variant). `take` returns the log so
+    far and starts a new one."""
+
+    def __init__(self):
+        self.engine: Engine | None = None  # whose exchanges number the steps
+        self.calls: list[tuple] = []
+        inner = ModelRunner.decode_step
+
+        def decode_step(runner, bs, variant, *args, **kwargs):
+            rows = runner.buffers.req_pool_indices[:bs]
+            live = int((rows != runner.kv.sentinel_row).sum())
+            step = None if self.engine is None else self.engine.dp.exchanges
+            self.calls.append((step, bs, live, variant))
+            return inner(runner, bs, variant, *args, **kwargs)
+
+        ModelRunner.decode_step = decode_step
+
+    def take(self) -> list[tuple]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def check_own_sizes(decodes: list[tuple], dp: int, padded: bool) -> None:
+    """A dense target's DP rank runs its own decode batches (nothing in its forward crosses DP
+    ranks): every step has live rows, padded (eager padding) to the smallest captured size."""
+    for step, bs, live, _ in decodes:
+        assert live > 0, f"a dummy decode step of {bs} rows after exchange {step}"
+        expected = min(s for s in CAPTURED[dp] if s >= live) if padded else live
+        assert bs == expected, (step, bs, live)
+
+
+def expected_capture(dp: int) -> list[tuple]:
+    """What the recorder sees capture run on every rank: each variant, largest size first, on
+    sentinel rows only."""
+    return [(None, bs, 0, v) for v in ("greedy", "full") for bs in reversed(CAPTURED[dp])]
+
+
 def generate_in_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
     """The body of every rank: join the (dp, tp) mesh, then for each case (name, target,
     options, prompts, params) build an engine and generate. Only rank 0 passes the prompts."""
     pctx = ParallelContext.from_env(tp, dp, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
-    seen = {}
+    recorder, seen = DecodeRecorder(), {}
     for name, target, options, prompts, params in cases:
+        recorder.engine = None
         engine = Engine(str(target), pctx=pctx, **ENGINE, **options)
+        capture, recorder.engine = recorder.take(), engine
         is_source = pctx.rank == 0
         outs = engine.generate(prompts if is_source else None, params if is_source else None)
         seen[name] = dict(
             tokens={o.index: o.token_ids for o in outs},
-            capture_order=engine.graphs.capture_order,
-            uniform_sizes=engine.dp.uniform_sizes,
+            capture=capture,
+            decodes=recorder.take(),
+            padded=bool(options.get("eager_padding")),
             dummy_steps=engine.dp.dummy_steps,
             pages_returned=len(engine.kv.free_pages) == engine.kv.num_pages - 1,
             dp_rank=pctx.dp_rank,
@@ -81,11 +130,6 @@ def reference(cases: list[tuple]) -> dict[str, dict[int, list[int]]]:
 
 def launch(tp: int, dp: int, cases: list[tuple]) -> list[dict]:
     return run_ranks(generate_in_rank, tp * dp, (tp, dp, cases), timeout_s=LAUNCH_TIMEOUT_S)
-
-
-def expected_capture_order(dp: int) -> list[tuple[str, int]]:
-    sizes = sorted(capture_sizes(GraphConfig(), ENGINE["max_num_seqs"], dp), reverse=True)
-    return [(variant, bs) for variant in ("greedy", "full") for bs in sizes]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +167,11 @@ def test_tp2_equals_tp1(tp2_run, case):
     assert ranks[0][case]["tokens"] == expected[case]
     assert ranks[1][case]["tokens"] == expected[case]  # every TP rank holds the same tokens
     assert all(rank[case]["pages_returned"] for rank in ranks)
+    # the TP peers ran the same decode steps, each of its batch's size (padded when asked)
+    assert ranks[0][case]["decodes"] == ranks[1][case]["decodes"]
+    check_own_sizes(ranks[0][case]["decodes"], 1, ranks[0][case]["padded"])
+    if case == "eagle3_padded":  # 3 requests run as 4 rows: padding really happened
+        assert any(bs > live for _, bs, live, _ in ranks[0][case]["decodes"])
 
 
 def test_dflash_tp2_equals_tp1(tmp_path, llama_dir):
@@ -176,19 +225,23 @@ def test_dp2_equals_dp1(dp2_run, case):
     expected, ranks = dp2_run
     assert ranks[0][case]["tokens"] == expected[case]  # all requests, none lost or duplicated
     assert all(rank[case]["pages_returned"] for rank in ranks)
-    # the DP ranks ran the same batch size in every uniform step
-    assert ranks[0][case]["uniform_sizes"] == ranks[1][case]["uniform_sizes"]
+    for rank in ranks:  # each DP rank ran its own batches, none a dummy
+        check_own_sizes(rank[case]["decodes"], 2, rank[case]["padded"])
 
 
-def test_dp2_shares_are_uneven_and_the_idle_rank_runs_dummy_batches(dp2_run):
+def test_dp2_shares_are_uneven_and_the_idle_rank_sits_out(dp2_run):
+    """A dense target's DP ranks run their own sizes: the rank with no request runs no decode
+    step at all, and two ranks decoding after the same exchange run different sizes."""
     _, ranks = dp2_run
     assert ranks[1]["one_request"]["tokens"] == {}  # DP rank 1 had no request ...
-    assert ranks[1]["one_request"]["dummy_steps"] > 0  # ... and ran dummy batches
-    assert ranks[0]["one_request"]["dummy_steps"] == 0
+    assert ranks[1]["one_request"]["decodes"] == []  # ... and ran no decode step
+    assert ranks[0]["one_request"]["decodes"] and ranks[1]["one_request"]["dummy_steps"] == 0
     # rank 0 returns every output; DP rank 1 took the four short requests
     assert sorted(ranks[1]["uneven"]["tokens"]) == [1, 2, 3, 4]
     assert sorted(ranks[0]["uneven"]["tokens"]) == [0, 1, 2, 3, 4]
-    assert ranks[0]["uneven"]["uniform_sizes"]  # the exchange decided the sizes
+    sizes = [{step: bs for step, bs, *_ in rank["uneven"]["decodes"]} for rank in ranks]
+    both = sizes[0].keys() & sizes[1].keys()
+    assert any(sizes[0][step] != sizes[1][step] for step in both)  # 1 row next to 4
 
 
 def test_assign_requests_balances_tokens():
@@ -228,18 +281,21 @@ def test_tp2_dp2_equals_one_rank(mesh_run, case):
     shares = [ranks[r][case]["tokens"] for r in (1, 2)]
     assert sorted(i for share in shares for i in share) == sorted(expected[case])
     assert all(expected[case][i] == t for share in shares for i, t in share.items())
-    assert len({str(rank[case]["uniform_sizes"]) for rank in ranks}) == 1
+    for peers in ((0, 1), (2, 3)):  # TP peers ran the same decode steps, their own sizes
+        assert ranks[peers[0]][case]["decodes"] == ranks[peers[1]][case]["decodes"], peers
+        check_own_sizes(ranks[peers[0]][case]["decodes"], 2, ranks[peers[0]][case]["padded"])
 
 
 # ---------------------------------------------------------------------------------------- capture
 
 
-def test_capture_order_is_identical_on_every_rank(tp2_run, dp2_run, mesh_run):
+def test_every_rank_captures_every_size_in_the_same_order(tp2_run, dp2_run, mesh_run):
+    """The decode steps each rank ran while its engine was built (capture's lockstep eager run):
+    every variant at every size, largest first, on sentinel rows, the same on every rank."""
     for (_, ranks), dp in ((tp2_run, 1), (dp2_run, 2), (mesh_run, 2)):
         for case in ranks[0]:
-            orders = [rank[case]["capture_order"] for rank in ranks]
-            assert orders[0] == expected_capture_order(dp), case
-            assert all(order == orders[0] for order in orders), case
+            for rank, seen in enumerate(ranks):
+                assert seen[case]["capture"] == expected_capture(dp), (case, rank)
 
 
 def build_engine_in_rank(capture_sizes_by_rank: list[list[int] | None]) -> None:
