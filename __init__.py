@@ -1,9 +1,62 @@
-"""speculant: a distributed speculative-decoding executor (EAGLE-3, DFLASH) with graph capture."""
+"""speculant: a distributed speculative-decoding executor (EAGLE-3, DFLASH) with graph capture.
 
-from speculant.config import EngineConfig, ModelConfig
+`Engine`, `SamplingParams` and the configs import torch on first use, so `import speculant`
+(and `speculant --help`) stays fast; `bundled(name)` gives the installed bundled models.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from speculant.errors import SpeculantError
-from speculant.executor.engine import Engine
-from speculant.executor.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from speculant.config import EngineConfig, ModelConfig
+    from speculant.executor.engine import Engine
+    from speculant.executor.request import RequestOutput, SamplingParams
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+# bundled() names: the asset folders, and each --algo's drafter under its algo name.
+BUNDLED_NAMES = {
+    "target": "target",
+    "eagle3": "eagle3",
+    "dflash": "dflash",
+    "draft_lm": "draft_lm",
+    "draft-model": "draft_lm",
+}
+_LAZY = {
+    "Engine": "speculant.executor.engine",
+    "EngineConfig": "speculant.config",
+    "ModelConfig": "speculant.config",
+    "RequestOutput": "speculant.executor.request",
+    "SamplingParams": "speculant.executor.request",
+}
+
+
+def bundled(name: str) -> Path:
+    """The installed folder of a bundled model: "target" (the 8.4 M-parameter Python-code
+    Llama), or its drafter "eagle3", "dflash" or "draft_lm" (also "draft-model", the --algo
+    name). Pass it as `Engine(target=...)` or `draft=...`."""
+    if name not in BUNDLED_NAMES:
+        raise SpeculantError(
+            f"no bundled model {name!r}; use one of {', '.join(sorted(BUNDLED_NAMES))}"
+        )
+    path = ASSETS / BUNDLED_NAMES[name]
+    if not (path / "config.json").is_file():
+        raise SpeculantError(
+            f"the bundled model {name!r} is missing from {ASSETS}; reinstall speculant or pass "
+            "--target/--draft explicitly"
+        )
+    return path
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'speculant' has no attribute {name!r}")
+
 
 __all__ = [
     "Engine",
@@ -12,4 +65,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculantError",
+    "bundled",
 ]

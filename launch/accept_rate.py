@@ -10,30 +10,22 @@ lossless failure, 2 bad input (one line, like every speculant error).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from speculant import ASSETS, bundled
 from speculant.errors import SpeculantError
+from speculant.launch.threads import set_cpu_threads
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
 # A baseline is comparable only when these match.
 RUN_KEYS = ("algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature")
-
-
-def bundled(name: str) -> Path:
-    """A bundled model folder (assets/NAME), with a clear error when the install lacks it."""
-    path = ASSETS / name
-    if not (path / "config.json").is_file():
-        raise SpeculantError(
-            f"the bundled model {name!r} is missing from {ASSETS}; reinstall speculant or pass "
-            "--target/--draft explicitly"
-        )
-    return path
 
 
 def bundled_prompts() -> Path:
@@ -70,15 +62,14 @@ class AcceptReport:
         return asdict(self)
 
 
-def aggregate(outputs: list) -> tuple[float, list[float], int]:
-    """Acceptance length and per-position rates over all requests, each weighted by its verify
-    steps (a request that ran longer counts more), and the total number of verify steps."""
-    stats = [out.stats or {} for out in outputs]
-    steps = sum(s.get("num_verify_steps") or 0 for s in stats)
+def acceptance(outputs: list) -> tuple[float, list[float], int] | None:
+    """Acceptance length and per-position rates over the requests that ran a verify step, each
+    weighted by its verify steps (a request that ran longer counts more; one that finished at
+    prefill has no acceptance), and the total number of verify steps; None when none ran."""
+    stats = [s for s in (out.stats or {} for out in outputs) if s.get("num_verify_steps")]
+    steps = sum(s["num_verify_steps"] for s in stats)
     if steps == 0:
-        raise SpeculantError(
-            "no verify step ran (every request finished at prefill); raise --max-new-tokens"
-        )
+        return None
     length = sum(s["accept_len"] * s["num_verify_steps"] for s in stats) / steps
     k = len(stats[0]["per_position_acceptance"])
     per_position = [
@@ -86,6 +77,16 @@ def aggregate(outputs: list) -> tuple[float, list[float], int]:
         for j in range(k)
     ]
     return length, per_position, steps
+
+
+def aggregate(outputs: list) -> tuple[float, list[float], int]:
+    """`acceptance`, or an error when no request ran a verify step."""
+    measured = acceptance(outputs)
+    if measured is None:
+        raise SpeculantError(
+            "no verify step ran (every request finished at prefill); raise --max-new-tokens"
+        )
+    return measured
 
 
 @dataclass
@@ -143,57 +144,146 @@ def format_table(report: AcceptReport, baseline: dict | None, regressions: list)
     return "\n".join(lines)
 
 
-def plot(report: AcceptReport, path: str) -> None:
-    """A bar chart of per-position acceptance (needs matplotlib: `pip install speculant[plot]`)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
+def check_plot(path: str | None) -> None:
+    """--plot needs matplotlib: refuse before any model loads rather than after the run."""
+    if path and importlib.util.find_spec("matplotlib") is None:
         raise SpeculantError(
             f"--plot {path} needs matplotlib; pip install 'speculant[plot]' or drop --plot"
-        ) from exc
+        )
+
+
+def _pyplot():
+    """pyplot on the file-only Agg backend; matplotlib's INFO lines (its font cache) stay out."""
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(report: dict) -> str:
+    return f"{report['algo']} k={report['num_draft_tokens']}"
+
+
+def plot(report: AcceptReport, path: str, baseline: dict | None = None) -> None:
+    """Bars of per-position acceptance, each with its value, and the baseline's rates as a
+    dashed line when given."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     rates = report.per_position_acceptance
-    ax.bar(range(1, len(rates) + 1), rates)
+    positions = range(1, len(rates) + 1)
+    bars = ax.bar(positions, rates, label=f"this run: accept_len {report.acceptance_length:.2f}")
+    ax.bar_label(bars, fmt="%.2f", padding=2)
+    if baseline:
+        base = baseline["per_position_acceptance"]
+        label = f"baseline: accept_len {baseline['acceptance_length']:.2f}"
+        ax.plot(range(1, len(base) + 1), base, "o--", color="black", label=label)
+    _finish(
+        plt, fig, ax, path, len(rates), f"{_label(report.to_json())}, {report.num_prompts} prompts"
+    )
+
+
+def plot_compare(reports: list[tuple[str, dict]], path: str) -> None:
+    """One per-position acceptance curve per (label, report), each point with its value."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for label, report in reports:
+        rates = report["per_position_acceptance"]
+        positions = range(1, len(rates) + 1)
+        ax.plot(
+            positions, rates, "o-", label=f"{label}: accept_len {report['acceptance_length']:.2f}"
+        )
+        for x, y in zip(positions, rates, strict=True):
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=7)  # fmt: skip
+    k = max(len(r["per_position_acceptance"]) for _, r in reports)
+    _finish(plt, fig, ax, path, k, "per-position acceptance")
+
+
+def _finish(plt, fig, ax, path: str, k: int, title: str) -> None:
+    ax.set_xticks(range(1, k + 1))  # positions are integers: draft token 1..k
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1)
-    ax.set_title(
-        f"{report.algo} k={report.num_draft_tokens}: accept_len {report.acceptance_length:.2f}"
-    )
+    ax.set_ylim(0, 1.12)
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def add_parser(commands) -> argparse.ArgumentParser:
+ACCEPT_EXAMPLES = """examples:
+  speculant accept-rate                                # bundled model + EAGLE-3, held-out prompts
+  speculant accept-rate --algo dflash --report dflash.json --plot dflash.png
+  speculant accept-rate --baseline B.json --rtol 0.05  # exit 1 on a regression
+  speculant accept-rate --compare eagle3.json dflash.json --plot compare.png
+"""
+
+
+def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argparse.ArgumentParser:
     """Register `speculant accept-rate` on the CLI's subcommands."""
     p = commands.add_parser(
-        "accept-rate", help="measure acceptance rates, check losslessness, compare to a baseline"
+        "accept-rate",
+        help="measure acceptance rates, check losslessness, compare to a baseline",
+        description="Speculative decoding over a prompt set: acceptance length and per-position\n"
+        "rates, greedy output checked against plain greedy, compared with a baseline.",
+        epilog=ACCEPT_EXAMPLES,
+        formatter_class=formatter_class,
     )
     p.add_argument("--target", metavar="DIR", help="default: the bundled target")
     p.add_argument("--draft", metavar="DIR", help="default: the bundled drafter for --algo")
-    p.add_argument("--algo", choices=sorted(BUNDLED_DRAFTS), default="eagle3")
+    p.add_argument("--algo", choices=sorted(BUNDLED_DRAFTS), default="eagle3", help="drafter kind")
     p.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
         help='{"prompt": ...} or {"prompt_token_ids": [...]} per line (default: the bundled '
         "held-out prompt set)",
     )
-    p.add_argument("--num-draft-tokens", type=int, default=0, metavar="K")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="per-prompt seeds start here")
     p.add_argument("--baseline", metavar="B.json", help="fail (exit 1) on a regression vs this")
-    p.add_argument("--rtol", type=float, default=0.05, help="allowed relative drop (0.05)")
+    p.add_argument("--rtol", type=float, default=0.05, help="allowed relative drop")
     p.add_argument("--write-baseline", metavar="B.json", help="save this run as the baseline")
     p.add_argument("--report", metavar="R.json", help="write the JSON report")
-    p.add_argument("--plot", metavar="R.png", help="bar chart of per-position acceptance")
+    p.add_argument(
+        "--plot",
+        metavar="R.png",
+        help="chart of per-position acceptance (with --baseline: the baseline's too; with "
+        "--compare: one curve per report); needs matplotlib",
+    )
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="R.json",
+        help="run nothing: compare these --report files in a table (and --plot)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=32, metavar="N")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: the checkpoint's (float32 on the CPU)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=32, metavar="N", help="requests in flight at most"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU: torch intra-op threads (default: OMP_NUM_THREADS if set, else one per 50 M "
+        "parameters, at most the cores free)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
@@ -215,6 +305,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SpeculantError(f"--tp {args.tp} / --dp {args.dp} must be positive integers")
     if not 0 <= args.rtol < 1:
         raise SpeculantError(f"--rtol {args.rtol} must be in [0, 1)")
+    if args.threads is not None and args.threads < 1:
+        raise SpeculantError(f"--threads {args.threads} must be a positive integer")
     for flag in ("target", "draft"):
         value = getattr(args, flag)
         if value and not Path(value).is_dir():
@@ -228,16 +320,48 @@ def _check(args: argparse.Namespace) -> None:
         if value and not Path(value).resolve().parent.is_dir():
             name = "--" + flag.replace("_", "-")
             raise SpeculantError(f"{name} {value!r}: directory does not exist")
+    check_plot(args.plot)
 
 
-def _read_baseline(path: str) -> dict:
+def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     try:
         baseline = json.loads(Path(path).read_text())
     except json.JSONDecodeError as exc:
-        raise SpeculantError(f"--baseline {path} is not valid JSON ({exc})") from exc
+        raise SpeculantError(f"{flag} {path} is not valid JSON ({exc})") from exc
     if not isinstance(baseline, dict) or "acceptance_length" not in baseline:
-        raise SpeculantError(f"--baseline {path} is not an accept-rate report")
+        raise SpeculantError(f"{flag} {path} is not an accept-rate report")
     return baseline
+
+
+def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
+    """--compare: a table of several reports' acceptance (and with --plot one curve per
+    report); no model loads."""
+    for path in args.compare:
+        if not Path(path).is_file():
+            raise SpeculantError(f"--compare {path!r} does not exist; write it with --report")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise SpeculantError(f"--plot {args.plot!r}: directory does not exist")
+    check_plot(args.plot)
+    reports = [_read_baseline(path, "--compare") for path in args.compare]
+    labels = [_label(report) for report in reports]
+    if len(set(labels)) < len(labels):  # the same algo and k twice: the files tell them apart
+        stems = [Path(path).stem for path in args.compare]
+        labels = [f"{label} ({stem})" for label, stem in zip(labels, stems, strict=True)]
+    k = max(len(report["per_position_acceptance"]) for report in reports)
+    lines = ["| metric | " + " | ".join(labels) + " |", "| --- |" + " --- |" * len(labels)]
+    rows = [("acceptance_length", [r["acceptance_length"] for r in reports])]
+    for i in range(k):
+        rates = [r["per_position_acceptance"] for r in reports]
+        rows.append(
+            (f"per_position_acceptance[{i}]", [r[i] if i < len(r) else None for r in rates])
+        )
+    for metric, values in rows:
+        shown = ["-" if v is None else f"{v:.4f}" for v in values]
+        lines.append(f"| {metric} | " + " | ".join(shown) + " |")
+    print("\n".join(lines), file=stdout)
+    if args.plot:
+        plot_compare(list(zip(labels, reports, strict=True)), args.plot)
+    return 0
 
 
 @dataclass
@@ -255,6 +379,8 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
     of another run shape, all before any model loads."""
     from speculant.launch.cli import read_prompts_file  # the same prompt format as generate
 
+    if args.compare:
+        raise SpeculantError("--compare runs no model; run it as `speculant accept-rate --compare`")
     _check(args)
     target = args.target or str(bundled("target"))
     draft = args.draft or str(bundled(BUNDLED_DRAFTS[args.algo]))
@@ -277,6 +403,8 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
 
 def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """Validate, run plain and speculative decoding, report, compare; returns the exit status."""
+    if args.compare:
+        return compare_reports(args, stdout)
     job = prepare_accept(args)
     if args.device is None:
         import torch
@@ -293,6 +421,19 @@ def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) ->
     return report_accept(args, job, *measured, stdout=stdout, stderr=stderr)
 
 
+def _repeated_kv_cache_line(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("KV cache:")
+
+
+def _generate(engine: Any, prompts: list, params: list, name: str, show: bool) -> list:
+    """`engine.generate` under a progress bar called `name` (accept-rate runs two), counting
+    requests as they finish on any rank."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(prompts), desc=name, unit="req", disable=not show) as bar:
+        return engine.generate(prompts, params, on_output=lambda out: bar.update(1))
+
+
 def measure_in_rank(
     args: argparse.Namespace, job: AcceptJob, use_tqdm: bool = True
 ) -> tuple[list, list | None, float] | None:
@@ -307,6 +448,9 @@ def measure_in_rank(
         from speculant.comm.groups import ParallelContext
 
         pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout)
+    if args.device == "cpu":
+        set_cpu_threads(args.threads, [job.target, job.draft], args.tp * args.dp)
+    show = use_tqdm and (pctx is None or pctx.rank == 0)
     common = dict(
         device=args.device,
         dtype=args.dtype,
@@ -332,12 +476,18 @@ def measure_in_rank(
         **common,
     )
     start = time.perf_counter()
-    outputs = spec_engine.generate(prompts, params, use_tqdm=use_tqdm)
+    outputs = _generate(spec_engine, prompts, params, "speculative", show)
     seconds = time.perf_counter() - start
     del spec_engine
     plain = None  # greedy runs are checked against plain greedy output
     if args.temperature == 0:
-        plain = Engine(job.target, **common).generate(prompts, params, use_tqdm=use_tqdm)
+        speculant_log = logging.getLogger("speculant")
+        speculant_log.addFilter(_repeated_kv_cache_line)  # the same pool as the one above
+        try:
+            plain_engine = Engine(job.target, **common)
+        finally:
+            speculant_log.removeFilter(_repeated_kv_cache_line)
+        plain = _generate(plain_engine, prompts, params, "plain reference", show)
     if pctx is not None:
         pctx.close()
         if pctx.rank != 0:
@@ -389,7 +539,7 @@ def report_accept(
         if path:
             Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if args.plot:
-        plot(report, args.plot)
+        plot(report, args.plot, baseline)
     print(format_table(report, baseline, regressions), file=stdout)
     summary = (
         f"algo={report.algo} k={report.num_draft_tokens} prompts={report.num_prompts} "
