@@ -7,11 +7,14 @@ loads; errors print as one line `speculant: error: ...` and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import stat
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -274,6 +277,11 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         raise SpeculantError(
             f"--output {args.output!r}: directory does not exist; create it or pick another path"
         )
+    if args.output and args.prompts and same_file(args.output, args.prompts):
+        raise SpeculantError(
+            f"--output {args.output!r} is the --prompts file {args.prompts!r} (the same file on "
+            "disk): writing it would destroy the prompts; pick another --output"
+        )
     if args.prompts:
         return read_prompts_file(args.prompts)
     if args.prompt is None and bundled_run:
@@ -281,6 +289,57 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     if args.prompt is None:
         raise SpeculantError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl")
     return [PromptSpec(args.prompt)]
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths are one regular file on disk, by device and inode: hard links,
+    symlinks and other spellings (`./x`, `x`) count."""
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return stat.S_ISREG(first.st_mode) and (first.st_dev, first.st_ino) == (
+        second.st_dev,
+        second.st_ino,
+    )
+
+
+@contextlib.contextmanager
+def output_lock(path: str | None) -> Iterator[None]:
+    """Hold an exclusive lock on the --output file while this run writes it (`fcntl.flock`,
+    non-blocking; the kernel drops it when the process ends, however it ends): a second run
+    writing the same file is refused at once, before any model loads. Regular files only
+    (`/dev/stdout` stays shareable); a file this creates and leaves empty is removed."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here (Windows): unlocked
+        fcntl = None
+    if not path or fcntl is None:
+        yield
+        return
+    existed = os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise SpeculantError(
+            f"--output {path!r} cannot be opened for writing ({exc.strerror}); pick another path"
+        ) from None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SpeculantError(
+                    f"--output {path!r} is being written by another run (it holds the file's "
+                    "lock); wait for that run to end or pick another path"
+                ) from None
+        yield
+    finally:
+        created = os.fstat(fd)
+        with contextlib.suppress(OSError):
+            if not existed and created.st_size == 0 and os.stat(path).st_ino == created.st_ino:
+                os.unlink(path)  # nothing was written: leave no empty file behind
+        os.close(fd)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -346,7 +405,8 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     if args.tp * args.dp > 1 and "RANK" not in os.environ:  # start the ranks, one per GPU
         from speculant.launch.spawn import launch_cli
 
-        return launch_cli(args.argv, args.tp * args.dp, _engine_kwargs(args)["device"], stderr)
+        device = _engine_kwargs(args)["device"]
+        return launch_cli(args.argv, args.tp * args.dp, device, stderr, output=args.output)
     out_file = None
 
     def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
@@ -356,11 +416,12 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
             out_file.write(json.dumps(out.to_json()) + "\n")
             out_file.flush()
 
-    try:
-        outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
-    finally:
-        if out_file is not None:
-            out_file.close()
+    with output_lock(args.output if reads_inputs() else None):  # held until the file is done
+        try:
+            outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
+        finally:
+            if out_file is not None:
+                out_file.close()
     if outputs is not None:  # rank 0 (or the one process) reports
         report_outputs(args, outputs, seconds, stdout, stderr, write_file=False)
     return 0
@@ -445,15 +506,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
     )
+    from speculant.launch.spawn import close_progress_bars, stop_on_sigterm, stopped_line
+
+    restore_sigterm = stop_on_sigterm()  # SIGTERM stops the run as Ctrl-C does (exit 143)
     try:
         if args.command == "accept-rate":
             return accept_rate.run_accept_rate(args, sys.stdout, sys.stderr)
         return run_generate(args, sys.stdout, sys.stderr)
-    except KeyboardInterrupt:
-        print("speculant: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        close_progress_bars()  # so that this line is the last on stderr
+        line, code = stopped_line(exc, getattr(args, "output", None), ranks=False)
+        print(line, file=sys.stderr)
+        return code
     except (SpeculantError, ValueError, OSError) as exc:
         if args.debug:
             raise
+        close_progress_bars()
         print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
         return 2
+    finally:
+        restore_sigterm()

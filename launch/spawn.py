@@ -4,19 +4,26 @@ gloo), and watch them. `speculant generate --tp N --dp M` re-runs itself in N*M 
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun would set
 them. A run never hangs on a bad rank: collectives time out (`--dist-timeout`), and once any
-rank fails, ranks that have not exited `grace_s` seconds later are killed and named. GPU ranks
-end with `os._exit` after flushing: destroying NCCL groups after graph capture has hung."""
+rank fails, ranks that have not exited `grace_s` seconds later are killed and named (a rank
+whose process is stopped, state T, is named as the cause: it stopped answering). GPU ranks end
+with `os._exit` after flushing: destroying NCCL groups after graph capture has hung.
+
+Ranks end with their launcher: SIGTERM to the launcher stops every rank as Ctrl-C does (finished
+outputs kept, exit 143), and a rank whose parent dies, SIGKILL included, stops by itself
+(`end_with_parent`). Nothing is written to disk for the ranks (their logs are unnamed files)."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
-import pickle
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -28,10 +35,157 @@ from speculant.errors import SpeculantError
 
 GRACE_S = 5.0  # how long the other ranks get to exit after one fails
 SETTLE_S = 0.5  # how long to look for the real cause once a rank has failed
+STOP_S = 5.0  # how long ranks get to stop after SIGTERM (Ctrl-C, SIGTERM) before SIGKILL
+PARENT_CHECK_S = 1.0  # how often a rank checks that its parent is alive
+ROLL_CALL_S = 3.0  # how long a rank whose collective failed waits for its peers to report
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCHDOG = "speculant-parent-watchdog"
 
 
 class RankFailure(RuntimeError):
     """A rank failed (exited non-zero, was killed, or was stuck); the message names it."""
+
+
+# ------------------------------------------------------------ how a run stops (every launcher)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a batch scheduler, `docker stop`, `ray job stop`, a dying launcher),
+    raised in the main thread where Ctrl-C raises KeyboardInterrupt: the run stops the same way,
+    keeping its finished outputs, and exits 143."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second SIGTERM waits for it
+    raise Terminated
+
+
+def stop_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM raise Terminated in the main thread; returns what restores the previous
+    handler (a no-op outside the main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_line(exc: KeyboardInterrupt, output: str | None, ranks: bool) -> tuple[str, int]:
+    """The last line of a run stopped by Ctrl-C or SIGTERM, and its exit status (130, 143)."""
+    how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    line = f"speculant: {how}" + (": every rank stopped" if ranks else "")
+    if output:
+        line += f"; the requests that finished are in {output}"
+    return line, 143 if isinstance(exc, Terminated) else 130
+
+
+def close_progress_bars() -> None:
+    """Close every open tqdm bar (drawn once more, then a newline), so that the line printed
+    next is the last on stderr: an open bar redraws itself when it is garbage-collected."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # a bar whose stream is gone
+            pass
+    sys.stderr.flush()
+
+
+def end_with_parent() -> None:
+    """Make this rank stop when the process that started it (the launcher, torchrun's agent)
+    dies, SIGKILL included. The kernel sends SIGTERM at the parent's death (Linux
+    PR_SET_PDEATHSIG), which stops the rank as Ctrl-C does; a watchdog thread that sees the
+    parent gone (os.getppid() changed: another system, or a parent that died before the prctl)
+    sends it too, and ends the rank with os._exit if it is still running STOP_S later (a rank
+    blocked in a collective runs no Python signal handler)."""
+    if any(thread.name == WATCHDOG for thread in threading.enumerate()):
+        return
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog alone
+            pass
+    threading.Thread(target=_watch_parent, args=(parent,), name=WATCHDOG, daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(143)
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that timed out or lost a peer (gloo raises RuntimeError)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and bool(
+        re.search(r"gloo|nccl|timed out|connection (reset|closed)|broken pipe", text, re.I)
+    )
+
+
+def _node_note(ranks: Sequence[int]) -> str:
+    """Which torchrun node(s) hold `ranks` (each node holds LOCAL_WORLD_SIZE consecutive ranks),
+    as a note for a message; empty outside torchrun."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or not local:
+        return ""
+    nodes = sorted({r // int(local) for r in ranks})
+    return f" (torchrun node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
+
+
+def report_failure(exc: BaseException) -> str | None:
+    """After this rank failed: tell the other ranks through the job's store (the TCPStore at
+    MASTER_ADDR:MASTER_PORT that torch.distributed started from) and, when the failure is a
+    collective's (a timeout, a lost peer), name its cause: the ranks that failed on their own,
+    else those that do not report within ROLL_CALL_S (their process or node is gone, stopped,
+    or stuck outside the collective). None when no one is named or the store does not answer
+    (its host, rank 0 or torchrun's rendezvous node, is gone)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prefix = f"speculant/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    collective = _is_collective_failure(exc)
+    summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=ROLL_CALL_S),
+        )
+        store.set(prefix + str(rank), "collective" if collective else summary)
+        if not collective:  # the cause itself: the others read it
+            return None
+        peers = [r for r in range(world) if r != rank]
+        deadline = time.monotonic() + ROLL_CALL_S
+        while time.monotonic() < deadline and not store.check([prefix + str(r) for r in peers]):
+            time.sleep(0.1)
+        reported = {r: store.get(prefix + str(r)).decode() for r in peers
+                    if store.check([prefix + str(r)])}  # fmt: skip
+    except Exception:  # the store's host is gone too
+        return None
+    failed = [(r, text) for r, text in reported.items() if text != "collective"]
+    if failed:
+        return f"rank {failed[0][0]}{_node_note([failed[0][0]])} failed first ({failed[0][1]})"
+    silent = [r for r in peers if r not in reported]
+    if not silent:
+        return None
+    names = ", ".join(map(str, silent))
+    return (
+        f"rank{'s' if len(silent) > 1 else ''} {names}{_node_note(silent)} stopped answering "
+        f"(no report within {ROLL_CALL_S:.0f} s: the process or its node is gone, stopped, or "
+        "stuck outside the collective)"
+    )
 
 
 def free_port() -> int:
@@ -95,8 +249,9 @@ def _exit(code: int, device: str) -> None:
     sys.exit(code)
 
 
-def _function_rank(rank, world_size, port, device, fn, args, result_path) -> None:
-    """Body of a `run_ranks` process: run fn(*args), pickle ("ok", result) or the error."""
+def _function_rank(rank, world_size, port, device, fn, args, conn) -> None:
+    """Body of a `run_ranks` process: run fn(*args), send ("ok", result) or the error."""
+    end_with_parent()
     _enter_rank(rank, world_size, port, device)
     try:
         status, code = ("ok", fn(*args)), 0
@@ -104,14 +259,20 @@ def _function_rank(rank, world_size, port, device, fn, args, result_path) -> Non
         traceback.print_exc()
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         status, code = ("error", summary), 1
-    with open(result_path, "wb") as f:
-        pickle.dump(status, f)
+    try:
+        conn.send(status)
+    except Exception as exc:  # an unpicklable result
+        conn.send(("error", f"the result could not be sent: {exc}"))
+        code = 1
+    conn.close()
     _exit(code, device)
 
 
 def cli_rank_main(argv: Sequence[str]) -> None:
     """One rank of `speculant ARGV` (`python -m speculant.launch.spawn ARGV` with the rank's
-    environment): the command itself, then a bounded exit."""
+    environment): the command itself, then a bounded exit. A failure prints one line, naming
+    the rank that caused it when the failure was a collective's (`report_failure`)."""
+    end_with_parent()
     from speculant.launch.cli import main
 
     try:
@@ -119,11 +280,19 @@ def cli_rank_main(argv: Sequence[str]) -> None:
     except KeyboardInterrupt:
         code = 130
     except BaseException as exc:  # a peer's death or a timeout: one line, as user errors are
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the report is bounded (ROLL_CALL_S)
+        close_progress_bars()
         if "--debug" in argv:
             traceback.print_exc()
-        line = f"speculant: error: rank {os.environ.get('RANK')}: {type(exc).__name__}: {exc}"
-        print(line.strip().splitlines()[0], file=sys.stderr)
+        try:
+            cause = report_failure(exc)
+        except BaseException:  # Ctrl-C during the roll call
+            cause = None
+        line = f"speculant: error: rank {os.environ.get('RANK')}: "
+        line += f"{cause}: " if cause else ""
+        print(f"{line}{type(exc).__name__}: {exc}".strip().splitlines()[0], file=sys.stderr)
         code = 1
+    close_progress_bars()
     device = "cuda" if os.environ.get("SPECULANT_RANK_DEVICE", "cpu").startswith("cuda") else "cpu"
     _exit(code, device)
 
@@ -140,8 +309,21 @@ class _Proc:
             return self.handle.poll()
         return self.handle.exitcode
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the process is stopped (state T: SIGSTOP, or t: a debugger), from /proc."""
+        try:
+            stat = Path(f"/proc/{self.handle.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
     def kill(self) -> None:
         self.handle.kill()
+
+    def terminate(self) -> None:
+        if self.exitcode is None:
+            self.handle.terminate()
 
     def join(self, timeout: float) -> None:
         if isinstance(self.handle, subprocess.Popen):
@@ -157,12 +339,14 @@ class _Proc:
 class _Rank:
     rank: int
     process: _Proc
-    log_path: Path | None = None
+    log: Any = None  # the rank's stderr: an unnamed file (tempfile.TemporaryFile)
 
     def last_line(self) -> str:
-        if self.log_path is None or not self.log_path.is_file():
+        if self.log is None:
             return ""
-        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        fd = self.log.fileno()
+        text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        lines = text.strip().splitlines()
         return lines[-1].removeprefix("speculant: error: ") if lines else ""
 
 
@@ -184,12 +368,19 @@ def _describe(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _supervise(ranks: list[_Rank], timeout_s: float | None, grace_s: float) -> str | None:
-    """Wait for every rank; None when all exited 0, else one line naming the first failure and
-    any rank that was still running `grace_s` later (killed as stuck)."""
+def _supervise(
+    ranks: list[_Rank],
+    timeout_s: float | None,
+    grace_s: float,
+    on_poll: Callable[[], None] = lambda: None,
+) -> str | None:
+    """Wait for every rank; None when all exited 0, else one line naming the cause (a stopped
+    rank first: the others failed waiting for it; else the first failure) and any rank that was
+    still running `grace_s` later (killed as stuck). `on_poll` runs every poll."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failure, stuck_since, first_seen = None, None, None
+    failure, stuck_since, first_seen, stopped = None, None, None, []
     while True:
+        on_poll()
         alive = [r for r in ranks if r.process.exitcode is None]
         failed = [r for r in ranks if r.process.exitcode not in (None, 0)]
         if failed and first_seen is None:
@@ -199,6 +390,7 @@ def _supervise(ranks: list[_Rank], timeout_s: float | None, grace_s: float) -> s
         settled = first_seen is not None and (not alive or time.monotonic() - first_seen > SETTLE_S)
         if failure is None and settled:
             failure = min(failed, key=lambda r: (_blame(r.process.exitcode), r.rank))
+            stopped = [r for r in alive if r.process.stopped]  # never reached the collective
             stuck_since = time.monotonic()
         if not alive:
             break
@@ -213,14 +405,22 @@ def _supervise(ranks: list[_Rank], timeout_s: float | None, grace_s: float) -> s
         r.process.kill()
     for r in ranks:
         r.process.join(timeout=10)
+    on_poll()
     if failure is None and not stuck:
         return None
     if failure is None:
         names = ", ".join(str(r.rank) for r in stuck)
         return f"rank(s) {names} did not finish within {timeout_s:.0f} s and were killed"
-    line = f"rank {failure.rank} {_describe(failure.process.exitcode)}"
+    described = f"rank {failure.rank} {_describe(failure.process.exitcode)}"
     if failure.process.exitcode > 0 and failure.last_line():  # its error line
-        line += f": {failure.last_line()}"
+        described += f": {failure.last_line()}"
+    if stopped:  # the cause: alive, but it never reached the collective the others failed in
+        names = ", ".join(str(r.rank) for r in stopped)
+        return (
+            f"rank{'s' if len(stopped) > 1 else ''} {names} stopped answering (its process was "
+            f"stopped, state T: SIGSTOP or a debugger) and was killed; {described} waiting for it"
+        )
+    line = described
     if stuck:
         names = ", ".join(str(r.rank) for r in stuck)
         line += f"; rank(s) {names} did not exit within {grace_s:.0f} s after that and were killed"
@@ -242,6 +442,20 @@ def _start(target: Callable, world_size: int, rank_args: Callable[[int], tuple])
     return processes
 
 
+def _stop(ranks: list[_Rank]) -> None:
+    """SIGTERM every rank still running (each stops as on Ctrl-C, keeping what it finished),
+    then SIGKILL those still running STOP_S later."""
+    for r in ranks:
+        r.process.terminate()
+    deadline = time.monotonic() + STOP_S
+    while any(r.process.exitcode is None for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for r in ranks:
+        if r.process.exitcode is None:
+            r.process.kill()
+        r.process.join(timeout=10)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -254,74 +468,113 @@ def run_ranks(
     """Run `fn(*args)` in `world_size` new processes (rank r on cuda:r for a CUDA device) and
     return their results in rank order. `fn` must be importable (a module-level function) and
     its result picklable. Raises RankFailure naming the rank when one fails, and kills every
-    rank still running after `timeout_s`."""
+    rank still running after `timeout_s`. Results come back through pipes (nothing on disk)."""
     check_devices(device, world_size)
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="speculant-ranks-") as tmp:
-        paths = [Path(tmp) / f"rank{r}.pkl" for r in range(world_size)]
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (receive, send) per rank
 
-        def rank_args(rank: int) -> tuple:
-            return (rank, world_size, port, device, fn, tuple(args), str(paths[rank]))
+    def rank_args(rank: int) -> tuple:
+        return (rank, world_size, port, device, fn, tuple(args), pipes[rank][1])
 
-        processes = _start(_function_rank, world_size, rank_args)
-        ranks = [_Rank(r, p) for r, p in enumerate(processes)]
-        failure = _supervise(ranks, timeout_s, grace_s)
-        results = []
-        for rank, path in enumerate(paths):
-            status = pickle.loads(path.read_bytes()) if path.is_file() else ("missing",)
-            if status[0] == "error" and failure is not None and f"rank {rank} " in failure:
-                failure += f" ({status[1]})"
-            results.append(status[1] if status[0] == "ok" else None)
-        if failure is not None:
-            raise RankFailure(failure)
-        return results
+    statuses: dict[int, tuple] = {}
+
+    def receive() -> None:  # a large result blocks its rank until read: read every poll
+        for rank, (conn, _) in enumerate(pipes):
+            if rank not in statuses and conn.poll():
+                try:
+                    statuses[rank] = conn.recv()
+                except (EOFError, OSError):  # the rank died before sending
+                    statuses[rank] = ("missing",)
+
+    processes = _start(_function_rank, world_size, rank_args)
+    for _, send in pipes:
+        send.close()  # the ranks hold theirs: a dead rank's pipe reads EOF
+    ranks = [_Rank(r, p) for r, p in enumerate(processes)]
+    try:
+        failure = _supervise(ranks, timeout_s, grace_s, on_poll=receive)
+    except BaseException:
+        _stop(ranks)
+        raise
+    finally:
+        for conn, _ in pipes:
+            conn.close()
+    results = []
+    for rank in range(world_size):
+        status = statuses.get(rank, ("missing",))
+        if status[0] == "error" and failure is not None and f"rank {rank} " in failure:
+            failure += f" ({status[1]})"
+        results.append(status[1] if status[0] == "ok" else None)
+    if failure is not None:
+        raise RankFailure(failure)
+    return results
 
 
-def launch_cli(argv: Sequence[str], world_size: int, device: str, stderr: TextIO) -> int:
+def check_output_free(path: str | None) -> None:
+    """Refuse an --output file that another run holds locked (cli.output_lock) before any rank
+    starts; rank 0 takes the lock itself for the run."""
+    if path and Path(path).is_file():
+        from speculant.launch.cli import output_lock
+
+        with output_lock(path):
+            pass
+
+
+def launch_cli(
+    argv: Sequence[str], world_size: int, device: str, stderr: TextIO, output: str | None = None
+) -> int:
     """Run `speculant ARGV` as `world_size` local ranks and return the job's exit status: 0 when
     every rank succeeded, rank 0's status when it alone reported (a user error prints one line
-    there), else 1 with one line naming the failed and the stuck ranks."""
+    there), 130/143 after Ctrl-C/SIGTERM (every rank stopped, a line saying so and where the
+    finished requests are, `output`), else 1 with one line naming the failed and stuck ranks.
+    Rank 0 keeps this terminal; the others' stderr goes to unnamed files (read for their last
+    line), so a launcher killed by SIGKILL leaves nothing behind."""
     check_devices(device, world_size)
+    check_output_free(output)
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="speculant-ranks-") as tmp:
-        logs = [Path(tmp) / f"rank{r}.log" for r in range(world_size)]
+    ranks: list[_Rank] = []
+    try:
+        for rank in range(world_size):
+            env = {**os.environ, **rank_env(rank, world_size, port)}
+            env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
+            if device == "cpu":  # share the cores instead of oversubscribing them
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+            cmd = [sys.executable, "-m", "speculant.launch.spawn", *argv]
+            if rank == 0:  # rank 0 keeps this terminal: it writes the outputs
+                ranks.append(_Rank(rank, _Proc(subprocess.Popen(cmd, env=env))))
+                continue
+            log = tempfile.TemporaryFile(prefix=f"speculant-rank{rank}-")
+            handle = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+            ranks.append(_Rank(rank, _Proc(handle), log))
+        failure = _supervise(ranks, None, GRACE_S)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        _stop(ranks)
+        line, code = stopped_line(exc, output, ranks=True)
+        _end_line(ranks, line, stderr)
+        return code
+    except BaseException:
+        _stop(ranks)
+        raise
+    finally:
+        for r in ranks:
+            if r.log is not None:
+                r.log.close()
+    if failure is None:
+        return 0
+    codes = [r.process.exitcode for r in ranks]
+    if codes[0] == 2 and all(c in (0, 2) for c in codes):
+        return 2  # a user error: rank 0 printed it as one line already
+    _end_line(ranks, f"speculant: error: {failure}", stderr)
+    return 1
 
-        ranks = []
-        try:
-            for rank in range(world_size):
-                env = {**os.environ, **rank_env(rank, world_size, port)}
-                env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
-                if device == "cpu":  # share the cores instead of oversubscribing them
-                    env.setdefault(
-                        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))
-                    )
-                cmd = [sys.executable, "-m", "speculant.launch.spawn", *argv]
-                if rank == 0:  # rank 0 keeps this terminal: it writes the outputs
-                    handle = subprocess.Popen(cmd, env=env)
-                else:
-                    with open(logs[rank], "wb") as log:
-                        handle = subprocess.Popen(
-                            cmd, env=env, stdout=subprocess.DEVNULL, stderr=log
-                        )
-                ranks.append(_Rank(rank, _Proc(handle), logs[rank] if rank > 0 else None))
-        except BaseException:
-            for r in ranks:
-                r.process.kill()
-            raise
-        try:
-            failure = _supervise(ranks, None, GRACE_S)
-        except KeyboardInterrupt:
-            for r in ranks:
-                r.process.kill()
-            print("speculant: interrupted", file=stderr)
-            return 130
-        if failure is None:
-            return 0
-        codes = [r.process.exitcode for r in ranks]
-        if codes[0] == 2 and all(c in (0, 2) for c in codes):
-            return 2  # a user error: rank 0 printed it as one line already
-        print(f"speculant: error: {failure}", file=stderr)
-        return 1
+
+def _end_line(ranks: list[_Rank], line: str, stderr: TextIO) -> None:
+    """Print the launcher's last line, on a line of its own: rank 0 shares this terminal, and
+    if it was killed its progress bar may have been left without a newline."""
+    code = ranks[0].process.exitcode if ranks else 0
+    if code is None or code < 0:
+        stderr.write("\n")
+    print(line, file=stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,311 @@
+"""Processes as users and schedulers treat them, on the CPU with the bundled 8.4 M-parameter
+target: the `speculant: error:` line is the last on stderr even after a progress bar (one
+process, and a launcher whose rank 0 dies mid-bar); SIGTERM to the launcher stops every rank
+(exit 143, finished outputs kept, a line saying so) and SIGKILL to it leaves no rank running
+and no /tmp/speculant-ranks-* folder; two runs on one --output, or --output naming the
+--prompts file (by any spelling, link or symlink), are refused before any model loads; a rank
+stopped with SIGSTOP is named as the cause of the timeout it causes.
+
+Every subprocess runs in its own session, is waited for with a timeout and killed at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from speculant.launch import cli
+
+TARGET = Path(__file__).resolve().parents[1] / "assets" / "target"
+WAIT_S = 60  # the most a job may take to reach the point a test acts at, or to end after it
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks at ranks in /proc")
+
+
+def write_prompts(path: Path, short: int = 2, long: int = 2) -> Path:
+    """`short` requests of 4 tokens first, then `long` ones that run for half a minute."""
+    rows = [{"prompt_token_ids": [5 + i, 6, 7], "max_new_tokens": 4} for i in range(short)]
+    rows += [{"prompt_token_ids": [9 + i, 10], "max_new_tokens": 900} for i in range(long)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def last_line(text: str) -> str:
+    """The last line a terminal shows: a progress bar redraws itself after a carriage return."""
+    return re.split(r"[\r\n]+", text.strip())[-1]
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+def marked(mark: str) -> list[int]:
+    """Live processes started with SPECULANT_TEST_MARK=mark in their environment."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and environ(int(entry.name)).get("SPECULANT_TEST_MARK") == mark:
+            stat = (entry / "stat").read_text() if (entry / "stat").exists() else ""
+            if stat and stat.rsplit(")", 1)[-1].split()[0] != "Z":  # zombies have ended
+                found.append(int(entry.name))
+    return found
+
+
+def rank_pid(mark: str, rank: int) -> int:
+    """The process of `rank` (RANK in its environment) among the marked ones."""
+    for pid in marked(mark):
+        env = environ(pid)
+        if env.get("RANK") == str(rank) and "speculant.launch.spawn" in Path(
+            f"/proc/{pid}/cmdline"
+        ).read_bytes().decode(errors="replace"):
+            return pid
+    raise AssertionError(f"no rank {rank} among {marked(mark)}")
+
+
+def wait_until(ready, what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def count_lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def is_locked(path: Path) -> bool:
+    """Whether another process holds the --output lock (cli.output_lock) on `path`."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+class Job:
+    """`speculant generate --device cpu --target <bundled> ARGS` in its own session, stderr in
+    a file, marked so that its ranks can be found; killed with its whole session at the end."""
+
+    def __init__(self, tmp_path: Path, args: list[str], env: dict | None = None):
+        self.mark, self.err_path = uuid.uuid4().hex, tmp_path / "stderr.txt"
+        self.tmpdir = tmp_path / "tmp"  # the launcher's TMPDIR: what it leaves there is seen
+        self.tmpdir.mkdir()
+        env = {**os.environ, "SPECULANT_TEST_MARK": self.mark, "TMPDIR": str(self.tmpdir),
+               "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
+        cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu",
+               "--target", str(TARGET), *args]  # fmt: skip
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                         stderr=err, start_new_session=True)  # fmt: skip
+
+    def wait(self, timeout: float = WAIT_S) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within {timeout} s: {self.err_path.read_text()}")
+        return code, self.err_path.read_text()
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in marked(self.mark):  # ranks that left the session (none should be left)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs = []
+
+    def start(args: list[str], env: dict | None = None) -> Job:
+        jobs.append(Job(tmp_path, args, env))
+        return jobs[-1]
+
+    yield start
+    for started in jobs:
+        started.close()
+
+
+def tp2_args(tmp_path: Path, *extra: str) -> list[str]:
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    return ["--tp", "2", "--prompts", str(prompts), "--output", "out.jsonl", "--ignore-eos",
+            "--max-num-seqs", "2", "--dist-timeout", "60", *extra]  # fmt: skip
+
+
+# ------------------------------------------------------------------ the error line is the last
+
+
+def test_error_line_is_last_after_a_progress_bar(capfd, monkeypatch, tmp_path):
+    """An error while the requests bar is open (the output file fails on the second request):
+    the bar is closed first, so nothing is drawn after the error line."""
+    from speculant.executor.request import RequestOutput
+
+    to_json, calls = RequestOutput.to_json, []
+
+    def disk_full_on_the_second(self):
+        calls.append(self.index)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return to_json(self)
+
+    monkeypatch.setattr(RequestOutput, "to_json", disk_full_on_the_second)
+    prompts = write_prompts(tmp_path / "p.jsonl", short=3, long=0)
+    code = cli.main(["generate", "--device", "cpu", "--target", str(TARGET), "--prompts",
+                     str(prompts), "--output", str(tmp_path / "out.jsonl"), "--max-num-seqs",
+                     "1"])  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert "requests:" in err, err  # a bar was drawn
+    assert last_line(err) == "speculant: error: [Errno 28] No space left on device", err
+
+
+@pytest.mark.timeout(120)
+def test_launcher_error_line_is_last_when_rank0_dies_mid_bar(job, tmp_path):
+    """Rank 0 shares the launcher's terminal: killed while its bar is drawn, it leaves no
+    newline, and the launcher's error line still starts a line of its own, the last."""
+    started = job(tp2_args(tmp_path))
+    wait_until(lambda: count_lines(tmp_path / "out.jsonl") >= 1, "the first output")
+    os.kill(rank_pid(started.mark, 0), signal.SIGKILL)
+    code, err = started.wait()
+    assert code == 1, err
+    assert last_line(err).startswith("speculant: error: rank 0 was killed by SIGKILL"), err
+
+
+# ---------------------------------------------------------- killing the launcher (SIGTERM, SIGKILL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_the_launcher_stops_every_rank(job, tmp_path, sig):
+    """SIGTERM to the launcher's PID alone (kill, a batch scheduler, docker stop) stops every
+    rank as Ctrl-C does: exit 143, a line saying so, the finished requests in --output. After
+    SIGKILL the ranks stop by themselves (their parent died). Either way no rank keeps writing
+    the file and no speculant-ranks-* folder is left in TMPDIR."""
+    out = tmp_path / "out.jsonl"
+    started = job(tp2_args(tmp_path))
+    wait_until(lambda: count_lines(out) >= 2, "the two short requests")
+    assert is_locked(out), "rank 0 holds the --output lock while it writes"
+    os.kill(started.proc.pid, sig)
+    code, err = started.wait()
+    if sig == signal.SIGTERM:
+        assert code == 143, err
+        assert last_line(err) == (
+            "speculant: terminated (SIGTERM): every rank stopped; the requests that finished "
+            "are in out.jsonl"
+        ), err
+        assert "Traceback" not in err
+    else:
+        assert code == -signal.SIGKILL
+    wait_until(lambda: not marked(started.mark), "every rank to stop", timeout=20)
+    size = out.stat().st_size
+    time.sleep(1)
+    assert out.stat().st_size == size, "a rank kept writing --output"
+    lines = [json.loads(line) for line in out.read_text().splitlines()]  # whole lines only
+    assert sorted(line["index"] for line in lines[:2]) == [0, 1]
+    assert all(len(line["token_ids"]) == 4 for line in lines[:2])
+    assert not list(started.tmpdir.glob("speculant-ranks-*"))
+    assert not is_locked(out)
+
+
+# ------------------------------------------------------- the output file: one writer, not an input
+
+
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"]], ids=["one-process", "tp2"])
+def test_a_second_run_on_the_same_output_is_refused(tmp_path, capfd, monkeypatch, layout):
+    """Another run holds the --output lock (an exclusive flock, as a running job's writer
+    does): this run is refused with one line before any model loads or rank starts, and the
+    file is untouched."""
+    from speculant.launch import spawn
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model loaded or a rank started")
+
+    monkeypatch.setattr(cli, "generate_in_rank", never)
+    monkeypatch.setattr(spawn.subprocess, "Popen", never)
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0}\n')
+    with open(out, "a") as first_run:
+        fcntl.flock(first_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code = cli.main(["generate", "--device", "cpu", "--target", str(TARGET), "--prompt",
+                         "def f():", "--output", str(out), *layout])  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert last_line(err) == (
+        f"speculant: error: --output {str(out)!r} is being written by another run (it holds "
+        "the file's lock); wait for that run to end or pick another path"
+    ), err
+    assert out.read_text() == '{"index": 0}\n'
+
+
+def test_a_run_holds_the_output_lock_and_leaves_no_empty_file(tmp_path, capfd, monkeypatch):
+    """The one process takes the lock before the model loads and holds it while it generates;
+    a run that fails before writing anything removes the file it created."""
+    seen = []
+
+    def check_then_fail(*args, **kwargs):
+        seen.append(is_locked(tmp_path / "out.jsonl"))
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(cli, "generate_in_rank", check_then_fail)
+    code = cli.main(["generate", "--device", "cpu", "--target", str(TARGET), "--prompt",
+                     "def f():", "--output", str(tmp_path / "out.jsonl")])  # fmt: skip
+    assert code == 2 and seen == [True]
+    assert not (tmp_path / "out.jsonl").exists()
+    capfd.readouterr()
+
+
+@pytest.mark.parametrize("spelling", ["same", "dot-slash", "absolute", "symlink", "hardlink"])
+def test_output_that_is_the_prompts_file_is_refused(tmp_path, capfd, monkeypatch, spelling):
+    """--output naming the --prompts file, by inode whatever the spelling: refused with one
+    line before any model loads; the prompts are untouched."""
+    monkeypatch.setattr(cli, "generate_in_rank", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.chdir(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", short=1, long=0)
+    before = prompts.read_text()
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    os.link(prompts, tmp_path / "hard.jsonl")
+    output = {"same": "p.jsonl", "dot-slash": "./p.jsonl", "absolute": str(prompts),
+              "symlink": "link.jsonl", "hardlink": "hard.jsonl"}[spelling]  # fmt: skip
+    code = cli.main(["generate", "--device", "cpu", "--target", str(TARGET), "--prompts",
+                     "p.jsonl", "--output", output])  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert last_line(err).startswith(
+        f"speculant: error: --output {output!r} is the --prompts file 'p.jsonl'"
+    ), err
+    assert prompts.read_text() == before
+
+
+# --------------------------------------------------------------------------- a stopped rank
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_named_as_the_cause(job, tmp_path):
+    """SIGSTOP on rank 1 mid-run: rank 0's collective times out (--dist-timeout 8) and the
+    launcher names rank 1 (alive, state T, it never reached the collective) as the cause."""
+    started = job(tp2_args(tmp_path, "--dist-timeout", "8"))
+    wait_until(lambda: count_lines(tmp_path / "out.jsonl") >= 1, "the first output")
+    os.kill(rank_pid(started.mark, 1), signal.SIGSTOP)
+    code, err = started.wait()
+    assert code == 1, err
+    last = last_line(err)
+    assert last.startswith("speculant: error: rank 1 stopped answering (its process was "), err
+    assert "rank 0 exited with status 1 waiting for it" in last, err
+    wait_until(lambda: not marked(started.mark), "every rank to end", timeout=20)
