@@ -340,6 +340,8 @@ def run_driver(
         empty = replace(job, specs=[], baseline=None)
     world = args.tp * args.dp
     ray = _import_ray()
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file (or `ray job submit`'s)
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # gets the actors' lines uncoloured
     connected_here = not ray.is_initialized()
     if connected_here and address:
         ray.init(address=address)  # the cluster's resources; none of ours
