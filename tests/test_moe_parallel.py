@@ -21,14 +21,16 @@ import torch
 from helpers_eagle import write_random_eagle3
 from safetensors.torch import load_file, save_file
 from test_moe import TINY_MOE, prompts_of, save_moe
+from test_parallel import DecodeRecorder
 
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.comm.groups import ParallelContext
 from speculant.comm.moe_dispatch import AllToAllDispatcher
 from speculant.config import GraphConfig
 from speculant.executor.cuda_graph import DPStepSizes, GraphRunner, dp_capture_dummies
-from speculant.executor.dp import DECODE, IDLE, PREFILL, DPCoordinator
+from speculant.executor.dp import DECODE, EXTEND, IDLE, DPCoordinator
 from speculant.executor.model_runner import StepOutput
+from speculant.executor.step_plan import Chunk, StepPlan
 from speculant.launch.cli import build_parser
 from speculant.launch.spawn import run_ranks
 
@@ -99,34 +101,34 @@ def eagle_dir(tmp_path_factory, moe_dir):
 
 
 class StepLog:
-    """Wraps an engine's DP coordinator and graph runner to log, per step, what this rank ran
-    (requests prefilled, requests decoded) and the per-rank sizes it derived."""
+    """Wraps an engine's DP coordinator to log, per step, what this rank scheduled (prefill
+    chunks, decode rows) and the per-rank sizes it derived from the exchange."""
 
     def __init__(self, engine: Engine):
         self.modes: list[tuple[int, int]] = []
         self.sizes: list[tuple | None] = []
-        plan, announce = engine.dp.plan, engine.graphs.set_step_sizes
+        agree = engine.dp.agree
 
-        def logged_plan(num_prefill, num_decode, *args):
-            self.modes.append((num_prefill, num_decode))
-            return plan(num_prefill, num_decode, *args)
+        def logged_agree(plan, *args):
+            self.modes.append((len(plan.chunks), len(plan.decode)))
+            plan = agree(plan, *args)
+            self.sizes.append(None if plan.sizes is None else tuple(map(tuple, plan.sizes)))
+            return plan
 
-        def logged_sizes(sizes):
-            self.sizes.append(None if sizes is None else tuple(map(tuple, sizes)))
-            announce(sizes)
-
-        engine.dp.plan, engine.graphs.set_step_sizes = logged_plan, logged_sizes
+        engine.dp.agree = logged_agree
 
 
 def moe_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
     """One rank: join the mesh, then per case (name, target, options, prompts, params) build an
     engine and generate (rank 0 passes the prompts), logging every step."""
     pctx = ParallelContext.from_env(tp, dp, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
-    seen = {}
+    recorder, seen = DecodeRecorder(), {}
     for name, target, options, prompts, params in cases:
+        recorder.engine = None
         engine = Engine(str(target), pctx=pctx, **ENGINE, **options)
         engine.warm_up((1, 9))  # what start-up runs on CUDA: MoE prefills on every rank at once
-        log = StepLog(engine)
+        recorder.take()
+        recorder.engine, log = engine, StepLog(engine)
         source = pctx.rank == 0
         outs = engine.generate(prompts if source else None, params if source else None)
         seen[name] = dict(
@@ -140,7 +142,8 @@ def moe_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
             and engine.model.dispatcher.group is pctx.ep_group,
             experts=engine.model.model.layers[0].mlp.experts.num_local,
             replays=engine.graphs.num_replays,
-            uniform_sizes=engine.dp.uniform_sizes,
+            stand_ins=engine.graphs.num_stand_ins,
+            decodes=recorder.take(),
             dummy_steps=engine.dp.dummy_steps,
             pages_returned=len(engine.kv.free_pages) == engine.kv.num_pages - 1,
         )
@@ -165,13 +168,19 @@ def launch(tp: int, dp: int, cases: list[tuple]) -> list[dict]:
 
 
 def check_lockstep(ranks: list[dict], case: str) -> None:
-    """Every rank derived the same per-step table and ran the same number of MoE forwards."""
+    """Every rank derived the same per-step table and ran the same number of MoE forwards, and,
+    as seen inside each rank's decode step: after every exchange in which every rank ran a
+    decode step (all decode or idle within the captured sizes), they all ran the same rows."""
     first = ranks[0][case]
     for rank in ranks[1:]:
         assert rank[case]["steps"] == first["steps"], case
         assert rank[case]["moe_forwards"] == first["moe_forwards"], case
-        assert rank[case]["uniform_sizes"] == first["uniform_sizes"], case
     assert all(rank[case]["pages_returned"] for rank in ranks), case
+    ran = [{step: bs for step, bs, *_ in rank[case]["decodes"]} for rank in ranks]
+    common = set.intersection(*(set(r) for r in ran))
+    assert common, case  # some step decoded on every rank at once
+    for step in sorted(common):
+        assert len({r[step] for r in ran}) == 1, (case, step, [r[step] for r in ran])
 
 
 # ---------------------------------------------------------------------------------------- EP=2
@@ -242,6 +251,7 @@ def test_ep2_steps_mix_prefill_decode_and_idle(ep2_run):
     assert any(max(tokens) > 4 * 4 for tokens, _ in steps)  # above the 16-token limit: chunks
     one = ranks[1]["one_request"]
     assert one["tokens"] == {} and one["dummy_steps"] > 0
+    assert one["decodes"] and all(live == 0 for _, _, live, _ in one["decodes"])  # dummies
     assert ranks[0]["one_request"]["dummy_steps"] == 0
     # rank 1's one-row eager dummy while rank 0 prefilled: 13 prompt tokens and 1 token
     assert ((13, 1), (1, 1)) in ranks[0]["one_request"]["steps"]
@@ -260,8 +270,8 @@ def test_dp2_speculative_padded_graph_sizes_keep_output_and_acceptance(ep2_run):
     assert min(single.values()) > 2.0  # the drafter is mostly accepted
     for index, accept_len in ours["accept_len"].items():
         assert accept_len == pytest.approx(single[index], rel=0.02), index
-    for rank in ranks:
-        assert rank["spec_padded"]["replays"] > 0  # steps that stand in for graph replays
+    for rank in ranks:  # no graphs on the CPU: eager steps stood in for replays
+        assert rank["spec_padded"]["replays"] == 0 and rank["spec_padded"]["stand_ins"] > 0
     assert ranks[1]["spec_padded"]["dummy_steps"] > 0  # its requests ended first
 
 
@@ -333,89 +343,108 @@ def test_cli_moe_flags_reach_the_engine_options():
 
 
 class FakeGraphs:
-    """What DPCoordinator reads of the graph runner; records the sizes it is handed."""
+    """What DPCoordinator reads of the graph runner."""
 
     def __init__(self, sizes=(1, 2, 4)):
-        self.sizes, self.cfg, self.announced = list(sizes), GraphConfig(), []
+        self.sizes, self.cfg = list(sizes), GraphConfig()
 
     def padded_bs(self, bs: int) -> int:
         return next((s for s in self.sizes if s >= bs), bs)
 
-    def set_step_sizes(self, sizes) -> None:
-        self.announced.append(sizes)
+
+def scheduled(mode: int, tokens: int, rows: int, tokens_per_req: int) -> StepPlan:
+    """A rank's scheduled plan of that row of the table: rows decode rows, or rows prefill
+    chunks of tokens / rows tokens each, or nothing."""
+    if mode == DECODE:
+        return StepPlan(decode=[object()] * rows, tokens_per_req=tokens_per_req)
+    chunks = [Chunk(object(), 0, [0] * (tokens // rows), True, None) for _ in range(rows)]
+    return StepPlan(chunks=chunks if mode == EXTEND else [], tokens_per_req=tokens_per_req)
 
 
 def plans_of(table, tp=1, moe=True, tokens_per_req=4):
-    """Every DP rank's plan from one exchanged table of (mode, tokens, requests, has_work)."""
+    """Every DP rank's plan from one exchanged table of (mode, tokens, rows, has_work)."""
     plans = []
-    for dp_rank, (mode, *_) in enumerate(table):
+    for dp_rank, (mode, tokens, rows, has_work) in enumerate(table):
         pctx = ParallelContext(tp_size=tp, dp_size=len(table), dp_rank=dp_rank)
+        pctx.all_gather_dp = lambda row: [list(r) for r in table]
         coordinator = DPCoordinator(pctx, FakeGraphs(), tokens_per_req, moe)
-        plans.append(coordinator._agree(mode, [list(row) for row in table]))
+        plan = scheduled(mode, tokens, rows, tokens_per_req)
+        plans.append(coordinator.agree(plan, bool(has_work)))
     return plans
 
 
 def test_protocol_every_rank_derives_the_same_forwards():
     # rank 0 prefills 2 prompts (2 x 20 tokens), rank 1 decodes 3 requests, rank 2 is idle
-    table = [(PREFILL, 40, 2, 1), (DECODE, 12, 3, 1), (IDLE, 0, 0, 0)]
+    table = [(EXTEND, 40, 2, 1), (DECODE, 12, 3, 1), (IDLE, 0, 0, 0)]
     plans = plans_of(table, tp=2)
     sizes = DPStepSizes([40, 40, 12, 12, 4, 4], [2, 2, 3, 3, 1, 1])  # by global rank, TP inner
-    assert all(plan.sizes == sizes and not plan.allow_graph for plan in plans)
-    assert [plan.decode_bs for plan in plans] == [0, 3, 1]  # the idle rank runs one dummy row
-    dense = plans_of(table, moe=False)  # a dense target's idle rank sits the step out
-    assert dense[2].decode_bs == 0 and dense[2].sizes.tokens_per_rank == [40, 12, 0]
+    assert all(plan.sizes == sizes and not plan.use_graph for plan in plans)
+    assert [plan.padded_bs for plan in plans] == [0, 3, 1]  # the idle rank runs one dummy row
+    assert [plan.dummy for plan in plans] == [False, False, True]
+    dense = plans_of(table, moe=False)  # a dense target: each rank its own step, no dummy
+    own = [(p.padded_bs, p.use_graph, p.dummy) for p in dense[1:]]
+    assert own == [(4, True, False), (0, False, False)]
 
 
 def test_protocol_uniform_decode_and_the_end():
     plans = plans_of([(DECODE, 12, 3, 1), (IDLE, 0, 0, 0)])
-    assert [(p.decode_bs, p.allow_graph) for p in plans] == [(4, True), (4, True)]
+    assert [(p.padded_bs, p.use_graph) for p in plans] == [(4, True), (4, True)]
     assert all(p.sizes == dp_capture_dummies(4, 4, 2) for p in plans)  # what graph 4 baked in
     done = plans_of([(IDLE, 0, 0, 0), (IDLE, 0, 0, 0)])
     assert all(p.all_idle and p.sizes is None for p in done)
     # above the largest captured size: eager, each rank at its own size
     big = plans_of([(DECODE, 40, 10, 1), (DECODE, 8, 2, 1)])
-    assert [p.decode_bs for p in big] == [10, 2] and not big[0].allow_graph
+    assert [p.padded_bs for p in big] == [10, 2] and not big[0].use_graph
 
 
 def test_dispatcher_plans_from_the_step_sizes_without_a_collective():
     a2a = AllToAllDispatcher(8, ep_size=2, ep_rank=1, max_tokens_per_rank=16)
-    a2a.set_tokens_per_rank([5, 9])
-    a2a.begin_forward(9)  # no process group here: a collective would fail
+    a2a.begin_forward(9, [5, 9])  # no process group here: a collective would fail
     assert (a2a.num_chunks, a2a.block_tokens) == (1, 9)  # blocks of the largest count, not 16
-    a2a.set_tokens_per_rank([40, 9])  # a prefill of 40 tokens on rank 0: 3 chunks of 16
-    a2a.begin_forward(9)
+    a2a.begin_forward(9, [40, 9])  # a prefill of 40 tokens on rank 0: 3 chunks of 16
     assert (a2a.num_chunks, a2a.chunk_tokens, a2a.block_tokens) == (3, 16, 16)
     with pytest.raises(SpeculantError, match=r"has 7 tokens but .* give EP rank 1 9"):
-        a2a.begin_forward(7)  # a stale or non-uniform plan is an error, not garbage
+        a2a.begin_forward(7, [40, 9])  # a stale or non-uniform plan is an error, not garbage
     with pytest.raises(ValueError, match="3 token counts for 2 EP ranks"):
-        a2a.set_tokens_per_rank([1, 2, 3])
+        a2a.begin_forward(9, [1, 2, 3])
 
 
 def test_replay_with_sizes_other_than_captured_is_an_error():
     output = StepOutput(torch.zeros(2, 1), torch.ones(2), torch.zeros(2, 0))
 
+    steps = []
+
     class FakeRunner:
         device = torch.device("cpu")
 
-        def decode_step(self, bs, variant):
+        class model:  # noqa: N801 - what GraphRunner reads of the model
+            config = None
+
+        def decode_step(self, bs, variant, tokens_per_rank=None):
+            steps.append(bs)
             return output
 
     graphs = GraphRunner(
         FakeRunner(), GraphConfig(capture_sizes=[2]), 4, ("greedy",), ParallelContext()
     )
-    graphs.use_graphs = graphs.pad = True
+    graphs.use_graphs = graphs.pad = graphs.plans_dispatch = True  # a MoE target's graphs
+    replays = []
 
     class Graph:
         def replay(self):
-            pass
+            replays.append(1)
 
     graphs.graphs[("greedy", 2)] = Graph()
     graphs.outputs[("greedy", 2)] = output
     graphs.captured_sizes[("greedy", 2)] = dp_capture_dummies(2, 1, 2)
-    graphs.step_sizes = dp_capture_dummies(2, 1, 2)
-    graphs.run(1, 2, "greedy")
-    assert graphs.num_replays == 1
-    graphs.step_sizes = DPStepSizes([2, 1], [2, 1])  # rank 1 would run another size
+    graphs.run(1, 2, "greedy", sizes=dp_capture_dummies(2, 1, 2))
+    assert graphs.num_replays == len(replays) == 1 and graphs.num_stand_ins == 0
     with pytest.raises(RuntimeError, match=r"captured with per-rank sizes .* dp_capture_dummies"):
-        graphs.run(1, 2, "greedy")
+        graphs.run(1, 2, "greedy", sizes=DPStepSizes([2, 1], [2, 1]))  # rank 1: another size
     graphs.run(1, 2, "greedy", allow_graph=False)  # an eager step checks nothing
+    assert graphs.num_replays == len(replays) == 1 and steps == [2]
+    graphs.use_graphs = False  # eager padding: the step stands in for the replay, checked alike
+    graphs.run(1, 2, "greedy", sizes=dp_capture_dummies(2, 1, 2))
+    assert (graphs.num_replays, graphs.num_stand_ins, steps) == (1, 1, [2, 2])
+    with pytest.raises(RuntimeError, match=r"captured with per-rank sizes"):
+        graphs.run(1, 2, "greedy", sizes=DPStepSizes([2, 1], [2, 1]))
