@@ -624,6 +624,45 @@ def test_deepep_dispatcher_modes_with_a_recording_buffer():
     assert d.replay_hooks()[0].ep is ep
 
 
+def test_engine_wires_the_dispatchers_replay_hooks_into_its_graph_runner(moe_dir, monkeypatch):
+    """An Engine on a DeepEP target registers the dispatcher's graph adapter on its own graph
+    runner, so every replay resets low-latency mode and cleans the buffer first. On the CPU a
+    recording stand-in for deep_ep.Buffer is built where make_dispatcher would build the real
+    one: the engine's wiring and the replay protocol are checked, not DeepEP's kernels."""
+    import speculant.models.loader as loader
+
+    calls, made = [], []
+
+    def deepep_dispatcher(cfg, pctx, moe, decode_tokens, device):
+        ep = DeepEPBuffer(RecordingBuffer(calls), cfg.hidden_size, cfg.num_experts, decode_tokens)
+        made.append(DeepEPDispatcher(ep, pctx.ep_size, pctx.rank))
+        return made[-1]
+
+    monkeypatch.setattr(loader, "make_dispatcher", deepep_dispatcher)
+    eng = engine(moe_dir)
+    dispatcher, graphs = eng.model.dispatcher, eng.graphs
+    assert made == [dispatcher]
+    adapters = [hook for hook in graphs.hooks if isinstance(hook, DeepEPGraphAdapter)]
+    assert len(adapters) == 1 and adapters[0].ep is dispatcher.ep
+    eng.generate(prompts_of((9, 3), seed=8), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert {"dispatch", "ll_dispatch"} <= {c[0] for c in calls}  # prefill normal, decode LL
+
+    class RecordingGraph:
+        def replay(self):
+            calls.append(("replay", dispatcher.ep.mode))
+
+    graphs.use_graphs = graphs.pad = True  # RecordingGraph stands in for a captured graph
+    graphs.graphs[("greedy", 1)] = RecordingGraph()
+    graphs.outputs[("greedy", 1)] = StepOutput(torch.zeros(1, 1), torch.ones(1), torch.zeros(1, 0))
+    dispatcher.ep.set_mode(DispatchMode.NORMAL)  # a prefill ran in normal mode
+    calls.clear()
+    graphs.run(1, 1, "greedy")
+    graphs.run(1, 1, "greedy")
+    clean = ("clean", dispatcher.ep.max_tokens_per_rank, 64, 8)
+    assert calls == [clean, ("replay", DispatchMode.LOW_LATENCY)] * 2
+    assert graphs.num_replays == 2
+
+
 def test_deepep_size_checks_and_missing_wheel():
     with pytest.raises(SpeculantError, match=r"hidden size 64 is not supported .*2048, 2560"):
         check_low_latency_sizes(64, 8, 2, 16, 4)
