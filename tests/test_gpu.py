@@ -1,5 +1,6 @@
 """GPU checks (run on the H200 host; skipped without CUDA): parity with transformers on CUDA in
-float32 and bf16, and graph replay equal to the eager step."""
+float32 and bf16, graph replay equal to the eager step (with replays counted, and the sentinel
+row left zero by the padded rows), and the eager MoE experts running without a host sync."""
 
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ def test_cuda_parity_with_transformers(hf_model_dirs, name, dtype, backend, tol)
 
 
 def graph_vs_eager(engine, bs, gen, max_new_tokens):
-    """Generate bs mixed greedy/sampled requests with graphs, then eagerly; the tokens must match.
-    Returns the graph outputs and their sampling params."""
+    """Generate bs mixed greedy/sampled requests with graphs, then eagerly; the tokens must match,
+    graphs must really have replayed (none in the eager run), and the padded rows must have left
+    the sentinel row zero. Returns the graph outputs and their sampling params."""
     prompts = [
         torch.randint(3, 256, (int(n),), generator=gen).tolist()
         for n in torch.randint(1, 40, (bs,), generator=gen)
@@ -83,12 +85,18 @@ def graph_vs_eager(engine, bs, gen, max_new_tokens):
         SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=t, seed=i)
         for i, t in enumerate([0.0, 0.9] * bs)
     ][:bs]
-    engine.graphs.use_graphs = engine.graphs.pad = True
+    graphs, kv = engine.graphs, engine.kv
+    graphs.use_graphs = graphs.pad = True
+    before = graphs.num_replays
     graph_out = engine.generate(prompts, params)
-    engine.graphs.use_graphs = engine.graphs.pad = False
+    replayed = graphs.num_replays - before
+    graphs.use_graphs = graphs.pad = False
     eager_out = engine.generate(prompts, params)
-    engine.graphs.use_graphs = engine.graphs.pad = True
+    graphs.use_graphs = graphs.pad = True
     assert [o.token_ids for o in graph_out] == [o.token_ids for o in eager_out], bs
+    assert replayed > 0, f"bs={bs}: no graph replayed"
+    assert graphs.num_replays - before == replayed, "the eager run replayed a graph"
+    assert int(kv.cache_lens[kv.sentinel_row]) == 0 and not kv.req_to_page[kv.sentinel_row].any()
     return graph_out, params
 
 
@@ -133,3 +141,35 @@ def test_speculative_graph_replay_equals_eager(llama_dir, tmp_path, algo):
                 for o, p in zip(graph_out, params, strict=True)
                 if p.temperature == 0
             )
+
+
+def test_eager_moe_experts_do_not_sync_with_the_host():
+    """An eager MoE dispatch, experts and combine on a buffer above DENSE_EXPERT_ROWS (bf16:
+    the grouped matmuls over the valid rows) run with CUDA's sync debug mode set to error, and
+    equal the dense batched matmuls."""
+    from speculant.comm.moe_dispatch import LocalDispatcher
+    from speculant.models.qwen3_moe import DENSE_EXPERT_ROWS, Experts
+
+    num_experts, hidden, inter, num_tokens, top_k = 16, 256, 128, 400, 4
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = Experts(num_experts, hidden, inter, 0, num_experts).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0.0, hidden**-0.5, generator=gen)
+        experts.down_proj.normal_(0.0, inter**-0.5, generator=gen)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    probs = torch.rand(num_tokens, num_experts, device="cuda", generator=gen)
+    weights, ids = probs.topk(top_k, dim=-1)
+    dispatcher = LocalDispatcher(num_experts)
+    assert experts._grouped_without_sync(x), "no sync-free grouped matmul on this GPU"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            tokens, slots = dispatcher.dispatch(x, ids, weights)
+            out = dispatcher.combine(experts(tokens), slots)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.hidden.shape[0] * tokens.hidden.shape[1] > DENSE_EXPERT_ROWS
+    with torch.inference_mode():
+        dense = dispatcher.combine(experts(tokens, dense=True), slots)
+    torch.testing.assert_close(out.float(), dense.float(), rtol=2e-2, atol=2e-2)
