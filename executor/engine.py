@@ -331,6 +331,7 @@ class Engine:
             "num_output_tokens": len(request.output_ids),
             "num_verify_steps": steps,
             "decode_time_s": round(request.decode_seconds, 6),
+            "num_preemptions": request.num_preemptions,
             "accept_len": request.emitted_in_verify / steps if steps else None,
             "per_position_acceptance": [a / steps for a in request.accepted_per_position]
             if steps

@@ -21,11 +21,13 @@ from typing import Any, NoReturn, TextIO
 
 from speculant.errors import SpeculantError
 from speculant.launch import accept_rate
+from speculant.launch.threads import set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
-DEFAULT_PROMPT = "def fibonacci(n):\n"  # the bundled default run's prompt (a Python-code model)
+DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
+DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # as executor/engine.py's defaults
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +35,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each flag's default (where it has a value and the help does not say it)
+    and keeps the examples' line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+GENERATE_EXAMPLES = """examples:
+  speculant generate                                   # bundled model + EAGLE-3, default prompt
+  speculant generate --prompt "def quicksort(arr):" --algo dflash
+  speculant generate --target DIR --draft DIR --algo eagle3 --num-draft-tokens 3 \\
+      --prompts prompts.jsonl --output out.jsonl
+  speculant generate --target DIR --tp 2 --dp 2 --device cpu --prompt "Hello"
+"""
 
 
 def _positive_int(text: str) -> int:
@@ -61,7 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `speculant` command."""
     parser = _Parser(prog="speculant", description="Speculative-decoding inference engine.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    gen = commands.add_parser("generate", help="generate completions for prompts")
+    gen = commands.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions, speculatively with --algo. With no --target, the\n"
+        "bundled Python-code model and its EAGLE-3 head complete a default prompt.",
+        epilog=GENERATE_EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
 
     src = gen.add_argument_group("model")
     src.add_argument(
@@ -76,8 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="use a tiny random-weight Llama built into ~/.cache/speculant (gibberish output)",
     )
     src.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    src.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    src.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    src.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: the checkpoint's (float32 on the CPU)",
+    )
+    src.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights of the checkpoint's shapes",
+    )
 
     inp = gen.add_argument_group("prompts and output").add_mutually_exclusive_group()
     inp.add_argument("--prompt", metavar="TEXT", help="one text prompt")
@@ -90,23 +128,58 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", metavar="OUT.jsonl", help="write one JSON line per request")
 
     samp = gen.add_argument_group("sampling (a --prompts line may override each)")
-    samp.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    samp.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most"
+    )
     samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     samp.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    samp.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    samp.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus, in (0, 1]")
     samp.add_argument("--seed", type=int, metavar="S", help="sampling seed (and engine seed)")
     samp.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
 
     eng = gen.add_argument_group("engine")
-    eng.add_argument("--page-size", type=_positive_int, metavar="N", default=16)
-    eng.add_argument("--max-num-seqs", type=_positive_int, metavar="N", default=64)
+    eng.add_argument(
+        "--page-size", type=_positive_int, metavar="N", default=16, help="tokens per KV page"
+    )
+    eng.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        metavar="N",
+        help="requests in flight at most (default: 256 on a GPU, 64 on the CPU; one process "
+        "with fewer prompts: their number)",
+    )
+    eng.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="tokens one forward takes at most: decode rows (k + 1 tokens each) first, then "
+        "prefill chunks (long prompts are split over steps) (default: 8192 on a GPU, 2048 on "
+        "the CPU, at least --max-num-seqs x (k + 1))",
+    )
     eng.add_argument(
         "--max-model-len", type=_positive_int, metavar="N", help="default: from the checkpoint"
     )
     eng.add_argument(
-        "--num-pages", type=_positive_int, metavar="N", help="default: from memory fraction"
+        "--num-pages",
+        type=_positive_int,
+        metavar="N",
+        help="KV pages (default: CPU: --max-num-seqs full-length requests; GPU: from the "
+        "memory fraction)",
     )
-    eng.add_argument("--kv-cache-memory-fraction", type=float, default=0.85, metavar="F")
+    eng.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.85,
+        metavar="F",
+        help="GPU: share of free memory for the KV cache",
+    )
+    eng.add_argument(
+        "--threads",
+        type=_positive_int,
+        metavar="N",
+        help="CPU: torch intra-op threads (default: OMP_NUM_THREADS if set, else one per 50 M "
+        "parameters, at most the cores free)",
+    )
     eng.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     eng.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size")
     eng.add_argument(
@@ -114,16 +187,38 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=300,
         metavar="S",
-        help="seconds a rank waits for the others before the run fails (default 300)",
+        help="seconds a rank waits for the others before the run fails",
     )
 
     spec = gen.add_argument_group("speculative decoding and CUDA graphs")
     spec.add_argument("--draft", metavar="DIR", help="drafter checkpoint dir")
-    spec.add_argument("--algo", choices=["eagle3", "draft-model", "dflash"])
-    spec.add_argument("--num-draft-tokens", type=int, default=0, metavar="K")
-    spec.add_argument("--capture-sizes", type=_capture_sizes, metavar="1,2,4,8")
-    spec.add_argument("--max-capture-size", type=_positive_int, metavar="N")
-    spec.add_argument("--disable-graph-padding", action="store_true")
+    spec.add_argument(
+        "--algo",
+        choices=["eagle3", "draft-model", "dflash"],
+        help="drafter kind (default: plain decoding; eagle3 for the bundled model)",
+    )
+    spec.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1)",
+    )
+    spec.add_argument(
+        "--capture-sizes",
+        type=_capture_sizes,
+        metavar="1,2,4,8",
+        help="batch sizes to capture a CUDA graph for (default: 1, 2, 4 and multiples of 8 up "
+        "to 160, at most --max-num-seqs)",
+    )
+    spec.add_argument(
+        "--max-capture-size", type=_positive_int, metavar="N", help="capture no larger batch"
+    )
+    spec.add_argument(
+        "--disable-graph-padding",
+        action="store_true",
+        help="replay only exact captured sizes (else pad up to the next one)",
+    )
     spec.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
     spec.add_argument(
@@ -155,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
-    accept_rate.add_parser(commands)
+    accept_rate.add_parser(commands, HelpFormatter)
     return parser
 
 
@@ -245,7 +340,7 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     """All checks that need no model; returns the requests to run ([] on ranks other than 0)."""
     if args.demo_model and args.target:
         raise SpeculantError("pass either --target DIR or --demo-model, not both")
-    bundled_run = not args.demo_model and not args.target
+    bundled_run = args.bundled_run = not args.demo_model and not args.target
     if bundled_run:  # the default run: the bundled code model, EAGLE-3 unless told otherwise
         args.target = str(accept_rate.bundled("target"))
         if args.algo is None and args.draft is None:
@@ -342,6 +437,16 @@ def output_lock(path: str | None) -> Iterator[None]:
         os.close(fd)
 
 
+def default_max_num_seqs(
+    num_requests: int, capture_sizes: list[int] | None, device: str = "cpu"
+) -> int:
+    """One process's --max-num-seqs when none is given: no more slots than requests (a KV cache
+    and a set of graphs sized for them, not for the device default), with room for explicit
+    capture sizes."""
+    default = DEFAULT_MAX_NUM_SEQS["cuda" if device.startswith("cuda") else "cpu"]
+    return min(default, max(num_requests, *(capture_sizes or [1])))
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.device is None:
         import torch
@@ -353,7 +458,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         seed=args.seed if args.seed is not None else 0,
         page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs,  # None: the engine's default for the device
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_pages=args.num_pages,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -376,25 +482,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary_line(outputs: list, seconds: float) -> str:
     """`requests=N prompt_tokens=.. output_tokens=.. time=..s tokens/s=.. [accept_len=..]`."""
-    stats = [out.stats or {} for out in outputs]
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     output_tokens = sum(len(out.token_ids) for out in outputs)
     line = (
         f"requests={len(outputs)} prompt_tokens={prompt_tokens} output_tokens={output_tokens} "
         f"time={seconds:.2f}s tokens/s={output_tokens / max(seconds, 1e-9):.1f}"
     )
-    accept = [(s.get("accept_len"), s.get("num_verify_steps") or 0) for s in stats]
-    if accept and all(a is not None for a, _ in accept):
-        steps = sum(n for _, n in accept)  # weight each request by its verify steps
-        total = sum(a * n for a, n in accept)
-        mean = total / steps if steps else sum(a for a, _ in accept) / len(accept)
-        line += f" accept_len={mean:.2f}"
-        rates = [s.get("per_position_acceptance") or [] for s in stats]
-        if steps and rates and all(rates):
-            per_position = [
-                sum(r[j] * n for r, (_, n) in zip(rates, accept, strict=True)) / steps
-                for j in range(len(rates[0]))
-            ]
+    preemptions = sum(out.stats.get("num_preemptions", 0) for out in outputs)
+    if preemptions:
+        line += f" preemptions={preemptions}"
+    measured = accept_rate.acceptance(outputs)  # over the requests that verified
+    if measured is not None:
+        accept_len, per_position, _ = measured
+        line += f" accept_len={accept_len:.2f}"
+        if per_position:
             line += " per_position=" + ",".join(f"{r:.2f}" for r in per_position)
     return line
 
@@ -423,7 +524,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
             if out_file is not None:
                 out_file.close()
     if outputs is not None:  # rank 0 (or the one process) reports
-        report_outputs(args, outputs, seconds, stdout, stderr, write_file=False)
+        report_outputs(args, outputs, seconds, stdout, stderr, write_file=False, specs=specs)
     return 0
 
 
@@ -445,6 +546,11 @@ def generate_in_rank(
         args.target = str(build_demo_model())
         print(f"demo model (random weights, gibberish output): {args.target}", file=sys.stderr)
     kwargs = _engine_kwargs(args)
+    if args.max_num_seqs is None and args.tp * args.dp == 1:
+        args.max_num_seqs = default_max_num_seqs(len(specs), args.capture_sizes, args.device)
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.device == "cpu":
+        set_cpu_threads(args.threads, [args.target, args.draft], args.tp * args.dp)
     pctx = None  # one process; else this process is one rank of the job
     if args.tp * args.dp > 1:
         from speculant.comm.groups import ParallelContext
@@ -469,10 +575,13 @@ def generate_in_rank(
     )
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
     start = time.perf_counter()
-    outputs = engine.generate(
-        [s.prompt for s in specs], params, use_tqdm=use_tqdm, on_output=on_output
+    outputs = engine.generate(  # a bar only when there is more than one request to count
+        [s.prompt for s in specs], params, use_tqdm=use_tqdm and len(specs) > 1, on_output=on_output
     )
     seconds = time.perf_counter() - start
+    if pctx is None or pctx.rank == 0:
+        stats = engine.stats()
+        print("scheduler: " + " ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     if pctx is not None:
         pctx.close()
     return (outputs if pctx is None or pctx.rank == 0 else None), seconds
@@ -485,27 +594,51 @@ def report_outputs(
     stdout: TextIO,
     stderr: TextIO,
     write_file: bool = True,
+    specs: list[PromptSpec] | None = None,
 ) -> None:
     """Rank 0's (or the Ray driver's) report: the --output file (when `write_file`; a single
-    process wrote it as requests finished), or else one `[index] text` line per request; then
-    the summary line."""
+    process wrote it as requests finished), or else one `[index] prompt+completion` per request
+    (the text prompt from `specs`, so the program reads whole); then the summary line."""
     if args.output and write_file:
         with open(args.output, "w", encoding="utf-8") as out_file:
             out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
     elif not args.output:
         for out in outputs:
             shown = out.text if out.text is not None else out.token_ids
+            prompt = specs[out.index].prompt if specs else None
+            if isinstance(prompt, str) and out.text is not None:
+                shown = prompt + out.text
             print(f"[{out.index}] {shown}", file=stdout)
-    print(summary_line(outputs, seconds), file=stderr)
+    if getattr(args, "bundled_run", False) and (line := bundled_drafter_line(args, outputs)):
+        print(line, file=stderr)
+    print(summary_line(outputs, seconds), file=stderr)  # the last line, as scripts expect
+
+
+DRAFTER_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFLASH drafter", "draft-model": "draft LM"}
+
+
+def bundled_drafter_line(args: argparse.Namespace, outputs: list) -> str | None:
+    """What the bundled run's drafter did, in words (None for a plain run or no verify step)."""
+    measured = accept_rate.acceptance(outputs)
+    if args.algo not in DRAFTER_NAMES or measured is None or not measured[1]:
+        return None
+    accept_len, per_position, steps = measured
+    others = "|".join(algo for algo in DRAFTER_NAMES if algo != args.algo)
+    return (
+        f"speculant: the bundled {DRAFTER_NAMES[args.algo]} drafts {len(per_position)} tokens a "
+        f"step; the target accepted {accept_len - 1:.2f} of them on average, so each of its "
+        f"{steps} forwards emitted {accept_len:.2f} tokens instead of 1 (--algo {others}: the "
+        "other bundled drafters)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
-    )
+    if not logging.getLogger().handlers:  # ours alone log INFO; libraries' INFO stays quiet
+        logging.basicConfig(level=logging.WARNING, format="speculant: %(message)s")
+        logging.getLogger("speculant").setLevel(logging.DEBUG if args.debug else logging.INFO)
     from speculant.launch.spawn import close_progress_bars, stop_on_sigterm, stopped_line
 
     restore_sigterm = stop_on_sigterm()  # SIGTERM stops the run as Ctrl-C does (exit 143)

@@ -1,0 +1,239 @@
+"""Real jobs ([batch-jobs]): a token budget per forward, chunked and packed prefill, mixed
+prefill + decode steps, KV pages on demand with recompute preemption. Property tests
+(hypothesis, bounded examples) compare against the one-request-at-a-time run: greedy output
+equal token for token, seeded sampled output equal too, every page back in the pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers_dflash import write_random_dflash
+from helpers_eagle import write_random_eagle3
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speculant import Engine, SamplingParams
+from speculant.errors import SpeculantError
+from speculant.executor.scheduler import Scheduler
+
+MAX_PROMPT, MAX_NEW, MAX_K = 40, 12, 4
+SETTINGS = settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory, llama_dir):
+    root = tmp_path_factory.mktemp("batch_jobs")
+    write_random_eagle3(root / "eagle3", llama_dir, draft_vocab=200, seed=7)
+    write_random_dflash(root / "dflash", llama_dir, block_size=MAX_K + 1, target_layer_ids=[0, 1])
+    return {"eagle3": root / "eagle3", "dflash": root / "dflash", "draft-model": llama_dir}
+
+
+_engines: dict[tuple, Engine] = {}
+
+
+def engine_for(llama_dir, drafts, algo, k, page_size, budget, pool) -> Engine:
+    """Cached per configuration. `pool`: pages for about that many whole requests (below 2
+    forces preemption once a few requests run)."""
+    key = (algo, k, page_size, budget, pool)
+    if key not in _engines:
+        per_request = MAX_PROMPT + MAX_NEW + 2 * (MAX_K + 1)
+        spec = {} if not k else dict(algo=algo, draft=str(drafts[algo]), num_draft_tokens=k)
+        _engines[key] = Engine(
+            str(llama_dir),
+            device="cpu",
+            max_num_seqs=4,
+            max_model_len=MAX_PROMPT + MAX_NEW + 1,
+            page_size=page_size,
+            num_pages=1 + math.ceil(pool * per_request / page_size),
+            max_num_batched_tokens=budget,
+            **spec,
+        )
+    return _engines[key]
+
+
+def run_with_arrivals(engine: Engine, prompts, params, arrivals) -> list[list[int]]:
+    """Add request i at step `arrivals[i]` and step until every request finished."""
+    requests = engine.make_requests(prompts, params)
+    pending = sorted(zip(arrivals, range(len(requests)), requests, strict=True))
+    outputs: dict[int, list[int]] = {}
+    step = 0
+    while pending or engine.scheduler.has_unfinished():
+        if not engine.scheduler.has_unfinished():
+            step = max(step, pending[0][0])
+        while pending and pending[0][0] <= step:
+            engine.scheduler.add(pending.pop(0)[2])
+        for request in engine.step():
+            outputs[request.index] = list(request.output_ids)
+        step += 1
+    return [outputs[i] for i in range(len(requests))]
+
+
+def one_at_a_time(engine: Engine, prompts, params) -> list[list[int]]:
+    return [engine.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 250 for i in range(length)]
+
+
+def assert_pool_whole(engine: Engine) -> None:
+    kv = engine.kv
+    assert len(kv.free_pages) == kv.num_pages - 1  # page 0 is the dummy page
+    assert len(kv.free_rows) == kv.max_requests and not kv.pages_of_row
+    assert not engine.scheduler.has_unfinished()
+
+
+workloads = st.lists(
+    st.tuples(
+        st.integers(1, MAX_PROMPT),  # prompt length
+        st.integers(1, MAX_NEW),  # max_new_tokens
+        st.integers(0, 5),  # arrival step
+        st.integers(0, 10**6),  # prompt seed
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@SETTINGS
+@given(
+    workload=workloads,
+    algo=st.sampled_from(["eagle3", "dflash", "draft-model"]),
+    k=st.integers(0, MAX_K),
+    page_size=st.sampled_from([1, 4, 16]),
+    budget=st.sampled_from([5, 7, 16, 64]),
+    pool=st.sampled_from([1.3, 2.5, 8.0]),
+)
+def test_chunked_preempted_greedy_equals_one_at_a_time(
+    llama_dir, drafts, workload, algo, k, page_size, budget, pool
+):
+    engine = engine_for(llama_dir, drafts, algo, k, page_size, budget, pool)
+    prompts = [prompt_of(n, s) for n, _, _, s in workload]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for _, m, _, _ in workload]
+    alone = one_at_a_time(engine, prompts, params)
+    together = run_with_arrivals(engine, prompts, params, [a for _, _, a, _ in workload])
+    assert together == alone
+    assert_pool_whole(engine)
+
+
+@SETTINGS
+@given(
+    workload=workloads,
+    algo=st.sampled_from(["eagle3", "dflash", "draft-model"]),
+    k=st.integers(0, MAX_K),
+    budget=st.sampled_from([5, 9, 32]),
+    temperature=st.sampled_from([0.7, 1.0]),
+)
+def test_chunked_preempted_seeded_sampling_equals_one_at_a_time(
+    llama_dir, drafts, workload, algo, k, budget, temperature
+):
+    engine = engine_for(llama_dir, drafts, algo, k, 4, budget, 1.3)
+    prompts = [prompt_of(n, s) for n, _, _, s in workload]
+    params = [
+        SamplingParams(max_new_tokens=m, temperature=temperature, top_p=0.9, seed=s,
+                       ignore_eos=True)  # fmt: skip
+        for _, m, _, s in workload
+    ]
+    alone = one_at_a_time(engine, prompts, params)
+    together = run_with_arrivals(engine, prompts, params, [a for _, _, a, _ in workload])
+    assert together == alone
+    assert_pool_whole(engine)
+
+
+def test_preemption_happens_and_is_reported(llama_dir, drafts):
+    """A pool for about 1.3 requests with 4 running forces preemptions; the outputs say so and
+    equal the unconstrained run."""
+    engine = engine_for(llama_dir, drafts, "eagle3", 3, 4, 16, 1.3)
+    roomy = engine_for(llama_dir, drafts, "eagle3", 3, 4, 64, 8.0)
+    prompts = [prompt_of(30 + i, i) for i in range(4)]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert sum(o.stats["num_preemptions"] for o in outs) > 0
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy.generate(prompts, params)]
+    assert_pool_whole(engine)
+
+
+def test_chunks_split_prompts_and_mix_with_decode_rows(llama_dir, drafts):
+    """Under a small budget a long prompt is prefilled over several steps, while the requests
+    already decoding keep verifying in the same forwards; a 1-token chunk occurs too."""
+    engine = engine_for(llama_dir, drafts, "eagle3", 2, 4, 7, 8.0)
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        decode = [len(r.next_input) for r in plan.decode]
+        plans.append((decode, [len(c.tokens) for c in plan.chunks]))
+        return plan
+
+    engine.scheduler.schedule = recording
+    try:
+        prompts = [prompt_of(3, 1), prompt_of(MAX_PROMPT, 2), prompt_of(8, 3)]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    finally:
+        del engine.scheduler.schedule
+    mixed = [p for p in plans if p[0] and p[1]]
+    assert mixed, plans  # decode rows and prefill chunks shared a forward
+    assert all(3 * len(d) + sum(c) <= 7 for d, c in plans)  # never above the budget
+    assert any(1 in c for _, c in plans)  # a 1-token chunk (the budget's remainder)
+    assert [o.token_ids for o in outs] == one_at_a_time(
+        engine, prompts, [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 3
+    )
+
+
+def test_budget_below_one_verify_row_is_refused(llama_dir, drafts):
+    with pytest.raises(SpeculantError, match="max_num_batched_tokens=3 .*k \\+ 1"):
+        Engine(str(llama_dir), device="cpu", algo="eagle3", draft=str(drafts["eagle3"]),
+               num_draft_tokens=3, max_num_batched_tokens=3)  # fmt: skip
+
+
+def test_request_that_can_never_fit_is_refused_before_generation(llama_dir):
+    engine = Engine(str(llama_dir), device="cpu", max_num_seqs=2, num_pages=3, page_size=4)
+    ran = []
+    engine.step = lambda: ran.append(1) or []
+    with pytest.raises(SpeculantError, match=r"prompt 1: .*--num-pages \d+ or more"):
+        engine.generate([[5, 6], [7] * 20], SamplingParams(max_new_tokens=4))
+    assert not ran  # found before any step ran
+
+
+def test_scheduler_takes_pages_on_demand(llama_dir):
+    """A running request holds what it wrote plus one step's lookahead, not its whole length."""
+    engine = Engine(str(llama_dir), device="cpu", max_num_seqs=2, page_size=4, max_model_len=200)
+    request = engine.make_requests([[5] * 10], SamplingParams(max_new_tokens=150))[0]
+    engine.scheduler.add(request)
+    engine.step()
+    held = len(engine.kv.pages_of_row[request.row])
+    assert held == math.ceil((10 + engine.tokens_per_req) / 4)
+    for _ in range(8):
+        engine.step()
+    assert len(engine.kv.pages_of_row[request.row]) > held
+    assert len(engine.kv.pages_of_row[request.row]) < math.ceil(160 / 4)
+
+
+def test_scheduler_rejects_bad_budget_directly(llama_dir):
+    engine = Engine(str(llama_dir), device="cpu", max_num_seqs=2)
+    with pytest.raises(SpeculantError):
+        Scheduler(engine.kv, 2, 4, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_chunked_mixed_steps_equal_one_at_a_time(llama_dir, drafts, backend):
+    """On CUDA, the Triton varlen kernel under mixed steps and graphs for pure decode steps."""
+    engine = Engine(str(llama_dir), device="cuda", dtype="float32", max_num_seqs=8, page_size=4,
+                    max_num_batched_tokens=24, num_pages=80, attention_backend=backend,
+                    algo="eagle3", draft=str(drafts["eagle3"]), num_draft_tokens=3)  # fmt: skip
+    prompts = [prompt_of(5 + 7 * i, i) for i in range(6)]
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * 6
+    together = [o.token_ids for o in engine.generate(prompts, params)]
+    assert together == one_at_a_time(engine, prompts, params)
+    assert engine.graphs.num_replays > 0
+    assert torch.cuda.is_available()
