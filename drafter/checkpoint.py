@@ -1,13 +1,25 @@
-"""Reading a drafter's checkpoint folder: its tensors (safetensors or pytorch_model.bin) and the
-check that it holds every tensor of its published layout."""
+"""Reading a drafter's checkpoint folder: what its config.json says it is (`drafter_format`: the
+algorithm, and vLLM's `speculators` format with its default k), that format's config flattened
+to the fields the loaders read (`speculators_fields`), its tensors (safetensors or
+pytorch_model.bin) and the check that it holds every tensor of its published layout.
+
+The speculators format (vLLM's `speculators` package, `Eagle3Converter` / `DFlashConverter`, and
+what vLLM's `transformers_utils/configs/speculators` reads): `speculators_model_type` names the
+algorithm, `speculators_config` holds `algorithm`, `proposal_methods` (the default method's
+`speculative_tokens` is the default k) and `verifier` (the target it was made for); the decoder
+layers' shapes sit in the nested `transformer_layer_config`; the algorithm's own fields
+(`draft_vocab_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual`, `block_size`,
+`aux_hidden_state_layer_ids`, `mask_token_id`, ...) at the top level."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from speculant.config import read_hf_config
 from speculant.errors import SpeculantError
 from speculant.models.loader import iter_safetensors
 
@@ -51,3 +63,89 @@ def require_tensors(
                 f"{source} lacks the tensor {key!r}; the {noun} is incomplete or not {kind} "
                 "in the published layout"
             )
+
+
+SPECULATORS_ALGOS = ("eagle3", "dflash")
+# Top-level keys of a speculators config.json that describe the file, not the drafter.
+_SPECULATORS_META = {
+    "architectures", "auto_map", "speculators_config", "speculators_model_type",
+    "speculators_version", "transformer_layer_config", "transformers_version",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DrafterFormat:
+    """What a drafter folder's config.json says it is: `algo` ("eagle3", "dflash", or None when
+    it does not say), whether it is in the speculators format, that format's default number of
+    draft tokens (`speculative_tokens`) and the verifier it names."""
+
+    algo: str | None
+    speculators: bool = False
+    num_draft_tokens: int | None = None
+    verifier: str | None = None
+
+
+def drafter_format(path: str | Path) -> DrafterFormat:
+    """The format of the drafter in folder `path` (see `format_of`)."""
+    return format_of(read_hf_config(path), str(Path(path) / "config.json"))
+
+
+def format_of(hf: dict, source: str) -> DrafterFormat:
+    """A speculators config names its algorithm in `speculators_model_type`; a published head's
+    `architectures` name it too (`LlamaForCausalLMEagle3`, `DFlashDraftModel`)."""
+    kind = hf.get("speculators_model_type")
+    if kind is None:
+        archs = " ".join(hf.get("architectures") or []).lower()
+        if "dflash2" in archs:
+            return DrafterFormat(None)  # the DFLASH loader names what is unsupported
+        algo = "eagle3" if "eagle3" in archs else "dflash" if "dflash" in archs else None
+        return DrafterFormat(algo)
+    if kind not in SPECULATORS_ALGOS:
+        raise SpeculantError(
+            f"speculators_model_type={kind!r} in {source} is not supported; supported: "
+            f"{', '.join(SPECULATORS_ALGOS)}"
+        )
+    spec = hf.get("speculators_config")
+    if not isinstance(spec, dict):
+        raise SpeculantError(
+            f"{source} has speculators_model_type={kind!r} but no speculators_config; "
+            "re-convert the drafter with the speculators package"
+        )
+    if spec.get("algorithm", kind) != kind:
+        raise SpeculantError(
+            f"speculators_config.algorithm={spec['algorithm']!r} in {source} contradicts "
+            f"speculators_model_type={kind!r}; fix config.json"
+        )
+    verifier = (spec.get("verifier") or {}).get("name_or_path")
+    return DrafterFormat(kind, True, _speculative_tokens(spec, source), verifier)
+
+
+def _speculative_tokens(spec: dict, source: str) -> int | None:
+    """`speculative_tokens` of the default proposal method (else the first, as vLLM reads)."""
+    methods = spec.get("proposal_methods") or []
+    if not methods:
+        return None
+    default = spec.get("default_proposal_method")
+    method = next((m for m in methods if m.get("proposal_type") == default), methods[0])
+    tokens = method.get("speculative_tokens")
+    if tokens is None:
+        return None
+    if not isinstance(tokens, int) or tokens < 1:
+        raise SpeculantError(
+            f"speculators_config speculative_tokens={tokens!r} in {source} must be a "
+            "positive integer; fix config.json"
+        )
+    return tokens
+
+
+def speculators_fields(hf: dict, source: str) -> dict:
+    """A speculators config flattened: `transformer_layer_config` (the layers' shapes) with the
+    algorithm's top-level fields beside it (null ones left out, so defaults apply)."""
+    layer = hf.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise SpeculantError(
+            f"{source} is in the speculators format but has no transformer_layer_config "
+            "object; re-convert the drafter with the speculators package"
+        )
+    extra = {k: v for k, v in hf.items() if k not in _SPECULATORS_META and v is not None}
+    return {**extra, **layer}

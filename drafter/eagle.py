@@ -19,6 +19,17 @@ Aux layers: `aux_layer_ids` names the target layers whose INPUT residual is take
 counts layer outputs, so SGLang's `set_eagle3_layers_to_capture` adds 1 and so do we; a top-level
 `eagle_aux_hidden_state_layer_ids` (vLLM / speculators, ignored by SGLang) already means the input
 of layer i and is taken as is.
+
+The speculators format (vLLM's `Eagle3Converter` output, `speculators_model_type: eagle3`; see
+drafter/checkpoint.py) holds the same head: layer shapes in `transformer_layer_config` (Llama
+layers), `layers.0.*` for `midlayer.*`, aux ids at the top level (input of layer i), and the head
+embeds with its own `embed_tokens` when the file has one, as vLLM does (we share the target's
+table when the two are equal). EAGLE-3.1 flags, read as vLLM reads them and defaulting to the
+speculators schema's False (vLLM alone defaults an absent `norm_before_residual` to True):
+`norm_before_residual` (layer 0's residual is hidden_norm(hidden)), `norm_before_fc` (one RMSNorm
+`input_norm` over the concatenated aux states before fc; also read from `eagle_config`),
+`fc_norm` (an RMSNorm `fc_norm.{j}` per aux state; exclusive with norm_before_fc) and
+`norm_output` (the post-norm hidden is fed back, and lm_head reads it without a second norm).
 """
 
 from __future__ import annotations
@@ -32,7 +43,12 @@ from torch import nn
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, read_hf_config
-from speculant.drafter.checkpoint import read_head_weights, require_tensors
+from speculant.drafter.checkpoint import (
+    format_of,
+    read_head_weights,
+    require_tensors,
+    speculators_fields,
+)
 from speculant.errors import SpeculantError
 from speculant.models.layers import (
     ParallelLMHead,
@@ -66,6 +82,11 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...]  # target layers whose input residual is concatenated
     fc_bias: bool = False
     norm_before_residual: bool = False
+    norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm `input_norm` over the aux concatenation
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm `fc_norm.{j}` on each aux state
+    norm_output: bool = False  # EAGLE-3.1: feed back the post-norm hidden
+    speculators: bool = False  # read from the speculators format
+    head_embeddings: bool = False  # embeds with its own table at the target's width (vLLM)
     source: str = "config.json"
 
     @property
@@ -74,19 +95,18 @@ class Eagle3Config:
 
     @property
     def own_embeddings(self) -> bool:
-        """A head narrower or wider than its target embeds tokens itself (`embed_tokens`)."""
-        return self.layer.hidden_size != self.target_hidden_size
+        """A head narrower or wider than its target embeds tokens itself (`embed_tokens`), and so
+        does a speculators head that ships its table."""
+        return self.layer.hidden_size != self.target_hidden_size or self.head_embeddings
 
     @classmethod
     def from_dir(cls, path: str | Path, target: ModelConfig) -> Eagle3Config:
         hf = read_hf_config(path)
         source = str(Path(path) / "config.json")
+        fmt = format_of(hf, source)
+        if fmt.speculators:
+            hf = _speculators_eagle3(hf, fmt.algo, source)
         archs = hf.get("architectures") or []
-        if "speculators_config" in hf:
-            raise SpeculantError(
-                f"{source} is in the speculators format; use a head in the "
-                "LlamaForCausalLMEagle3 layout (SpecForge / SGLang)"
-            )
         if archs and not any("eagle3" in arch.lower() for arch in archs):
             raise SpeculantError(
                 f"{source} describes {archs[0]!r}, not an EAGLE-3 head "
@@ -125,9 +145,45 @@ class Eagle3Config:
             target_hidden_size=target_hidden,
             aux_layer_ids=_aux_layer_ids(hf, target.num_layers, source),
             fc_bias=bool(hf.get("bias", False)),
-            norm_before_residual=bool(hf.get("norm_before_residual", False)),
+            **_norm_flags(hf, source),
+            speculators=fmt.speculators,
             source=source,
         )
+
+
+def _speculators_eagle3(hf: dict, algo: str, source: str) -> dict:
+    """The flat config of a speculators EAGLE-3 head (Llama layers only, as vLLM's llama path)."""
+    if algo != "eagle3":
+        raise SpeculantError(
+            f"{source} is a speculators {algo} drafter, not an EAGLE-3 head; pass --algo {algo} "
+            "(or leave --algo out)"
+        )
+    flat = speculators_fields(hf, source)
+    layer_type = flat.get("model_type", "llama")
+    if layer_type != "llama":
+        raise SpeculantError(
+            f"transformer_layer_config.model_type={layer_type!r} in {source} is not supported "
+            "for EAGLE-3 heads; only Llama decoder layers (model_type 'llama') are"
+        )
+    return {**flat, "architectures": ["LlamaForCausalLMEagle3"]}
+
+
+def _norm_flags(hf: dict, source: str) -> dict[str, bool]:
+    """norm_before_residual and the EAGLE-3.1 flags, False when absent (the speculators schema);
+    norm_before_fc may sit in eagle_config, as vLLM reads it."""
+    nested = hf.get("eagle_config") or {}
+    flags = {
+        "norm_before_residual": bool(hf.get("norm_before_residual", False)),
+        "norm_before_fc": bool(nested.get("norm_before_fc", hf.get("norm_before_fc", False))),
+        "fc_norm": bool(hf.get("fc_norm", False)),
+        "norm_output": bool(hf.get("norm_output", False)),
+    }
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise SpeculantError(
+            f"norm_before_fc and fc_norm are both true in {source}; they exclude each other "
+            "(one norm over the aux concatenation, or one per aux state): fix config.json"
+        )
+    return flags
 
 
 def _aux_layer_ids(hf: dict, num_target_layers: int, source: str) -> tuple[int, ...]:
@@ -220,6 +276,11 @@ class Eagle3Head(nn.Module):
         self.pctx = pctx
         self.rotary = RotaryEmbedding(lc.head_dim, max_positions, lc.rope_theta, lc.rope_scaling)
         self.fc = ReplicatedLinear(3 * cfg.target_hidden_size, lc.hidden_size, cfg.fc_bias)
+        eps, aux_width = lc.rms_norm_eps, cfg.target_hidden_size
+        self.input_norm = RMSNorm(3 * aux_width, eps) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(aux_width, eps) for _ in range(3)]) if cfg.fc_norm else None
+        )
         # SGLang's llama_eagle3: a head whose hidden differs from the target's has its own table.
         self.embed_tokens = (
             VocabParallelEmbedding(target_cfg.vocab_size, lc.hidden_size, pctx)
@@ -261,18 +322,39 @@ class Eagle3Head(nn.Module):
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attn
     ) -> torch.Tensor:
-        """embeds [N, H] from `embed`; hidden [N, 3*H_target] (aux) or [N, H] (fed back)."""
+        """embeds [N, H] from `embed`; hidden [N, 3*H_target] (aux) or [N, H] (fed back).
+        Returns the hidden to feed back: pre-norm, or post-norm with norm_output."""
         if hidden.shape[-1] != embeds.shape[-1]:
-            hidden = self.fc(hidden)
+            hidden = self.fc(self._normed_aux(hidden, attn.ops))
         rope = self.rotary.lookup(positions, embeds.dtype)
         h = self.layers[0](rope, embeds, hidden, attn)
         for layer in self.layers[1:]:
             h = layer(rope, h, attn)
-        return h
+        return self.norm(h, attn.ops) if self.config.norm_output else h
+
+    def _normed_aux(self, aux: torch.Tensor, ops) -> torch.Tensor:
+        """The EAGLE-3.1 norms before fc: one over the concatenation, or one per aux state."""
+        if self.input_norm is not None:
+            return self.input_norm(aux, ops)
+        if self.fc_norm is not None:
+            parts = aux.chunk(len(self.fc_norm), dim=-1)
+            normed = [n(p.contiguous(), ops) for n, p in zip(self.fc_norm, parts, strict=True)]
+            return torch.cat(normed, dim=-1)
+        return aux
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """[N, draft_vocab] float32 logits of the pre-norm output of `forward`."""
-        return self.lm_head.logits(self.norm(hidden_out)).float()
+        """[N, draft_vocab] float32 logits of the output of `forward` (normed here unless
+        norm_output already did)."""
+        normed = hidden_out if self.config.norm_output else self.norm(hidden_out)
+        return self.lm_head.logits(normed).float()
+
+    def share_target_embeddings(self, target_embed: nn.Module) -> None:
+        """Drop the head's own table when it equals the target's (speculators heads ship a copy
+        of it), so the head embeds with the target's and holds no second vocab x H table."""
+        own = self.embed_tokens
+        if own is not None and own.weight.shape == target_embed.weight.shape:
+            if torch.equal(own.weight, target_embed.weight):
+                self.embed_tokens = None
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids to target ids: i + d2t[i]."""
@@ -291,6 +373,8 @@ def published_keys(cfg: Eagle3Config, layer_prefix: str = "midlayer.") -> list[s
     `layer_prefix` is `midlayer.` (one layer), `midlayer.{i}.` or `layers.{i}.`."""
     keys = ["fc.weight", "norm.weight", "lm_head.weight"] + (["fc.bias"] if cfg.fc_bias else [])
     keys += ["embed_tokens.weight"] if cfg.own_embeddings else []
+    keys += ["input_norm.weight"] if cfg.norm_before_fc else []
+    keys += [f"fc_norm.{j}.weight" for j in range(3)] if cfg.fc_norm else []
     for i in range(cfg.num_layers):
         p = layer_prefix.format(i=i)
         keys += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
@@ -343,6 +427,20 @@ def _checked_d2t(weights: dict, cfg: Eagle3Config, source: str) -> torch.Tensor:
     return d2t
 
 
+def _refuse_unused_norms(weights: dict, cfg: Eagle3Config, source: str) -> None:
+    """EAGLE-3.1 norm tensors the config does not switch on would be dropped: refuse instead."""
+    for key, flag, on in (
+        ("input_norm.", "norm_before_fc", cfg.norm_before_fc),
+        ("fc_norm.", "fc_norm", cfg.fc_norm),
+    ):
+        stray = next((k for k in weights if k.startswith(key)), None)
+        if stray is not None and not on:
+            raise SpeculantError(
+                f"{source} holds {stray!r} but {flag} is not true in its config.json; "
+                f"set {flag}: true (the head was trained with it)"
+            )
+
+
 def dummy_d2t(draft_vocab: int, target_vocab: int, seed: int = 0) -> torch.Tensor:
     """Offsets for random weights: identity for equal vocabularies, else a random sorted subset."""
     if draft_vocab == target_vocab:
@@ -366,15 +464,18 @@ def load_eagle3(
     (`load_format="dummy"`: random weights, no weight files needed)."""
     check_load_format(load_format)
     cfg = Eagle3Config.from_dir(path, target_cfg)
+    weights, source = ({}, str(path)) if load_format == "dummy" else read_head_weights(path)
+    # vLLM embeds a speculators head with the table it ships (build_drafter shares equal ones)
+    cfg.head_embeddings = cfg.speculators and "embed_tokens.weight" in weights
     with default_device_and_dtype(device, dtype):
         head = Eagle3Head(cfg, target_cfg, max_positions, pctx)
     if load_format == "dummy":
         init_dummy_weights(head, seed)
         head.set_vocab_map(dummy_d2t(cfg.draft_vocab_size, cfg.target_vocab_size, seed).to(device))
         return head.eval()
-    weights, source = read_head_weights(path)
     keys = published_keys(cfg, _layer_prefix(weights, cfg.num_layers))
     require_tensors(weights, keys, source, "head", "an EAGLE-3 head")
+    _refuse_unused_norms(weights, cfg, source)
     d2t = _checked_d2t(weights, cfg, source)
     tensors = ((k, t) for k, t in weights.items() if k not in ("d2t", "t2d"))
     load_weights(head, tensors, source, rename=our_name)

@@ -10,6 +10,7 @@ model.safetensors with `fc.weight` [H, n * H], `hidden_norm.weight`, `norm.weigh
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,9 +36,11 @@ def write_random_dflash(
     drop_keys: Iterable[str] = (),
     config_overrides: dict | None = None,
     ids_at: str = "dflash_config",
+    dflash_fields: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a random drafter for the target in `target_dir`; return its tensors (bf16).
-    `target_layer_ids=None` leaves them out of the config (the published default applies)."""
+    `target_layer_ids=None` leaves them out of the config (the published default applies);
+    `dflash_fields` adds fields to `dflash_config` (or the top level, with `ids_at`)."""
     target = ModelConfig.from_dir(target_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +75,7 @@ def write_random_dflash(
     extra = {"mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id}
     if target_layer_ids is not None:
         extra["target_layer_ids"] = list(target_layer_ids)
+    extra.update(dflash_fields or {})
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -99,6 +103,49 @@ def write_random_dflash(
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return tensors
+
+
+def write_speculators_dflash(
+    out_dir: str | Path, drafter_dir: str | Path, target_dir: str | Path, **fields
+) -> dict:
+    """Rewrite the z-lab drafter in `drafter_dir` as the speculators package's DFlashConverter
+    writes it (checked against the real converter in tests/test_formats.py): the Qwen3 layer
+    config under `transformer_layer_config`, `block_size` / `mask_token_id` at the top level,
+    `aux_hidden_state_layer_ids` = z-lab id + 1, one greedy proposal method of block_size - 1
+    tokens; the same tensors. `fields` override top-level fields. Returns the config."""
+    src = json.loads((Path(drafter_dir) / "config.json").read_text())
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    extra = src.get("dflash_config", {})
+    block = src.get("block_size") or extra.get("block_size")
+    skip = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"}
+    layer = {k: v for k, v in src.items() if k not in skip}
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block - 1}],
+            "verifier": {"architectures": target["architectures"], "name_or_path": "target"},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": layer["vocab_size"],
+        "block_size": block,
+        "aux_hidden_state_layer_ids": [
+            i + 1 for i in extra["target_layer_ids"] if i + 1 != target["num_hidden_layers"]
+        ],
+        "mask_token_id": extra.get("mask_token_id"),
+        "target_hidden_size": None,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        **fields,
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copy(Path(drafter_dir) / "model.safetensors", out_dir / "model.safetensors")
+    return config
 
 
 # ------------------------------------------------------------------ dense reference (float64)

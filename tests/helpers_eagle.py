@@ -65,6 +65,7 @@ def write_random_eagle3(
     naming for several layers; `drop_keys` leaves tensors out (to test errors). `hidden` gives
     the head its own hidden size (default: the target's); then config.json also holds
     `target_hidden_size` and `embed_tokens.weight` is [vocab, hidden] (used, as in SGLang).
+    `config_overrides` with `norm_before_fc` / `fc_norm` also writes their EAGLE-3.1 norms.
     """
     target = _target_config(target_dir_or_cfg)
     out_dir = Path(out_dir)
@@ -111,6 +112,14 @@ def write_random_eagle3(
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[target_ids] = True
         tensors["t2d"] = t2d
+    overrides = config_overrides or {}
+    if overrides.get("norm_before_fc"):  # EAGLE-3.1: one norm over the aux concatenation
+        norm = 1.0 + 0.1 * torch.randn(3 * target_hidden, generator=gen)
+        tensors["input_norm.weight"] = norm.to(dtype)
+    if overrides.get("fc_norm"):  # EAGLE-3.1: one norm per aux state
+        for j in range(3):
+            norm = 1.0 + 0.1 * torch.randn(target_hidden, generator=gen)
+            tensors[f"fc_norm.{j}.weight"] = norm.to(dtype)
     for key in drop_keys:
         del tensors[key]
 
@@ -156,3 +165,64 @@ def write_random_eagle3(
     else:
         raise ValueError(f"fmt must be 'safetensors' or 'bin', not {fmt!r}")
     return tensors
+
+
+def write_speculators_eagle3(
+    out_dir: str | Path,
+    head_dir: str | Path,
+    target_dir: str | Path,
+    aux_ids: list[int] | None = None,
+    speculative_tokens: int = 3,
+    **fields,
+) -> dict:
+    """Rewrite the LlamaForCausalLMEagle3 head in `head_dir` as the speculators package's
+    Eagle3Converter writes it (checked against the real converter in tests/test_formats.py):
+    `layers.0.*` for `midlayer.*`, the Llama layer config under `transformer_layer_config`
+    (vocab_size = the target's), `speculators_config` with one greedy proposal method of
+    `speculative_tokens`, top-level `eagle_aux_hidden_state_layer_ids` (input-of-layer ids) and
+    the EAGLE-3.1 flags; `fields` override top-level fields. Every tensor is kept (a head
+    trained by speculators ships its EAGLE-3.1 norms; the converter's legacy model drops them).
+    Returns the config."""
+    from safetensors.torch import load_file, save_file
+
+    src = json.loads((Path(head_dir) / "config.json").read_text())
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k.replace("midlayer.", "layers.0."): t
+        for k, t in load_file(str(Path(head_dir) / "model.safetensors")).items()
+    }
+    layer_keys = (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+        "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
+    )  # fmt: skip
+    layer = {k: src[k] for k in layer_keys if k in src}
+    layer.update(model_type="llama", vocab_size=target["vocab_size"], tie_word_embeddings=False)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens}
+            ],
+            "verifier": {"architectures": target["architectures"], "name_or_path": "target"},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": src.get("draft_vocab_size", target["vocab_size"]),
+        "target_hidden_size": src.get("target_hidden_size"),
+        "eagle_aux_hidden_state_layer_ids": aux_ids,
+        "norm_before_residual": bool(src.get("norm_before_residual", False)),
+        "norm_before_fc": bool(src.get("norm_before_fc", False)),
+        "fc_norm": bool(src.get("fc_norm", False)),
+        "norm_output": bool(src.get("norm_output", False)),
+        "embed_requires_grad": False,
+        **fields,
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return config

@@ -145,8 +145,8 @@ def test_dflash_default_layer_ids_and_top_level_fields(tmp_path, qwen3_dir):
         ({"config_overrides": {"hidden_size": 32}}, "hidden_size 32 .* for another target"),
         ({"config_overrides": {"architectures": ["LlamaForCausalLMEagle3"]}}, "not a DFLASH"),
         (
-            {"config_overrides": {"layer_types": ["sliding_attention"] * 2}},
-            "only full-attention",
+            {"config_overrides": {"layer_types": ["sliding_attention", "full_attention"]}},
+            "not a mix",
         ),
     ],
 )
