@@ -371,8 +371,8 @@ def load_dflash(
     if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
         raise SpeculantError(
             f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "
-            f"{max_positions} positions a request may reach, and windowed attention is not "
-            "supported; lower --max-model-len so that it plus k + 1 is at most the window"
+            f"{max_positions} positions a request may reach (--max-model-len + 2 x (k + 1)), and "
+            "windowed attention is not supported; lower --max-model-len"
         )
     with default_device_and_dtype(device, dtype):
         model = DFlashModel(cfg, max_positions, pctx)
