@@ -563,4 +563,9 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "mean_decode_batch": round(self.decode_rows / max(self.num_steps, 1), 2),
             "steps_ahead": self.steps_ahead,
+            **(
+                {"peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)}
+                if self.device.startswith("cuda")
+                else {}
+            ),
         }

@@ -169,10 +169,15 @@ class ModelRunner:
     def forward_prefill(
         self, rows: list[int], new_tokens: list[list[int]], prefix_lens: list[int]
     ) -> tuple[torch.Tensor, list, ForwardBatch]:
-        """`forward_packed` of prompts (new tokens after cached prefixes), for tests and
-        benchmarks; the cache lengths are not touched."""
+        """`forward_packed` of prompts (new tokens after cached prefixes), setting the rows'
+        cache lengths (tests and benchmarks fill the cache with it)."""
         seqs = [SeqInput(r, p, t) for r, t, p in zip(rows, new_tokens, prefix_lens, strict=True)]
-        return self.forward_packed(seqs)
+        out = self.forward_packed(seqs)
+        ends = [p + len(t) for t, p in zip(new_tokens, prefix_lens, strict=True)]
+        self.kv.cache_lens[torch.tensor(rows, device=self.device)] = torch.tensor(
+            ends, device=self.device
+        )
+        return out
 
     @torch.inference_mode()
     def extend(

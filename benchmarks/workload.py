@@ -1,0 +1,165 @@
+"""The realistic job ([batch-jobs]): N requests of mixed lengths through the CLI, as a user runs
+them. Prompt lengths lognormal (median 220, sigma 1.0, clipped to 16..3000), output lengths
+lognormal (median 180, sigma 0.9, clipped to 16..1200; prompt + output kept within the default
+context), `--ignore-eos` with a per-request `max_new_tokens`, random token ids, seeded. The
+target is a Llama-3.1-8B-shape config with dummy bf16 weights (`--shape small`: the bundled
+model's shape, for a CPU check of the script); `eagle3` runs an EAGLE-3-shape dummy head, k = 3.
+
+Each named configuration is one `speculant generate` process (start-up included in `wall_s`,
+not in `gen_s`, the generate call the CLI's summary line times). `--tree DIR` runs the same job
+through another checkout's CLI as `baseline` (the code this replaces), in the same run.
+
+    python benchmarks/workload.py --out OUT [--requests 1000] [--configs default,seqs256,...]
+        [--tree OLD_CHECKOUT] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graphs import SHAPES, write_config  # noqa: E402
+from spec_step import write_head  # noqa: E402
+
+CONFIGS = {  # name: extra CLI flags
+    "default": [],
+    "seqs128": ["--max-num-seqs", "128"],
+    "seqs256": ["--max-num-seqs", "256"],
+    "seqs512": ["--max-num-seqs", "512"],
+    "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
+    "eager": ["--enforce-eager"],
+}
+CONTEXT = 4096  # the default --max-model-len of an 8B Llama (min(checkpoint, 4096))
+
+
+def make_job(n: int, seed: int, vocab: int, scale: float = 1.0) -> list[dict]:
+    """The job's JSONL records (prompt_token_ids, max_new_tokens); `scale` shrinks lengths."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(math.log(220 * scale), 1.0, n), 16 * scale, 3000 * scale)
+    output_lens = np.clip(rng.lognormal(math.log(180 * scale), 0.9, n), 16 * scale, 1200 * scale)
+    records = []
+    for p, o in zip(prompt_lens.astype(int), output_lens.astype(int), strict=True):
+        o = int(max(1, min(o, CONTEXT * scale - p - 16)))
+        ids = rng.integers(3, vocab, int(max(p, 1))).tolist()
+        records.append({"prompt_token_ids": ids, "max_new_tokens": o})
+    return records
+
+
+SUMMARY = re.compile(r"requests=(\d+) prompt_tokens=(\d+) output_tokens=(\d+) time=([\d.]+)s")
+
+
+def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: str | None):
+    """One CLI run; returns its figures (or the error) as a dict."""
+    out = Path(args.out) / f"workload_{name}.jsonl"
+    cmd = [sys.executable, "-m", "speculant", "generate", "--target", target,
+           "--load-format", "dummy", "--dtype", "bfloat16", "--device", args.device,
+           "--prompts", str(job), "--output", str(out), "--ignore-eos", *flags]  # fmt: skip
+    env = dict(os.environ)
+    if tree is not None:  # another checkout: importable as `speculant` from a link folder
+        link = Path(tempfile.mkdtemp()) / "speculant"
+        link.symlink_to(Path(tree).resolve())
+        env["PYTHONPATH"] = str(link.parent)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    err = proc.stderr
+    result = {"config": name, "flags": flags, "tree": tree, "exit": proc.returncode,
+              "wall_s": round(wall, 2)}  # fmt: skip
+    match = SUMMARY.search(err)
+    if proc.returncode != 0 or match is None:
+        tail = [line for line in err.splitlines() if line.strip()][-3:]
+        result["error"] = " | ".join(tail)[-600:]
+        return result
+    requests, prompt_tokens, output_tokens, gen_s = match.groups()
+    gen_s = float(gen_s)
+    result.update(
+        requests=int(requests),
+        prompt_tokens=int(prompt_tokens),
+        output_tokens=int(output_tokens),
+        gen_s=gen_s,
+        output_tokens_per_s=round(int(output_tokens) / gen_s, 1),
+        total_tokens_per_s=round((int(output_tokens) + int(prompt_tokens)) / gen_s, 1),
+    )
+    sched = re.search(r"scheduler: (.*)", err)
+    if sched:
+        for item in sched.group(1).split():
+            key, _, value = item.partition("=")
+            result[key] = float(value) if "." in value else int(value)
+    accept = re.search(r"accept_len=([\d.]+)", err)
+    if accept:
+        result["accept_len"] = float(accept.group(1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for workload.json and the outputs")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", default="default,seqs256,seqs512,eagle3")
+    parser.add_argument("--tree", default=None, help="another checkout, run as `baseline`")
+    parser.add_argument("--baseline-configs", default="default")
+    parser.add_argument("--shape", choices=["llama8b", "small"], default="llama8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    shape = dict(SHAPES[args.shape])
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), CONTEXT)
+    target = write_config(shape)
+    head = write_head(shape)
+    head_config = json.loads((Path(head) / "config.json").read_text())
+    head_config["draft_vocab_size"] = min(head_config["draft_vocab_size"], shape["vocab_size"])
+    (Path(head) / "config.json").write_text(json.dumps(head_config))
+    scale = 1.0 if args.shape == "llama8b" else 0.1
+    records = make_job(args.requests, args.seed, shape["vocab_size"], scale)
+    job = Path(args.out) / "workload_job.jsonl"
+    job.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = {
+        "command": " ".join(["python"] + sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "shape": args.shape,
+        "requests": args.requests,
+        "job_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in records),
+        "job_output_tokens": sum(r["max_new_tokens"] for r in records),
+        "runs": [],
+    }
+    runs = [(name, None) for name in args.configs.split(",") if name]
+    if args.tree:
+        runs = [(f"baseline_{n}", args.tree) for n in args.baseline_configs.split(",")] + runs
+    for name, tree in runs:
+        flags = list(CONFIGS[name.removeprefix("baseline_")])
+        if name.endswith("eagle3"):
+            flags += ["--draft", head]
+        result = run_config(name, flags, target, job, args, tree)
+        report["runs"].append(result)
+        print(json.dumps(result), flush=True)
+        (Path(args.out) / "workload.json").write_text(json.dumps(report, indent=2))
+    print(f"\njob: {report['requests']} requests, {report['job_prompt_tokens']} prompt + "
+          f"{report['job_output_tokens']} output tokens ({args.shape}, {report['date']})")
+    print("| config | output tok/s | total tok/s | generate s | wall s | peak GiB | preemptions "
+          "| mean decode batch |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in report["runs"]:
+        if "error" in r:
+            print(f"| {r['config']} | error (exit {r['exit']}): {r['error'][:120]} |")
+            continue
+        print(f"| {r['config']} | {r['output_tokens_per_s']:.0f} | {r['total_tokens_per_s']:.0f} "
+              f"| {r['gen_s']:.1f} | {r['wall_s']:.1f} | {r.get('peak_memory_gib', '-')} "
+              f"| {r.get('preemptions', '-')} | {r.get('mean_decode_batch', '-')} |")  # fmt: skip
+    return 0 if all("error" not in r for r in report["runs"] if r["tree"] is None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
