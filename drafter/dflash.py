@@ -44,6 +44,7 @@ from speculant.config import ModelConfig, read_hf_config
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.checkpoint import (
     format_of,
+    layer_types_and_window,
     read_head_weights,
     require_tensors,
     speculators_fields,
@@ -168,11 +169,7 @@ def _block_attention(
     default layer types follow transformers' Qwen3Config, which both references read the config
     with: `sliding_window` counts only with `use_sliding_window`, and without `layer_types` the
     layers from `max_window_layers` on slide."""
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
-    first_sliding = hf.get("max_window_layers", 28) if window is not None else num_layers
-    types = hf.get("layer_types") or [
-        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)
-    ]
+    types, window = layer_types_and_window(hf, num_layers)
     if len(types) != num_layers:
         raise SpeculantError(
             f"layer_types {types} in {source} names {len(types)} layers, but "

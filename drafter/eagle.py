@@ -22,10 +22,12 @@ of layer i and is taken as is.
 
 The speculators format (vLLM's `Eagle3Converter` output, `speculators_model_type: eagle3`; see
 drafter/checkpoint.py) holds the same head: layer shapes in `transformer_layer_config` (Llama
-layers), `layers.0.*` for `midlayer.*`, aux ids at the top level (input of layer i), and the head
-embeds with its own `embed_tokens` when the file has one, as vLLM does (we share the target's
-table when the two are equal). EAGLE-3.1 flags, read as vLLM reads them and defaulting to the
-speculators schema's False (vLLM alone defaults an absent `norm_before_residual` to True):
+layers, or Qwen3 ones with q/k norms for model_type qwen3; a sliding window is refused unless it
+covers every position), `layers.0.*` for `midlayer.*`, aux ids at the top level (input of layer
+i), and the head embeds with its own `embed_tokens` when the file has one, as vLLM does (we share
+the target's table when the two are equal). EAGLE-3.1 flags, read as vLLM reads them and
+defaulting to the speculators schema's False (vLLM alone defaults an absent
+`norm_before_residual` to True):
 `norm_before_residual` (layer 0's residual is hidden_norm(hidden)), `norm_before_fc` (one RMSNorm
 `input_norm` over the concatenated aux states before fc; also read from `eagle_config`),
 `fc_norm` (an RMSNorm `fc_norm.{j}` per aux state; exclusive with norm_before_fc) and
@@ -45,6 +47,7 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, read_hf_config
 from speculant.drafter.checkpoint import (
     format_of,
+    layer_types_and_window,
     read_head_weights,
     require_tensors,
     speculators_fields,
@@ -86,6 +89,7 @@ class Eagle3Config:
     fc_norm: bool = False  # EAGLE-3.1: RMSNorm `fc_norm.{j}` on each aux state
     norm_output: bool = False  # EAGLE-3.1: feed back the post-norm hidden
     speculators: bool = False  # read from the speculators format
+    sliding_window: int | None = None  # of its sliding layers; load_eagle3 checks it never binds
     head_embeddings: bool = False  # embeds with its own table at the target's width (vLLM)
     source: str = "config.json"
 
@@ -115,7 +119,11 @@ class Eagle3Config:
         for flag in ("tie_word_embeddings", "attention_bias"):
             if hf.get(flag):
                 raise SpeculantError(f"{flag}=true in {source} is not supported for EAGLE-3 heads")
-        layer = ModelConfig.from_hf({**hf, "architectures": ["LlamaForCausalLM"]}, source)
+        # speculators heads may have Qwen3 layers (q/k norms), as vLLM's Eagle3Qwen3ForCausalLM
+        qwen3 = fmt.speculators and hf.get("model_type") == "qwen3"
+        arch = "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"
+        layer = ModelConfig.from_hf({**hf, "architectures": [arch]}, source)
+        window = _sliding_window(hf, layer.num_layers, qwen3, source) if fmt.speculators else None
         if not hf.get("target_hidden_size") and layer.hidden_size != target.hidden_size:
             raise SpeculantError(
                 f"EAGLE-3 hidden_size {layer.hidden_size} in {source} != the "
@@ -147,12 +155,30 @@ class Eagle3Config:
             fc_bias=bool(hf.get("bias", False)),
             **_norm_flags(hf, source),
             speculators=fmt.speculators,
+            sliding_window=window,
             source=source,
         )
 
 
+def _sliding_window(hf: dict, num_layers: int, qwen3: bool, source: str) -> int | None:
+    """The window of a speculators head's sliding layers (its training masks apply it), None
+    when it has none; load_eagle3 refuses one that would bind."""
+    types, window = layer_types_and_window(hf, num_layers, qwen3)
+    unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if unknown:
+        raise SpeculantError(
+            f"layer_types value {unknown[0]!r} in {source} is not supported; supported: "
+            "full_attention, sliding_attention"
+        )
+    if "sliding_attention" not in types or window is None:
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise SpeculantError(f"sliding_window={window!r} in {source} must be a positive integer")
+    return window
+
+
 def _speculators_eagle3(hf: dict, algo: str, source: str) -> dict:
-    """The flat config of a speculators EAGLE-3 head (Llama layers only, as vLLM's llama path)."""
+    """The flat config of a speculators EAGLE-3 head (Llama or Qwen3 layers, as vLLM maps)."""
     if algo != "eagle3":
         raise SpeculantError(
             f"{source} is a speculators {algo} drafter, not an EAGLE-3 head; pass --algo {algo} "
@@ -160,10 +186,10 @@ def _speculators_eagle3(hf: dict, algo: str, source: str) -> dict:
         )
     flat = speculators_fields(hf, source)
     layer_type = flat.get("model_type", "llama")
-    if layer_type != "llama":
+    if layer_type not in ("llama", "qwen3"):
         raise SpeculantError(
             f"transformer_layer_config.model_type={layer_type!r} in {source} is not supported "
-            "for EAGLE-3 heads; only Llama decoder layers (model_type 'llama') are"
+            "for EAGLE-3 heads; supported: llama, qwen3 decoder layers"
         )
     return {**flat, "architectures": ["LlamaForCausalLMEagle3"]}
 
@@ -382,6 +408,7 @@ def published_keys(cfg: Eagle3Config, layer_prefix: str = "midlayer.") -> list[s
         keys += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
         keys += [f"{p}hidden_norm.weight"] if i == 0 else []
         keys += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"] if cfg.layer.qkv_bias else []
+        keys += [f"{p}self_attn.{x}_norm.weight" for x in "qk"] if cfg.layer.qk_norm else []
     return keys
 
 
@@ -464,6 +491,12 @@ def load_eagle3(
     (`load_format="dummy"`: random weights, no weight files needed)."""
     check_load_format(load_format)
     cfg = Eagle3Config.from_dir(path, target_cfg)
+    if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
+        raise SpeculantError(
+            f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "
+            f"{max_positions} positions a request may reach (--max-model-len + 2 x (k + 1)), and "
+            "windowed attention is not supported; lower --max-model-len"
+        )
     weights, source = ({}, str(path)) if load_format == "dummy" else read_head_weights(path)
     # vLLM embeds a speculators head with the table it ships (build_drafter shares equal ones)
     cfg.head_embeddings = cfg.speculators and "embed_tokens.weight" in weights

@@ -173,6 +173,7 @@ def write_speculators_eagle3(
     target_dir: str | Path,
     aux_ids: list[int] | None = None,
     speculative_tokens: int = 3,
+    layer_type: str = "llama",
     **fields,
 ) -> dict:
     """Rewrite the LlamaForCausalLMEagle3 head in `head_dir` as the speculators package's
@@ -182,7 +183,8 @@ def write_speculators_eagle3(
     `speculative_tokens`, top-level `eagle_aux_hidden_state_layer_ids` (input-of-layer ids) and
     the EAGLE-3.1 flags; `fields` override top-level fields. Every tensor is kept (a head
     trained by speculators ships its EAGLE-3.1 norms; the converter's legacy model drops them).
-    Returns the config."""
+    `layer_type="qwen3"` writes Qwen3 layers (speculators trains those too) with random q/k
+    norms added. Returns the config."""
     from safetensors.torch import load_file, save_file
 
     src = json.loads((Path(head_dir) / "config.json").read_text())
@@ -199,7 +201,13 @@ def write_speculators_eagle3(
         "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
     )  # fmt: skip
     layer = {k: src[k] for k in layer_keys if k in src}
-    layer.update(model_type="llama", vocab_size=target["vocab_size"], tie_word_embeddings=False)
+    layer.update(model_type=layer_type, vocab_size=target["vocab_size"], tie_word_embeddings=False)
+    if layer_type == "qwen3":
+        gen = torch.Generator().manual_seed(11)
+        for i in range(src["num_hidden_layers"]):
+            for x in "qk":
+                norm = 1.0 + 0.2 * torch.randn(src["head_dim"], generator=gen)
+                tensors[f"layers.{i}.self_attn.{x}_norm.weight"] = norm.to(torch.bfloat16)
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",

@@ -180,6 +180,8 @@ def test_speculators_heads_load_without_algo(tmp_path, code_prompts):
     )
     write_speculators_dflash(tmp_path / "d", DFLASH, TARGET)
     assert drafter_format(tmp_path / "e").num_draft_tokens == 5
+    published = [drafter_format(d).algo for d in (EAGLE3, DFLASH, bundled("draft_lm"))]
+    assert published == ["eagle3", "dflash", None]  # the architectures say it too
     spec = engine(TARGET, draft=str(tmp_path / "e"))
     assert (spec.config.spec.algo, spec.config.spec.num_draft_tokens) == ("eagle3", 5)
     explicit = engine(TARGET, algo="eagle3", draft=str(tmp_path / "e"), num_draft_tokens=2)
@@ -304,6 +306,8 @@ def eagle31_reference(w, cfg, embeds, aux, positions, flags, fed_back=None):
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(N, kv_heads, d).transpose(0, 1)
     half = d // 2
     rot = lambda t: torch.cat([-t[..., half:], t[..., :half]], -1)  # noqa: E731
+    if flags.get("qk_norm"):  # Qwen3 layers: per-head RMSNorm before RoPE
+        q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     h = residual + out.transpose(0, 1).reshape(N, -1) @ w[p + "self_attn.o_proj.weight"].T
@@ -613,10 +617,50 @@ def test_speculators_drafter_of_the_other_algorithm_is_named(tmp_path, llama_dir
         engine(llama_dir, algo="dflash", draft=str(tmp_path / "e"))
 
 
-def test_speculators_eagle3_qwen3_layers_are_refused(tmp_path, llama_dir):
+def test_speculators_eagle3_qwen3_layers_match_the_speculators_forward(tmp_path, llama_dir):
+    """transformer_layer_config.model_type qwen3 (vLLM's Eagle3Qwen3ForCausalLM): layers with
+    per-head q/k RMSNorm before RoPE; the head follows that formula (without the norms it
+    misses)."""
+    target = ModelConfig.from_dir(llama_dir)
+    write_random_eagle3(tmp_path / "h", llama_dir, num_kv_heads=2, seed=4)
+    write_speculators_eagle3(tmp_path / "s", tmp_path / "h", llama_dir, layer_type="qwen3")
+    saved = load_file(str(tmp_path / "s" / "model.safetensors"))
+    w = {k.replace("layers.0.", "midlayer."): t for k, t in saved.items()}
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    head = load(tmp_path / "s", target)
+    gen = torch.Generator().manual_seed(0)
+    embeds, aux = torch.randn(6, 64, generator=gen), torch.randn(6, 192, generator=gen)
+    positions = torch.arange(6) + 2
+    with torch.no_grad():
+        out = head(embeds, aux, positions, CausalAttentionStub())
+    ref, _ = eagle31_reference(w, cfg, embeds, aux, positions, {})
+    assert not torch.allclose(out, ref, atol=1e-3)
+    ref, _ = eagle31_reference(w, cfg, embeds, aux, positions, {"qk_norm": True})
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "layer, max_positions, message",
+    [
+        ({"model_type": "mistral"}, 64, "model_type='mistral' .* supported: llama, qwen3"),
+        ({"layer_types": ["sliding_attention"], "sliding_window": 32}, 64, "sliding_window=32"),
+        ({"layer_types": ["sliding_attention"], "sliding_window": 64}, 64, None),
+        ({"layer_types": ["chunked_attention"]}, 64, "'chunked_attention'"),
+    ],
+)
+def test_speculators_eagle3_layer_config_is_honoured_or_named(
+    tmp_path, llama_dir, layer, max_positions, message
+):
+    """A speculators head's sliding layers (its training masks apply the window) load where the
+    window covers every position, and are refused where it would bind."""
     write_random_eagle3(tmp_path / "h", llama_dir)
     config = write_speculators_eagle3(tmp_path / "s", tmp_path / "h", llama_dir)
-    config["transformer_layer_config"]["model_type"] = "qwen3"
+    config["transformer_layer_config"].update(layer)
     (tmp_path / "s" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SpeculantError, match="model_type='qwen3' .* only Llama decoder layers"):
-        load(tmp_path / "s", ModelConfig.from_dir(llama_dir))
+    pctx, target = ParallelContext.single(), ModelConfig.from_dir(llama_dir)
+    args = (tmp_path / "s", target, "cpu", torch.float32, pctx, max_positions)
+    if message is None:
+        assert load_eagle3(*args).config.sliding_window == 64
+        return
+    with pytest.raises(SpeculantError, match=message):
+        load_eagle3(*args)
