@@ -8,8 +8,10 @@ over several steps (chunked prefill). A request holds the pages it has written p
 lookahead and grows page by page; when the pool cannot serve a decoding request's next step, the
 most recently admitted request is preempted: its pages are freed and it goes back to the front of
 the queue, to be recomputed from its prompt and the tokens it has emitted (vLLM's recompute
-preemption). Output is unchanged by it: greedy steps are deterministic and sampling draws from a
-counter-based RNG keyed by position."""
+preemption). While requests decode, waiting ones are admitted in groups (`admit_group`,
+max_num_seqs // 16): a step with prefill chunks runs eagerly, a pure decode step replays a graph,
+so admissions are gathered into few mixed steps. Output is unchanged by preemption and grouping:
+greedy steps are deterministic and sampling draws from a counter-based RNG keyed by position."""
 
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.tokens_per_req = tokens_per_req
         self.budget = max_num_batched_tokens
+        # While requests decode, new ones are admitted in groups of at least this many (or all
+        # that wait): each admission makes an eager mixed step, and a group shares one.
+        self.admit_group = max(1, max_num_seqs // 16)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -95,6 +100,10 @@ class Scheduler:
             if chunk is not None:
                 plan.chunks.append(chunk)
                 budget -= len(chunk.tokens)
+        free_rows = self.max_num_seqs - len(self.running)
+        group = min(len(self.waiting), self.admit_group)
+        if plan.decode and not plan.chunks and free_rows < group:
+            return self._done(plan)  # keep decoding in graphs until a group's rows are free
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             request.row = kv.allocate_row()
@@ -107,7 +116,10 @@ class Scheduler:
             self.running.append(request)
             plan.chunks.append(chunk)
             budget -= len(chunk.tokens)
-        kv.commit()
+        return self._done(plan)
+
+    def _done(self, plan: StepPlan) -> StepPlan:
+        self.kv.commit()
         return plan
 
     def _chunk(self, request: Request, budget: int) -> Chunk | None:
