@@ -4,6 +4,7 @@ parallelism. Everything an `Engine` is built from lives here."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,33 @@ DENSE_ARCHITECTURES = (
 )
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def read_json_object(file: Path, what: str) -> dict:
+    """A JSON file that must hold one object (config.json, an index), with clear errors."""
+    try:
+        value = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SpeculantError(
+            f"{str(file)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+            f"{exc.start}); re-export the checkpoint"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise SpeculantError(
+            f"{str(file)!r} is not valid JSON ({exc}); re-export the checkpoint"
+        ) from None
+    except OSError as exc:
+        raise SpeculantError(f"cannot read {str(file)!r} ({exc.strerror})") from None
+    if not isinstance(value, dict):
+        raise SpeculantError(
+            f"{str(file)!r} holds a JSON {_json_kind(value)}, not an object; {what}"
+        )
+    return value
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -33,19 +61,67 @@ def read_hf_config(path: str | Path) -> dict:
             f"{str(config_file)!r} is missing; {str(path)!r} is not a Hugging Face "
             "checkpoint (it needs config.json and *.safetensors)"
         )
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
+    return read_json_object(config_file, "a checkpoint's config.json is one {...} object")
+
+
+_REQUIRED = object()
+
+
+def _field(hf: dict, key: str, source: str, default: object) -> object:
+    """hf[key], or `default` when it is missing or null; an error naming it without a default."""
+    value = hf.get(key)
+    if value is not None:
+        return value
+    if default is _REQUIRED:
         raise SpeculantError(
-            f"{str(config_file)!r} is not valid JSON ({exc}); re-export the checkpoint"
-        ) from exc
+            f"{source} lacks the field {key!r}; re-export the checkpoint with transformers"
+        )
+    return default
 
 
-def _rope_settings(hf: dict) -> tuple[float, dict | None]:
+def config_int(hf: dict, key: str, source: str, default=_REQUIRED, minimum: int = 1) -> int:
+    """hf[key] as an int >= `minimum` (4096.0 passes; true, "8" and 2.5 do not). A missing key
+    takes `default`; without one it is an error naming the field."""
+    value = _field(hf, key, source, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpeculantError(
+            f"{key}={value!r} in {source} must be an integer >= {minimum}; fix config.json"
+        )
+    return value
+
+
+def config_float(hf: dict, key: str, source: str, default=_REQUIRED, minimum: float = 0.0) -> float:
+    """hf[key] as a finite float > `minimum` (JSON's NaN and Infinity are refused)."""
+    value = _field(hf, key, source, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= minimum
+    ):
+        raise SpeculantError(
+            f"{key}={value!r} in {source} must be a finite number > {minimum:g}; fix config.json"
+        )
+    return float(value)
+
+
+def config_dict(hf: dict, key: str, source: str) -> dict:
+    """hf[key] as a dict ({} when missing or null)."""
+    value = hf.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpeculantError(f"{key}={value!r} in {source} must be a JSON object; fix config.json")
+    return value
+
+
+def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either the transformers-4 or transformers-5 layout."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or None
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    params = config_dict(hf, "rope_parameters", source)
+    scaling = config_dict(hf, "rope_scaling", source) or None
+    theta = config_float({**params, **hf}, "rope_theta", source, 10000.0)
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = params
     if scaling is not None:
@@ -54,23 +130,57 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
             scaling = None
         elif kind != "llama3":
             raise SpeculantError(f"rope scaling type {kind!r} is not supported; supported: llama3")
-    return float(theta), scaling
+        else:
+            where = f"rope scaling of {source}"
+            config_float(scaling, "factor", where, _REQUIRED)
+            config_int(scaling, "original_max_position_embeddings", where)
+            low = config_float(scaling, "low_freq_factor", where, 1.0)
+            if config_float(scaling, "high_freq_factor", where, 4.0) == low:
+                raise SpeculantError(
+                    f"low_freq_factor == high_freq_factor == {low} in {where}; they must differ"
+                )
+    return theta, scaling
 
 
-def _moe_settings(hf: dict, num_layers: int) -> dict:
+def _moe_settings(hf: dict, num_layers: int, source: str) -> dict:
     """Qwen3-MoE fields with transformers' defaults; `moe_layer_ids` are the layers whose MLP is
     sparse (not in mlp_only_layers, and every decoder_sparse_step-th layer)."""
-    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 128)))
-    step = int(hf.get("decoder_sparse_step", 1))
-    dense = set(hf.get("mlp_only_layers") or [])
-    sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    num_experts = config_int(hf, experts_key, source, 128, minimum=0)
+    step = config_int(hf, "decoder_sparse_step", source, 1)
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in dense
+    ):
+        raise SpeculantError(
+            f"mlp_only_layers={dense!r} in {source} must be a list of layer indices"
+        )
+    sparse = [i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0]
+    per_token = config_int(hf, "num_experts_per_tok", source, 8)
+    if num_experts and per_token > num_experts:
+        raise SpeculantError(
+            f"num_experts_per_tok={per_token} in {source} exceeds num_experts={num_experts}; "
+            "fix config.json"
+        )
     return dict(
         num_experts=num_experts,
-        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=config_int(hf, "moe_intermediate_size", source, 768),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         moe_layer_ids=tuple(sparse) if num_experts > 0 else (),
     )
+
+
+def _eos_token_ids(hf: dict, source: str) -> tuple[int, ...]:
+    """eos_token_id as a tuple: one id, a list of ids, or none."""
+    eos = hf.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise SpeculantError(
+            f"eos_token_id={eos!r} in {source} must be a token id or a list of them; "
+            "fix config.json"
+        )
+    return tuple(ids)
 
 
 @dataclass
@@ -117,39 +227,48 @@ class ModelConfig:
             )
         if hf.get("mlp_bias"):
             raise SpeculantError(f"mlp_bias=true in {source} is not supported")
-        try:
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            theta, scaling = _rope_settings(hf)
-            eos = hf.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            num_layers = int(hf["num_hidden_layers"])
-            moe = _moe_settings(hf, num_layers) if arch in MOE_ARCHITECTURES else {}
-            return cls(
-                architecture=arch,
-                hidden_size=hidden,
-                num_layers=num_layers,
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                intermediate_size=int(hf["intermediate_size"]),
-                vocab_size=int(hf["vocab_size"]),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                rope_scaling=scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                qk_norm=arch in QK_NORM_ARCHITECTURES,
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                eos_token_ids=eos_ids,
-                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-                **moe,
-                hf=hf,
-            )
-        except KeyError as exc:
+        hidden = config_int(hf, "hidden_size", source)
+        heads = config_int(hf, "num_attention_heads", source)
+        kv_heads = config_int(hf, "num_key_value_heads", source, heads)
+        if heads % kv_heads:
             raise SpeculantError(
-                f"{source} lacks the field {exc.args[0]!r}; re-export the "
-                "checkpoint with transformers"
-            ) from exc
+                f"num_attention_heads={heads} in {source} is not a multiple of "
+                f"num_key_value_heads={kv_heads}; fix config.json"
+            )
+        if hf.get("head_dim") is None and hidden < heads:
+            raise SpeculantError(
+                f"hidden_size={hidden} in {source} is smaller than num_attention_heads={heads} "
+                "and no head_dim is given; fix config.json"
+            )
+        head_dim = config_int(hf, "head_dim", source, hidden // heads)
+        if head_dim % 2:
+            raise SpeculantError(
+                f"head_dim={head_dim} in {source} is odd; rotary embeddings need an even size"
+            )
+        theta, scaling = _rope_settings(hf, source)
+        num_layers = config_int(hf, "num_hidden_layers", source)
+        moe = _moe_settings(hf, num_layers, source) if arch in MOE_ARCHITECTURES else {}
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=config_int(hf, "intermediate_size", source),
+            vocab_size=config_int(hf, "vocab_size", source),
+            rms_norm_eps=config_float(hf, "rms_norm_eps", source, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=config_int(hf, "max_position_embeddings", source, 4096),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=_eos_token_ids(hf, source),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            **moe,
+            hf=hf,
+        )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -158,8 +277,9 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """Paged KV cache sizing. `num_pages=None` sizes the pool from max_num_seqs * max_model_len on
-    the CPU, or from `kv_cache_memory_fraction` of free memory on a GPU."""
+    """Paged KV cache sizing. `num_pages=None` sizes the pool for max_num_seqs full-length
+    requests, capped at `kv_cache_memory_fraction` of free GPU memory or of available host memory
+    on the CPU; an explicit `num_pages` beyond that cap is refused."""
 
     page_size: int = 16
     max_num_seqs: int | None = None  # None: 256 on a GPU, 64 on the CPU (over all DP ranks)
@@ -182,11 +302,12 @@ class GraphConfig:
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding: which drafter and how many draft tokens per step (0 = plain)."""
+    """Speculative decoding: which drafter and how many draft tokens per step. None (unset) is
+    the drafter's default with an algo; 0 is plain decoding (no drafter is loaded)."""
 
     algo: str | None = None
     draft: str | None = None
-    num_draft_tokens: int = 0
+    num_draft_tokens: int | None = None
 
 
 @dataclass

@@ -48,6 +48,12 @@ def read_head_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
                 ) from exc
             if not isinstance(state, dict):
                 raise SpeculantError(f"{str(file)!r} does not hold a state dict")
+            bad = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
+            if bad:
+                raise SpeculantError(
+                    f"{str(file)!r} holds {bad[0]!r}, which is not a tensor; it is not a "
+                    "state dict of weights"
+                )
             weights.update(state)
     return {name.removeprefix("model."): t for name, t in weights.items()}, str(path)
 

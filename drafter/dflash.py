@@ -33,6 +33,7 @@ hidden state, taken before the final norm by vLLM and after it by z-lab) are ref
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
-from speculant.config import ModelConfig, read_hf_config
+from speculant.config import ModelConfig, config_dict, config_float, config_int, read_hf_config
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.checkpoint import (
     format_of,
@@ -109,10 +110,11 @@ class DFlashConfig:
                 f"{source} is a DFlash2 drafter (candidate selector, convolutions); only "
                 "DFlashDraftModel checkpoints are supported"
             )
-        extra = hf.get("dflash_config") or {}
+        extra = config_dict(hf, "dflash_config", source)
+        merged = {**hf, **extra}  # dflash_config's fields win over the top level's
 
         def value(name, default=None):
-            found = extra.get(name, hf.get(name))
+            found = merged.get(name)
             return default if found is None else found
 
         layer = ModelConfig.from_hf({**hf, "architectures": ["Qwen3ForCausalLM"]}, source)
@@ -123,22 +125,28 @@ class DFlashConfig:
                 "so it is for another target"
             )
         mask_id = value("mask_token_id")
-        if mask_id is None or not 0 <= int(mask_id) < target.vocab_size:
+        if (
+            not isinstance(mask_id, int)
+            or isinstance(mask_id, bool)
+            or not (0 <= mask_id < target.vocab_size)
+        ):
             raise SpeculantError(
                 f"dflash_config.mask_token_id={mask_id} in {source} must be a token id below the "
                 f"target vocabulary {target.vocab_size}; add the mask token to the config"
             )
-        block = int(value("block_size", DEFAULT_BLOCK_SIZE))
-        if block < 2:
-            raise SpeculantError(f"block_size={block} in {source} must be at least 2")
+        block = config_int(merged, "block_size", source, DEFAULT_BLOCK_SIZE, minimum=2)
         ids = value("target_layer_ids")
         L = target.num_layers
         if ids is None:
-            ids = default_target_layer_ids(int(value("num_target_layers", L)), layer.num_layers)
+            num_target = config_int(merged, "num_target_layers", source, L)
+            ids = default_target_layer_ids(num_target, layer.num_layers)
             key = f"the default target_layer_ids {ids}"
         else:
             key = f"dflash_config.target_layer_ids={ids}"
-        ids = [int(i) for i in ids]
+        if not isinstance(ids, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in ids
+        ):
+            raise SpeculantError(f"{key} in {source} must be a list of target layer indices")
         if not ids or any(not 0 <= i < L for i in ids):
             raise SpeculantError(
                 f"{key} in {source} is out of range for a target with {L} layers (0..{L - 1}); "
@@ -154,9 +162,11 @@ class DFlashConfig:
             mask_token_id=int(mask_id),
             target_layer_ids=tuple(ids),
             causal_block=causal,
-            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-            output_multiplier=float(value("output_multiplier", 1.0)),
-            logit_softcap=float(value("final_logit_softcapping", 0.0)),
+            input_embedding_scale=config_float(merged, "input_embedding_scale", source, 1.0),
+            output_multiplier=config_float(merged, "output_multiplier", source, 1.0),
+            logit_softcap=config_float(
+                merged, "final_logit_softcapping", source, 0.0, minimum=-math.inf
+            ),
             sliding_window=window,
             source=source,
         )
@@ -257,7 +267,9 @@ def _speculators_dflash(hf: dict, algo: str, target: ModelConfig, source: str) -
 def block_size_of(path: str | Path) -> int:
     """The block size a drafter folder declares (before the target is known)."""
     hf = read_hf_config(path)
-    return int((hf.get("dflash_config") or {}).get("block_size", hf.get("block_size", 16)))
+    source = str(Path(path) / "config.json")
+    merged = {**hf, **config_dict(hf, "dflash_config", source)}
+    return config_int(merged, "block_size", source, DEFAULT_BLOCK_SIZE, minimum=2)
 
 
 class DFlashAttention(nn.Module):

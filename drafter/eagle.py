@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
-from speculant.config import ModelConfig, read_hf_config
+from speculant.config import ModelConfig, config_dict, config_int, read_hf_config
 from speculant.drafter.checkpoint import (
     format_of,
     layer_types_and_window,
@@ -65,6 +65,7 @@ from speculant.models.llama import MLP, Attention, DecoderLayer
 from speculant.models.loader import (
     check_load_format,
     default_device_and_dtype,
+    file_holding,
     init_dummy_weights,
     load_weights,
 )
@@ -130,13 +131,13 @@ class Eagle3Config:
                 f"target's {target.hidden_size} and no target_hidden_size is given; "
                 "the head is for another target"
             )
-        target_hidden = int(hf.get("target_hidden_size") or layer.hidden_size)
+        target_hidden = config_int(hf, "target_hidden_size", source, layer.hidden_size)
         if target_hidden != target.hidden_size:
             raise SpeculantError(
                 f"target_hidden_size {target_hidden} in {source} != target hidden "
                 f"size {target.hidden_size}; the head is for another target"
             )
-        draft_vocab = int(hf.get("draft_vocab_size") or layer.vocab_size)
+        draft_vocab = config_int(hf, "draft_vocab_size", source, layer.vocab_size)
         if draft_vocab > target.vocab_size or (
             draft_vocab == layer.vocab_size and layer.vocab_size != target.vocab_size
         ):
@@ -197,7 +198,7 @@ def _speculators_eagle3(hf: dict, algo: str, source: str) -> dict:
 def _norm_flags(hf: dict, source: str) -> dict[str, bool]:
     """norm_before_residual and the EAGLE-3.1 flags, False when absent (the speculators schema);
     norm_before_fc may sit in eagle_config, as vLLM reads it."""
-    nested = hf.get("eagle_config") or {}
+    nested = config_dict(hf, "eagle_config", source)
     flags = {
         "norm_before_residual": bool(hf.get("norm_before_residual", False)),
         "norm_before_fc": bool(nested.get("norm_before_fc", hf.get("norm_before_fc", False))),
@@ -216,11 +217,19 @@ def _aux_layer_ids(hf: dict, num_target_layers: int, source: str) -> tuple[int, 
     """Aux layer ids in our convention (input of layer i; i = L is the last layer's output), in
     layer order: the target captures them in that order, whatever order the config lists."""
     L = num_target_layers
-    nested = (hf.get("eagle_config") or {}).get(AUX_IDS_KEY)
+    nested = config_dict(hf, "eagle_config", source).get(AUX_IDS_KEY)
+    for where, listed in (("eagle_config.", nested), ("", hf.get(AUX_IDS_KEY))):
+        if listed and not (
+            isinstance(listed, list)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in listed)
+        ):
+            raise SpeculantError(
+                f"{where}{AUX_IDS_KEY}={listed!r} in {source} must be a list of layer indices"
+            )
     if nested:  # SpecForge / SGLang: output of layer i, i.e. the input of layer i + 1
-        ids, key = [int(i) + 1 for i in nested], f"eagle_config.{AUX_IDS_KEY}={nested}"
+        ids, key = [i + 1 for i in nested], f"eagle_config.{AUX_IDS_KEY}={nested}"
     elif hf.get(AUX_IDS_KEY):  # vLLM / speculators: already the input of layer i
-        ids, key = [int(i) for i in hf[AUX_IDS_KEY]], f"{AUX_IDS_KEY}={hf[AUX_IDS_KEY]}"
+        ids, key = list(hf[AUX_IDS_KEY]), f"{AUX_IDS_KEY}={hf[AUX_IDS_KEY]}"
     else:  # SGLang's default, clamped so toy targets with few layers still work
         ids = [min(max(i, 0), L) for i in (2, L // 2, L - 3)]
         key = f"the default aux layers [2, L//2, L-3] = {ids}"
@@ -431,6 +440,8 @@ def _layer_prefix(keys, num_layers: int) -> str:
 
 
 def _checked_d2t(weights: dict, cfg: Eagle3Config, source: str) -> torch.Tensor:
+    """The draft -> target offsets `d2t` [draft_vocab] int64, checked: integers, mapping into
+    the target vocabulary one to one, and agreeing with `t2d` when the head has one."""
     draft, target = cfg.draft_vocab_size, cfg.target_vocab_size
     if "d2t" not in weights:
         if draft != target:
@@ -439,7 +450,13 @@ def _checked_d2t(weights: dict, cfg: Eagle3Config, source: str) -> torch.Tensor:
                 f"{target} but no 'd2t' tensor to map draft ids to target ids"
             )
         return torch.zeros(draft, dtype=torch.int64)
-    d2t = weights["d2t"].to(torch.int64)
+    raw = weights["d2t"]
+    if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
+        raise SpeculantError(
+            f"'d2t' in {file_holding(source, 'd2t')} is {raw.dtype}; it must hold integer "
+            "offsets (int64); the head is corrupt"
+        )
+    d2t = raw.to(torch.int64)
     if d2t.shape != (draft,):
         raise SpeculantError(
             f"'d2t' in {source} has shape {tuple(d2t.shape)}, expected "
@@ -451,7 +468,28 @@ def _checked_d2t(weights: dict, cfg: Eagle3Config, source: str) -> torch.Tensor:
             f"'d2t' in {source} maps draft ids outside the target vocabulary "
             f"{target} or onto the same id; the head is for another target"
         )
+    if "t2d" in weights:
+        _check_t2d(weights["t2d"], ids, target, file_holding(source, "t2d"))
     return d2t
+
+
+def _check_t2d(t2d: torch.Tensor, ids: torch.Tensor, target: int, file: str) -> None:
+    """`t2d` [target_vocab] marks the target ids in the draft vocabulary: it is rebuilt from
+    d2t, but one that disagrees means the head was written wrong (or for another target)."""
+    if t2d.is_floating_point() or t2d.is_complex():
+        raise SpeculantError(f"'t2d' in {file} is {t2d.dtype}; it must be bool (or 0/1 integers)")
+    if t2d.shape != (target,):
+        raise SpeculantError(
+            f"'t2d' in {file} has shape {tuple(t2d.shape)}, expected ({target},) for the "
+            f"target vocabulary {target}; the head is for another target"
+        )
+    expected = torch.zeros(target, dtype=torch.bool)
+    expected[ids] = True
+    if not torch.equal(t2d != 0, expected) or bool(((t2d != 0) & (t2d != 1)).any()):
+        raise SpeculantError(
+            f"'t2d' in {file} marks {int((t2d != 0).sum())} target ids, not the {ids.numel()} "
+            "that 'd2t' maps to; the head is corrupt"
+        )
 
 
 def _refuse_unused_norms(weights: dict, cfg: Eagle3Config, source: str) -> None:
@@ -510,7 +548,9 @@ def load_eagle3(
     require_tensors(weights, keys, source, "head", "an EAGLE-3 head")
     _refuse_unused_norms(weights, cfg, source)
     d2t = _checked_d2t(weights, cfg, source)
-    tensors = ((k, t) for k, t in weights.items() if k not in ("d2t", "t2d"))
+    # the vocabulary maps are buffers; a head as wide as its target embeds with the target's table
+    skip = {"d2t", "t2d"} | (set() if cfg.own_embeddings else {"embed_tokens.weight"})
+    tensors = ((k, t) for k, t in weights.items() if k not in skip)
     load_weights(head, tensors, source, rename=our_name)
     head.set_vocab_map(d2t.to(device))
     return head.eval()

@@ -4,6 +4,7 @@ their checks, and the components (`build_model`, `build_kv_cache`, `build_drafte
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from speculant.models.loader import (
     iter_safetensors,
     load_weights,
 )
+
+log = logging.getLogger("speculant")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 ALGOS = ("eagle3", "draft-model", "dflash")
@@ -138,24 +141,32 @@ def engine_config(target: str, **options) -> EngineConfig:
 def check_spec(spec: SpecConfig) -> None:
     """Validate the speculative options. Without --algo, a drafter whose config.json names its
     algorithm (speculators' `speculators_model_type`, or a published head's architectures) sets
-    it; k defaults to the speculators `speculative_tokens`, DFLASH's block minus the newest token,
-    else DEFAULT_DRAFT_TOKENS. Explicit --algo / --num-draft-tokens win."""
+    it; k unset (None) defaults to the speculators `speculative_tokens`, DFLASH's block minus the
+    newest token, else DEFAULT_DRAFT_TOKENS; an explicit 0 is plain decoding (the drafter is not
+    loaded). Explicit --algo / --num-draft-tokens win."""
+    k = spec.num_draft_tokens
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise SpeculantError(f"num_draft_tokens={k!r} must be an integer >= 0 (0 = plain decoding)")
     fmt = None
-    if spec.draft is not None and (spec.algo is None or spec.num_draft_tokens == 0):
+    if spec.draft is not None and (spec.algo is None or k is None):
         fmt = drafter_format(spec.draft)
         spec.algo = spec.algo or fmt.algo
     if spec.algo is None:
-        if spec.num_draft_tokens or spec.draft:
+        if k or spec.draft:
             raise SpeculantError(
                 f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)}): the drafter's "
                 "config.json does not name its algorithm"
             )
+        spec.num_draft_tokens = 0
         return
     if spec.algo not in ALGOS:
         raise SpeculantError(f"algo {spec.algo!r} is not supported; use one of {', '.join(ALGOS)}")
     if spec.draft is None:
         raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
-    if spec.num_draft_tokens == 0:
+    if k == 0:
+        log.info("num_draft_tokens=0: plain decoding, the %s drafter is not loaded", spec.algo)
+        return
+    if k is None:
         k = fmt.num_draft_tokens if fmt.speculators and fmt.algo == spec.algo else None
         if spec.algo == "dflash":  # at most the block minus the newest token
             block_k = block_size_of(spec.draft) - 1
@@ -163,7 +174,8 @@ def check_spec(spec: SpecConfig) -> None:
         spec.num_draft_tokens = min(k or DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS)
     if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise SpeculantError(
-            f"num_draft_tokens={spec.num_draft_tokens} must be in 1..{MAX_DRAFT_TOKENS} with --algo"
+            f"num_draft_tokens={spec.num_draft_tokens} must be in 0..{MAX_DRAFT_TOKENS} with "
+            "--algo (0 = plain decoding)"
         )
 
 
@@ -229,6 +241,8 @@ def build_kv_cache(
             cache.num_pages,
             reserved_bytes,
         )
+        # one pool size on every rank: each rank's scheduler admits by it (free memory differs)
+        num_pages = min(setup.pctx.all_gather_object(num_pages))
     max_pages = -(-setup.max_positions // cache.page_size)
     return PagedKVCache(
         mc.num_layers,
@@ -246,7 +260,7 @@ def build_kv_cache(
 def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafter | None:
     """The drafter --algo names (None without one), sharing the target's KV cache."""
     cfg, spec, max_positions = setup.config, setup.config.spec, setup.max_positions
-    if spec.algo is None:
+    if spec.algo is None or spec.num_draft_tokens == 0:
         return None
     if spec.algo in ("eagle3", "dflash"):  # a head in its published layout, on our target
         load, drafter_cls = (

@@ -7,6 +7,8 @@ is where padded graph rows point, so they never touch a live request's state."""
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 
@@ -159,29 +161,65 @@ def choose_num_pages(
     requested: int | None,
     reserved_bytes: int = 0,
 ) -> int:
-    """Pages for the pool: as requested, else enough for max_num_seqs full-length requests on the
-    CPU, else a fraction of free GPU memory less `reserved_bytes` (the profiled peak activations
-    of a step; capped at what max_num_seqs can use)."""
+    """Pages for the pool: as requested, else enough for max_num_seqs full-length requests, both
+    capped at `memory_fraction` of the free GPU memory less `reserved_bytes` (the profiled peak
+    activations of a step), or of the available host memory on the CPU; a requested pool beyond
+    that is refused, naming the flags."""
     full = max_num_seqs * -(-max_model_len // page_size) + 1
-    if requested is not None:
-        num = requested
-        how = "--num-pages"
-    elif str(device).startswith("cuda"):
+    page_bytes = bytes_per_token * page_size
+    if str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         free = max(0, free - reserved_bytes)
-        num = min(full, int(free * memory_fraction) // (bytes_per_token * page_size))
-        how = (
-            f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB free after "
-            f"{reserved_bytes / 2**30:.2f} GiB of profiled step activations"
-        )
+        where = f"free after {reserved_bytes / 2**30:.2f} GiB of profiled step activations"
     else:
-        num = full
-        how = f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"
+        free = _available_host_memory()
+        where = "available"
+    budget = int(free * memory_fraction) // page_bytes
+    limit = f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB {where}"
+    if requested is not None:
+        if requested > budget:
+            raise SpeculantError(
+                f"--num-pages {requested} needs {requested * page_bytes / 2**30:.1f} GiB of KV "
+                f"cache, more than {limit} ({budget} pages); lower --num-pages or raise "
+                "--kv-cache-memory-fraction"
+            )
+        num, how = requested, "--num-pages"
+    elif full <= budget:
+        num, how = full, f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"
+    else:
+        num, how = budget, f"{limit} (max_num_seqs x max_model_len would need {full} pages)"
     log.info(
         "KV cache: %d pages of %d tokens (%.1f MiB) from %s",
         num,
         page_size,
-        num * page_size * bytes_per_token / 2**20,
+        num * page_bytes / 2**20,
         how,
     )
     return num
+
+
+def _available_host_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable (free plus reclaimable cache), else
+    the free pages, lowered to the cgroup's limit when one is set (containers); no cap (a very
+    large number) where neither can be read."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return 1 << 62
+    cgroup = Path("/sys/fs/cgroup")
+    try:  # cgroup v2: memory.max is "max" or a byte count
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available

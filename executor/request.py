@@ -3,14 +3,32 @@ them (Request)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 from speculant.errors import SpeculantError
+
+# Temperatures below this sample greedily: logits / T overflows float32 long before T reaches 0
+# (a subnormal T turns every logit into inf), and so does vLLM (its _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k travel to the device as int64
+
+
+def is_integer(value: object) -> bool:
+    """An int (or numpy integer), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float (or numpy scalar), not a bool: NaN and inf are not numbers here."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
 class SamplingParams:
-    """How to decode one request. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+    """How to decode one request. temperature 0 is greedy (so is any below GREEDY_TEMPERATURE);
+    top_k 0 and top_p 1 are off."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -21,14 +39,32 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if int(self.max_new_tokens) <= 0:
-            raise SpeculantError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise SpeculantError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-        if self.top_k < 0:
-            raise SpeculantError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
-        if not 0 < self.top_p <= 1:
-            raise SpeculantError(f"top_p={self.top_p} must be in (0, 1] (1 turns it off)")
+        """Raise on a value that cannot be right, naming it; temperatures below
+        GREEDY_TEMPERATURE become 0 (greedy) in place."""
+        if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
+            raise SpeculantError(
+                f"max_new_tokens={self.max_new_tokens!r} must be an integer of at least 1"
+            )
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise SpeculantError(
+                f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)"
+            )
+        if not is_integer(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise SpeculantError(
+                f"top_k={self.top_k!r} must be an integer in 0..{INT64_MAX} (0 turns it off)"
+            )
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise SpeculantError(f"top_p={self.top_p!r} must be in (0, 1] (1 turns it off)")
+        if self.seed is not None and not (
+            is_integer(self.seed) and INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise SpeculantError(
+                f"seed={self.seed!r} must be an integer in {INT64_MIN}..{INT64_MAX} (int64)"
+            )
+        if any(not is_integer(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise SpeculantError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from speculant.executor.forward_batch import SamplingInfo
+from speculant.executor.request import GREEDY_TEMPERATURE
 
 MASK32 = 0xFFFFFFFF
 # Independent random streams per position.
@@ -45,7 +46,7 @@ def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
 
 def batch_variant(temperatures: list[float]) -> str:
     """The graph variant a batch needs: argmax only when every request is greedy."""
-    return GREEDY if all(t <= 0 for t in temperatures) else FULL
+    return GREEDY if all(t < GREEDY_TEMPERATURE for t in temperatures) else FULL
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -69,14 +70,19 @@ def filtered_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """softmax(logits / T) restricted to the top-k and top-p set and renormalised.
-    logits [..., V]; parameters broadcast over the leading dims ([bs] or [bs, 1])."""
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logits [..., V]; parameters broadcast over the leading dims ([bs] or [bs, 1]).
+    Rows with T below GREEDY_TEMPERATURE get a one-hot at the argmax (logits / T would overflow
+    float32); the most likely token always survives top-p, however small top_p is."""
+    greedy = temperature < GREEDY_TEMPERATURE
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits.float() / temp.unsqueeze(-1), dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
+    probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep = (rank < k) & (mass_before < top_p.unsqueeze(-1))
+    keep = (rank < k) & ((mass_before < top_p.unsqueeze(-1)) | (rank == 0))
     sorted_probs = sorted_probs * keep
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum(-1, keepdim=True)

@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,8 @@ from typing import Any, TextIO
 
 from speculant import ASSETS, bundled
 from speculant.errors import SpeculantError
+from speculant.executor.request import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
+from speculant.launch.paths import check_readable_file, check_writable
 from speculant.launch.threads import set_cpu_threads
 
 BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
@@ -244,7 +247,6 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
     p.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=0,
         metavar="K",
         help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1)",
     )
@@ -297,10 +299,17 @@ def _check(args: argparse.Namespace) -> None:
         raise SpeculantError(
             f"--max-new-tokens {args.max_new_tokens} leaves no verify step; use 2 or more"
         )
-    if args.num_draft_tokens < 0:
-        raise SpeculantError(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
-    if args.temperature < 0:
-        raise SpeculantError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise SpeculantError(
+            f"--num-draft-tokens {args.num_draft_tokens} drafts nothing to measure; use 1 or "
+            "more, or leave it out for the drafter's default"
+        )
+    if not 0 <= args.temperature < math.inf:  # NaN fails too
+        raise SpeculantError(f"--temperature {args.temperature} must be a finite number >= 0")
+    if args.temperature < GREEDY_TEMPERATURE:  # greedy as in SamplingParams: checked lossless
+        args.temperature = 0.0
+    if not INT64_MIN <= args.seed <= INT64_MAX - 2**32:  # per-prompt seeds count up from it
+        raise SpeculantError(f"--seed {args.seed} must be in {INT64_MIN}..{INT64_MAX - 2**32}")
     if args.tp < 1 or args.dp < 1:
         raise SpeculantError(f"--tp {args.tp} / --dp {args.dp} must be positive integers")
     if not 0 <= args.rtol < 1:
@@ -313,19 +322,19 @@ def _check(args: argparse.Namespace) -> None:
             raise SpeculantError(f"--{flag} {value!r} is not a directory; pass a checkpoint dir")
     if os.environ.get("RANK", "0") != "0":
         return  # only rank 0 reads the baseline and writes the reports
-    if args.baseline and not Path(args.baseline).is_file():
-        raise SpeculantError(f"--baseline {args.baseline!r} does not exist; write one first")
+    if args.baseline:
+        check_readable_file(args.baseline, "--baseline", "write one first with --write-baseline")
     for flag in ("report", "write_baseline", "plot"):
-        value = getattr(args, flag)
-        if value and not Path(value).resolve().parent.is_dir():
-            name = "--" + flag.replace("_", "-")
-            raise SpeculantError(f"{name} {value!r}: directory does not exist")
+        if value := getattr(args, flag):
+            check_writable(value, "--" + flag.replace("_", "-"))
     check_plot(args.plot)
 
 
 def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     try:
-        baseline = json.loads(Path(path).read_text())
+        baseline = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SpeculantError(f"{flag} {path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise SpeculantError(f"{flag} {path} is not valid JSON ({exc})") from exc
     if not isinstance(baseline, dict) or "acceptance_length" not in baseline:
@@ -337,10 +346,9 @@ def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
     """--compare: a table of several reports' acceptance (and with --plot one curve per
     report); no model loads."""
     for path in args.compare:
-        if not Path(path).is_file():
-            raise SpeculantError(f"--compare {path!r} does not exist; write it with --report")
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise SpeculantError(f"--plot {args.plot!r}: directory does not exist")
+        check_readable_file(path, "--compare", "write it with --report")
+    if args.plot:
+        check_writable(args.plot, "--plot")
     check_plot(args.plot)
     reports = [_read_baseline(path, "--compare") for path in args.compare]
     labels = [_label(report) for report in reports]

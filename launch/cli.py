@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import stat
 import sys
@@ -20,7 +21,9 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from speculant.errors import SpeculantError
+from speculant.executor.request import INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
+from speculant.launch.paths import check_readable_file, check_writable, write_errors_named
 from speculant.launch.threads import set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
@@ -63,6 +66,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
     return value
 
 
@@ -199,10 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec.add_argument(
         "--num-draft-tokens",
-        type=int,
-        default=0,
+        type=_nonnegative_int,
         metavar="K",
-        help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1)",
+        help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1; "
+        "0: plain decoding)",
     )
     spec.add_argument(
         "--capture-sizes",
@@ -262,12 +275,13 @@ class PromptSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
+# Values travel to the device as float32 and int64: finite numbers, integers that fit int64.
 _SAMPLING_RULES = {
     "max_new_tokens": (int, lambda v: v > 0, "a positive integer"),
-    "temperature": ((int, float), lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    "top_k": (int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "temperature": ((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+    "top_k": (int, lambda v: 0 <= v <= INT64_MAX, f"an integer in 0..{INT64_MAX} (0 = off)"),
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "seed": (int, lambda v: True, "an integer"),
+    "seed": (int, lambda v: INT64_MIN <= v <= INT64_MAX, f"an integer in {INT64_MIN}..{INT64_MAX}"),
 }
 
 
@@ -282,18 +296,40 @@ def sampling_problem(key: str, value: Any) -> str | None:
 
 
 def read_prompts_file(path: str) -> list[PromptSpec]:
-    """Parse a --prompts JSONL file; any bad line is an error naming file:line."""
-    file = Path(path)
-    if not file.is_file():
-        raise SpeculantError(f"prompts file {path!r} does not exist; pass an existing .jsonl file")
+    """Parse a --prompts JSONL file; any bad line (JSON, UTF-8, fields) is an error naming
+    file:line."""
+    check_readable_file(path, "prompts file")
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise SpeculantError(f"prompts file {path!r} cannot be read ({exc.strerror})") from None
     specs = []
-    with file.open(encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if line.strip():
-                specs.append(_parse_prompt_line(line, f"{path}:{lineno}"))
+    for lineno, raw in enumerate(data.splitlines(), start=1):
+        try:  # a UTF-8 byte-order mark at the start is not part of the first line
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpeculantError(
+                f"{path}:{lineno}: not valid UTF-8 (byte {raw[exc.start]:#04x} at column "
+                f"{exc.start + 1}); save the file as UTF-8"
+            ) from None
+        if line.strip():
+            specs.append(_parse_prompt_line(line, f"{path}:{lineno}"))
     if not specs:
         raise SpeculantError(f"prompts file {path!r} has no prompts; add one JSON object per line")
     return specs
+
+
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized (a lone surrogate: a JSON escape \\ud800 without its
+    pair, or a byte the terminal could not decode), None when it is valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"holds {text[exc.start]!r} at character {exc.start}, a lone surrogate that is not "
+            "valid Unicode text"
+        )
+    return None
 
 
 def _parse_prompt_line(line: str, where: str) -> PromptSpec:
@@ -314,6 +350,8 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     prompt = obj.get("prompt", obj.get("prompt_token_ids"))
     if "prompt" in obj and not (isinstance(prompt, str) and prompt):
         raise SpeculantError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+    if "prompt" in obj and (problem := text_problem(prompt)):
+        raise SpeculantError(f"{where}: 'prompt' {problem}; fix the text (pair the \\u escapes)")
     if "prompt_token_ids" in obj and not (
         isinstance(prompt, list)
         and prompt
@@ -356,9 +394,9 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         raise SpeculantError(
             f"--draft {args.draft!r} is not a directory; pass a drafter checkpoint"
         )
-    if args.num_draft_tokens < 0:
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
         raise SpeculantError(f"--num-draft-tokens {args.num_draft_tokens} must be >= 0")
-    if not 0 < args.kv_cache_memory_fraction <= 1:
+    if not 0 < args.kv_cache_memory_fraction <= 1:  # NaN fails too
         raise SpeculantError(
             f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} must be in (0, 1]"
         )
@@ -368,10 +406,8 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
             raise SpeculantError(f"{flag} {getattr(args, key)} is invalid; use {expected}")
     if not reads_inputs():
         return []  # rank 0 reads the prompts and sends them to every rank (executor/dp.py)
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        raise SpeculantError(
-            f"--output {args.output!r}: directory does not exist; create it or pick another path"
-        )
+    if args.output:
+        check_writable(args.output, "--output")
     if args.output and args.prompts and same_file(args.output, args.prompts):
         raise SpeculantError(
             f"--output {args.output!r} is the --prompts file {args.prompts!r} (the same file on "
@@ -383,6 +419,8 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         return [PromptSpec(DEFAULT_PROMPT)]
     if args.prompt is None:
         raise SpeculantError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl")
+    if problem := text_problem(args.prompt):
+        raise SpeculantError(f"--prompt {problem}; pass UTF-8 text")
     return [PromptSpec(args.prompt)]
 
 
@@ -513,16 +551,18 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
         nonlocal out_file
         if args.output:
-            out_file = out_file or open(args.output, "w", encoding="utf-8")
-            out_file.write(json.dumps(out.to_json()) + "\n")
-            out_file.flush()
+            with write_errors_named(args.output, "--output"):
+                out_file = out_file or open(args.output, "w", encoding="utf-8")
+                out_file.write(json.dumps(out.to_json()) + "\n")
+                out_file.flush()
 
     with output_lock(args.output if reads_inputs() else None):  # held until the file is done
         try:
             outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
         finally:
             if out_file is not None:
-                out_file.close()
+                with write_errors_named(args.output, "--output"):  # close flushes the buffer
+                    out_file.close()
     if outputs is not None:  # rank 0 (or the one process) reports
         report_outputs(args, outputs, seconds, stdout, stderr, write_file=False, specs=specs)
     return 0
@@ -600,7 +640,10 @@ def report_outputs(
     process wrote it as requests finished), or else one `[index] prompt+completion` per request
     (the text prompt from `specs`, so the program reads whole); then the summary line."""
     if args.output and write_file:
-        with open(args.output, "w", encoding="utf-8") as out_file:
+        with (
+            write_errors_named(args.output, "--output"),
+            open(args.output, "w", encoding="utf-8") as out_file,
+        ):
             out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
     elif not args.output:
         for out in outputs:

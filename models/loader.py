@@ -5,17 +5,18 @@ the target dtype and device."""
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
-from speculant.config import ModelConfig, MoeConfig
+from speculant.config import ModelConfig, MoeConfig, read_json_object
 from speculant.errors import SpeculantError
 from speculant.models.llama import CausalLM
 from speculant.models.qwen3_moe import Qwen3MoeForCausalLM, make_dispatcher
@@ -35,6 +36,9 @@ EXPERT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)
 IGNORED = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|\.masked_bias$")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_NAMES_SHOWN = 8  # unused tensors named in the warning; the rest are counted
+
+log = logging.getLogger("speculant")
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
@@ -70,12 +74,16 @@ def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+        weight_map = read_json_object(index, "a safetensors index is one {...} object").get(
+            "weight_map"
+        )
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
             raise SpeculantError(
-                f"{str(index)!r} is not a valid safetensors index ({exc}); re-export the checkpoint"
-            ) from exc
+                f"{str(index)!r} is not a valid safetensors index (no 'weight_map' object of "
+                "tensor name -> file name); re-export the checkpoint"
+            )
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -115,9 +123,11 @@ def load_weights(
     rename: Callable[[str], str] = lambda name: name,
 ) -> None:
     """Copy checkpoint tensors into `model`, merging q/k/v and gate/up, checking that every
-    parameter was loaded exactly once and that shapes match."""
+    parameter was loaded exactly once, that shapes match and that float weights come from float
+    tensors; tensors the model does not use are named in one warning."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[int, object]] = set()
+    unused: list[str] = []
     for hf_name, tensor in weights:
         if IGNORED.search(hf_name):
             continue
@@ -132,8 +142,14 @@ def load_weights(
                     name, shard = name.replace(hf_part, our_part), shard_id
                     break
         if name not in params:
-            continue  # tensors the model does not use
+            unused.append(hf_name)
+            continue
         param = params[name]
+        if param.is_floating_point() and not tensor.is_floating_point():
+            raise SpeculantError(
+                f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, not a "
+                "float weight; the checkpoint is corrupt or not for this model"
+            )
         try:
             param.weight_loader(param, tensor.to(param.dtype), shard)
         except ValueError as exc:
@@ -151,6 +167,33 @@ def load_weights(
                     f"{source} lacks the tensor for {part!r}; the checkpoint is "
                     "incomplete or for another architecture"
                 )
+    if unused and (not dist.is_initialized() or dist.get_rank() == 0):  # one line per job
+        log.warning("%s", unused_tensors_line(unused, source))
+
+
+def unused_tensors_line(names: list[str], source: str) -> str:
+    """One line naming the tensors a checkpoint holds that nothing loads (at most
+    MAX_NAMES_SHOWN of them, then a count)."""
+    shown = ", ".join(names[:MAX_NAMES_SHOWN])
+    more = f" and {len(names) - MAX_NAMES_SHOWN} more" if len(names) > MAX_NAMES_SHOWN else ""
+    return (
+        f"{source}: {len(names)} tensor(s) not used by the model, ignored: {shown}{more}; "
+        "check that the checkpoint is for this architecture"
+    )
+
+
+def file_holding(source: str | Path, name: str) -> str:
+    """The weight file of checkpoint folder `source` that holds tensor `name` (for errors; the
+    folder itself when no safetensors header names it, e.g. pytorch_model.bin)."""
+    path = Path(source)
+    if path.is_file():
+        return str(path)
+    for file in sorted(path.glob("*.safetensors")):
+        with contextlib.suppress(Exception), safe_open(str(file), framework="pt") as f:
+            if name in f.keys() or f"model.{name}" in f.keys():  # heads drop `model.`
+                return str(file)
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    return str(bins[0]) if len(bins) == 1 else str(path)
 
 
 @torch.no_grad()
