@@ -149,6 +149,8 @@ class Engine:
             self.kv, self.max_num_seqs, self.tokens_per_req, self.max_num_batched_tokens
         )
         self.num_steps = self.decode_rows = 0  # steps run, and the decode rows summed over them
+        self.extend_steps = self.prefill_tokens = 0
+        self.step_seconds = {"decode": 0.0, "extend": 0.0}  # host wall time by kind of step
         self.readback = Readback(self.max_num_seqs, self.device)
         self._launched: LaunchedStep | None = None
         self.steps_ahead = 0  # decode steps launched before the previous one was read back
@@ -413,10 +415,15 @@ class Engine:
         plan = self.dp.agree(plan, self.scheduler.has_unfinished())
         self.num_steps += 1
         self.decode_rows += len(plan.decode)
+        start = time.perf_counter()
         if plan.is_pure_decode:
             self._decode(plan)
+            self.step_seconds["decode"] += time.perf_counter() - start
         elif plan.requests:
             self._extend(plan)
+            self.step_seconds["extend"] += time.perf_counter() - start
+            self.extend_steps += 1
+            self.prefill_tokens += sum(len(c.tokens) for c in plan.chunks)
         elif plan.dummy:  # idle under DP with a MoE target: a dummy batch keeps ranks aligned
             self.runner.buffers.fill([], [], [], [], [], [], plan.padded_bs, self.kv.sentinel_row)
             self.graphs.run(0, plan.padded_bs, GREEDY, plan.use_graph, plan.sizes)
@@ -562,6 +569,10 @@ class Engine:
             "steps": self.num_steps,
             "preemptions": self.scheduler.num_preemptions,
             "mean_decode_batch": round(self.decode_rows / max(self.num_steps, 1), 2),
+            "extend_steps": self.extend_steps,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_s": round(self.step_seconds["decode"], 2),
+            "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,
             **(
                 {"peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)}

@@ -88,7 +88,7 @@ class RequestOutput:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists
 class Request:
     """Scheduler-side state of one request."""
 
