@@ -29,8 +29,12 @@ Failures: the driver waits on every actor with timeouts. When one fails (its pro
 it raised: a peer's death or a collective timeout reaches the others within --dist-timeout),
 the others get GRACE_S seconds to finish, the rest are killed, and the driver prints one line
 naming the failed rank (a dead actor before the ranks that saw it die) and exits 1 (2 for a
-user error such as a too-long prompt). Actors and the placement group are removed at exit,
-on success, failure and Ctrl-C (exit 130); a local cluster the driver started is shut down.
+user error such as a too-long prompt), after the teardown, so that the line is the last of the
+log. Actors and the placement group are removed at exit, on success, failure, Ctrl-C (exit 130)
+and SIGTERM (`ray job stop`, exit 143); a local cluster the driver started is shut down. A
+driver that dies (SIGKILL included) takes its actors with it: Ray kills the non-detached
+actors of a job whose driver is gone. A placement that the cluster's total resources can never
+hold is refused at once. Ray's colour codes stay out of logs that are not a terminal.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from speculant.errors import SpeculantError
-from speculant.launch.spawn import GRACE_S
+from speculant.launch.spawn import GRACE_S, Terminated, close_progress_bars, stopped_line
 
 log = logging.getLogger("speculant")
 POLL_S = 0.5  # how often the driver looks at the actors
@@ -171,6 +175,22 @@ def _died_detail(exc: BaseException) -> str:
     return text.split(". ")[0] if text else "its Ray actor died"
 
 
+def check_placeable(total: dict[str, float], bundle: dict[str, float], world: int) -> None:
+    """Refuse at once a placement group that the cluster's total resources can never hold
+    (rather than waiting --dist-timeout for it)."""
+    short = [key for key, need in bundle.items() if total.get(key, 0) < need * world]
+    if not short:
+        return
+    have = " and ".join(f"{total.get(key, 0):g} {key}s" for key in short)
+    hint = "; for CPU ranks start the head with `ray start --head --num-cpus N`" if (
+        "CPU" in short and "GPU" not in bundle
+    ) else ""  # fmt: skip
+    raise SpeculantError(
+        f"Ray cannot place {world} bundles of {bundle} (--tp x --dp = {world}): the cluster "
+        f"has {have} in all; lower --tp/--dp or add nodes{hint}"
+    )
+
+
 class _Job:
     """The placement group and actors of one run, torn down by `close`."""
 
@@ -183,6 +203,7 @@ class _Job:
         ray = self.ray
         key = "GPU" if device.startswith("cuda") else "CPU"
         bundle = {"GPU": 1, "CPU": 1} if key == "GPU" else {"CPU": 1}
+        check_placeable(ray.cluster_resources(), bundle, world)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         per_node = max((n["Resources"].get(key, 0) for n in nodes), default=0)
         strategy = "STRICT_PACK" if per_node >= world else "PACK"
@@ -329,7 +350,8 @@ def run_driver(
     stop_on_sigterm: bool = False,
     grace_s: float = GRACE_S,
 ) -> int:
-    """Check and read the inputs, run every rank in a Ray actor, report; the exit status."""
+    """Check and read the inputs, run every rank in a Ray actor, report; the exit status. The
+    driver holds the --output lock (cli.output_lock) for the run: it writes the file."""
     from speculant.launch import accept_rate, cli
 
     if args.command == "generate":
@@ -338,10 +360,16 @@ def run_driver(
     else:
         job = accept_rate.prepare_accept(args)
         empty = replace(job, specs=[], baseline=None)
+    with cli.output_lock(args.output if args.command == "generate" else None):
+        return _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s)
+
+
+def _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s) -> int:
+    """`run_driver` once the inputs are read and --output is locked."""
+    from speculant.launch import accept_rate, cli
+
     world = args.tp * args.dp
     ray = _import_ray()
-    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file (or `ray job submit`'s)
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # gets the actors' lines uncoloured
     connected_here = not ray.is_initialized()
     if connected_here and address:
         ray.init(address=address)  # the cluster's resources; none of ours
@@ -352,6 +380,7 @@ def run_driver(
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
     run = _Job(ray)
     lines = _OutputLines(ray, args.output if args.command == "generate" else None)
+    ending = None  # (line, status) of a failed run, printed once everything is torn down
     try:
         if args.device is None:
             args.device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
@@ -375,15 +404,18 @@ def run_driver(
         if errors or stuck:
             line, user = failure_line(ray, errors, stuck, grace_s)
             if user:
-                print(f"speculant: error: {_first_line(_cause(errors[0][1]))}", file=stderr)
-                return 2
-            print(f"speculant: error: {line}", file=stderr)
-            return 1
+                ending = (f"speculant: error: {_first_line(_cause(errors[0][1]))}", 2)
+            else:
+                ending = (f"speculant: error: {line}", 1)
     finally:
         lines.close()  # whatever finished is in the file, also after a failure or Ctrl-C
         run.close()
         if connected_here:
-            ray.shutdown()
+            ray.shutdown()  # no actor's log line comes after the driver's last line
+    if ending is not None:
+        close_progress_bars()
+        print(ending[0], file=stderr, flush=True)
+        return ending[1]
     if args.command == "generate":
         outputs, seconds = results[0]
         cli.report_outputs(args, outputs, seconds, stdout, stderr, write_file=False)
@@ -416,20 +448,29 @@ def main(argv: Sequence[str] | None = None, stop_on_sigterm: bool = False) -> in
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"
     )
+    if not sys.stderr.isatty():  # a log file (`ray job submit`, a redirect): no colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         return run_driver(args, known.ray_address, sys.stdout, sys.stderr, stop_on_sigterm)
-    except KeyboardInterrupt:
-        print("speculant: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        # Our SIGTERM handler ran (it ignores the next one): Ray's wait re-raises it as a plain
+        # KeyboardInterrupt.
+        ran = stop_on_sigterm and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        close_progress_bars()
+        line, code = stopped_line(Terminated() if ran else exc, getattr(args, "output", None), True)
+        print(line, file=sys.stderr)
+        return code
     except (SpeculantError, ValueError, OSError) as exc:
         if args.debug:
             raise
+        close_progress_bars()
         print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
         return 2
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # `ray job stop` sends SIGTERM: tear down as on Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one teardown: a second SIGTERM waits for it
+    raise Terminated  # `ray job stop` sends SIGTERM: tear down as on Ctrl-C, exit 143
 
 
 if __name__ == "__main__":

@@ -179,6 +179,121 @@ def test_torchrun_accept_rate_equals_one_process(accept_args, accept_expected, t
     assert_same_report(report, accept_expected)
 
 
+# ------------------------------------------------------------- torchrun over two "nodes"
+
+NODE_BOUND_S = 60  # a two-node torchrun job (or its failure) ends within this
+
+
+class TwoNodes:
+    """Two torchrun agents on this host forming one job of `--nnodes 2` over a c10d rendezvous
+    at 127.0.0.1:PORT, as two machines would: node 0 hosts the rendezvous store (is_host=1) and,
+    started first (lower pid), joins as group rank 0. Each agent runs in its own session, its
+    stderr in a file; both are killed at the end."""
+
+    def __init__(self, tmp_path: Path, nproc: int, args: list[str], env: dict | None = None):
+        port, run_id = free_port(), uuid.uuid4().hex[:8]
+        self.mark = uuid.uuid4().hex
+        env = {**os.environ, "SPECULANT_TEST_MARK": self.mark, **(env or {})}
+        self.agents, self.logs = [], []
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"127.0.0.1:{port}", "--rdzv-id", run_id, "--rdzv-conf",
+                   f"is_host={int(node == 0)}", "-m", "speculant.launch.torchrun",
+                   *args]  # fmt: skip
+            self.logs.append(tmp_path / f"node{node}.err")
+            with open(self.logs[-1], "w") as err:
+                agent = subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+                )
+            self.agents.append(agent)
+            time.sleep(0.5 if node == 0 else 0)  # node 0 binds the store first
+
+    def wait(self, timeout: float = NODE_BOUND_S) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [agent.wait(max(1.0, deadline - time.monotonic())) for agent in self.agents]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the two-node job did not end within {timeout} s: {self.stderr(0)}")
+
+    def stderr(self, node: int) -> str:
+        return self.logs[node].read_text()
+
+    def close(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(10)
+        for pid in marked_processes(self.mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    started = []
+
+    def start(nproc: int, args: list[str], env: dict | None = None) -> TwoNodes:
+        started.append(TwoNodes(tmp_path, nproc, args, env))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.close()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "nproc,tp,dp,warned",
+    [(1, 2, 1, True), (2, 2, 2, False)],
+    ids=["tp2-spans-the-nodes", "dp2-across-the-nodes-tp2-within"],
+)
+def test_torchrun_two_nodes_equal_one_process(
+    two_nodes, flags, expected, tmp_path, nproc, tp, dp, warned
+):
+    """--nnodes 2 with a c10d rendezvous: a TP group spanning the nodes (rank 0 warns), or DP
+    across them with each TP group on one node (no warning); the outputs equal one process."""
+    out = tmp_path / "out.jsonl"
+    job = two_nodes(nproc, ["generate", *flags, "--tp", str(tp), "--dp", str(dp),
+                            "--output", str(out)])  # fmt: skip
+    codes = job.wait()
+    err = job.stderr(0) + job.stderr(1)
+    assert codes == [0, 0], err
+    assert read_tokens(out) == expected
+    assert ("some TP groups span nodes" in err) == warned, err
+    assert len([line for line in err.splitlines() if line.startswith("requests=4 ")]) == 1
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_node_killed_fails_the_job_naming_it(two_nodes, llama_dir, tmp_path):
+    """SIGKILL to node 1's agent mid-run: its rank ends by itself (its parent died), rank 0's
+    collective fails and its line names rank 1 on node 1; node 0's agent fails the job."""
+    rows = [{"prompt_token_ids": [5, 6], "max_new_tokens": 4}]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    job = two_nodes(1, ["generate", "--device", "cpu", "--target", str(llama_dir), "--tp", "2",
+                        "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
+                        "--max-num-seqs", "1", "--dist-timeout", "30"])  # fmt: skip
+    deadline = time.monotonic() + NODE_BOUND_S
+    while not (out.exists() and out.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, job.stderr(0) + job.stderr(1)
+        time.sleep(0.1)
+    start = time.monotonic()
+    os.kill(job.agents[1].pid, signal.SIGKILL)
+    code = job.agents[0].wait(NODE_BOUND_S)
+    assert time.monotonic() - start < NODE_BOUND_S
+    err = job.stderr(0)
+    assert code != 0, err
+    assert "speculant: error: rank 0: rank 1 (torchrun node 1) stopped answering" in err, err
+    deadline = time.monotonic() + 20
+    while marked_processes(job.mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked_processes(job.mark) == [], "a rank outlived its node's agent"
+    assert json.loads(out.read_text().splitlines()[0])["index"] == 0
+
+
 # --------------------------------------------------------------------------------------- Ray
 
 
@@ -328,6 +443,35 @@ class TestRayDriver:
         assert all(len(line["token_ids"]) == 4 for line in kept[:2])
         self.assert_nothing_left(ray)
 
+    def test_ray_driver_refuses_a_placement_the_cluster_cannot_hold(self, ray, flags, capsys):
+        """--tp 4 --dp 2 on the 4-CPU cluster: 8 bundles can never be placed; one line at once
+        (not after --dist-timeout) naming what the cluster has and how to give it more."""
+        from speculant.launch.ray import main
+
+        start = time.monotonic()
+        assert main(["generate", *flags, "--tp", "4", "--dp", "2", "--dist-timeout", "120"]) == 2
+        assert time.monotonic() - start < 15
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("speculant: error: Ray cannot place 8 bundles of {'CPU': 1}"), last
+        assert "the cluster has 4 CPUs in all" in last and "--num-cpus N" in last, last
+        self.assert_nothing_left(ray)
+
+    def test_ray_driver_refuses_an_output_another_run_writes(self, ray, flags, tmp_path, capsys):
+        """The driver writes --output: it takes the file's lock before any actor starts, so a
+        second run on the same file is refused with one line."""
+        import fcntl
+
+        from speculant.launch.ray import main
+
+        out = tmp_path / "out.jsonl"
+        out.write_text("")
+        with open(out, "a") as first_run:
+            fcntl.flock(first_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            assert main(["generate", *flags, "--tp", "2", "--output", str(out)]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "is being written by another run" in last, last
+        self.assert_nothing_left(ray)
+
     def test_ray_driver_user_error_is_one_line(self, ray, flags, tmp_path, capsys):
         """A prompt too long for the context fails on every rank: status 2, one line."""
         from speculant.launch.ray import main
@@ -339,6 +483,72 @@ class TestRayDriver:
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("speculant: error: ") and "rank" not in last, last
         self.assert_nothing_left(ray)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+@pytest.mark.needs("ray")
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks for stray actors in /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_the_ray_driver_stops_every_actor(llama_dir, tmp_path, sig):
+    """`python -m speculant.launch.ray generate --tp 2` (its own local cluster), its stderr a
+    file: once the short requests are written, SIGTERM (`ray job stop`, a scheduler) stops it as
+    Ctrl-C does (exit 143, a line saying so, the last), and SIGKILL takes its actors with it;
+    the finished outputs stay in the file and no Ray colour code is in the log."""
+    rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, log = tmp_path / "out.jsonl", tmp_path / "driver.err"
+    cmd = [sys.executable, "-m", "speculant.launch.ray", "generate", "--device", "cpu",
+           "--target", str(llama_dir), "--tp", "2", "--prompts", str(prompts), "--output",
+           str(out), "--ignore-eos", "--max-num-seqs", "2", "--dist-timeout", "60"]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # a private local cluster
+    env.pop("RAY_ADDRESS", None)
+    with open(log, "w") as err:
+        driver = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+    actors: list[int] = []
+    try:
+        deadline = time.monotonic() + 120  # Ray's start-up included
+        while not (out.exists() and out.read_text().count("\n") >= 2):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        actors = actor_processes(driver.pid)
+        assert len(actors) == 2, actors
+        os.kill(driver.pid, sig)
+        code = driver.wait(KILL_BOUND_S)
+        err = log.read_text()
+        if sig == signal.SIGTERM:
+            assert code == 143, err
+            assert err.strip().splitlines()[-1] == (
+                "speculant: terminated (SIGTERM): every rank stopped; the requests that "
+                f"finished are in {out}"
+            ), err
+        else:
+            assert code == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in actors) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in actors), "an actor outlived its driver"
+        kept = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(line["index"] for line in kept[:2]) == [0, 1]
+        assert "(RankWorker pid=" in err and "\x1b[" not in err, err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+        for pid in actors:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def actor_processes(root: int | None = None) -> list[int]:
