@@ -18,7 +18,7 @@ if [ "$PHASE" != tests ]; then
     TREE=()
     [ -n "${BASELINE:-}" ] && TREE=(--tree "$PWD/.old_tree" --baseline-configs "$BASELINE")
     (cd benchmarks && timeout 560 python3 workload.py --out "$OUT" --requests 1000 \
-        --configs "${CONFIGS:-default,seqs256,seqs512,eagle3}" "${TREE[@]}" --timeout 240 \
+        --configs "${CONFIGS:-default,seqs256,eagle3}" "${TREE[@]}" --timeout 240 \
         2>&1 | tee "$OUT/workload.log" | tail -12)
     rm -f "$OUT"/workload_*.jsonl
 fi

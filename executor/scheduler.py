@@ -73,7 +73,7 @@ class Scheduler:
         plan = StepPlan(tokens_per_req=T)
         budget = self.budget
         for request in [r for r in self.running if r.is_decoding]:
-            if request not in self.running:  # preempted for an older request this step
+            if request.row < 0:  # preempted for an older request this step
                 continue
             if budget < T:
                 break  # the rest wait a step
@@ -82,13 +82,13 @@ class Scheduler:
                 self.preempt(victim, plan)
                 if victim is request:
                     break
-            if request in self.running:
+            if request.row >= 0:
                 plan.decode.append(request)
                 budget -= T
         for request in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
-            if request not in self.running:
+            if request.row < 0:  # preempted this step
                 continue
             chunk = self._chunk(request, budget)
             while chunk is None:  # a prompt in progress must not wait for pages forever

@@ -30,7 +30,7 @@ from speculant.launch.threads import set_cpu_threads
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
-DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # as executor/engine.py's defaults
+DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defaults
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs",
         type=_positive_int,
         metavar="N",
-        help="requests in flight at most (default: 256 on a GPU, 64 on the CPU; one process "
+        help="requests in flight at most (default: 512 on a GPU, 64 on the CPU; one process "
         "with fewer prompts: their number)",
     )
     eng.add_argument(
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="N",
         help="tokens one forward takes at most: decode rows (k + 1 tokens each) first, then "
-        "prefill chunks (long prompts are split over steps) (default: 8192 on a GPU, 2048 on "
+        "prefill chunks (long prompts are split over steps) (default: 16384 on a GPU, 2048 on "
         "the CPU, at least --max-num-seqs x (k + 1))",
     )
     eng.add_argument(
