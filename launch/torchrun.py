@@ -27,7 +27,12 @@ prompts and gathers the outputs over them). Rank 0 warns when a TP group would s
 
 Exit: every rank flushes and GPU ranks end with `os._exit` (destroying NCCL groups after graph
 capture has hung); a rank that fails prints one line naming itself, and torchrun stops the
-others and names the failed rank in its summary. Collectives time out after --dist-timeout.
+others and names the failed rank in its summary. Collectives time out after --dist-timeout. A
+rank whose collective failed asks the others through the job's store which of them failed on
+their own or do not answer, and names them with their node (`rank 1 (torchrun node 1) stopped
+answering`): a node whose agent was killed is named by the nodes that remain. Each rank ends
+with its agent (spawn.end_with_parent): an agent killed by SIGKILL leaves no rank running, and
+SIGTERM, which torchrun forwards, stops a rank as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from speculant.launch.spawn import cli_rank_main
+from speculant.launch.spawn import cli_rank_main, end_with_parent
 
 USAGE = (
     "torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] "
@@ -86,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run `speculant ARGV` as the rank torchrun's environment names, then exit."""
     from speculant.launch.cli import build_parser
 
+    end_with_parent()  # torchrun's agent is the parent: a killed agent takes this rank with it
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)  # a bad flag: one line, exit 2
     device = args.device

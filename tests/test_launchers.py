@@ -3,7 +3,11 @@ processes and the Ray driver with 2 and 4 actors give the single-process output;
 submit` runs the driver end to end against a head this test starts (with token auth, Ray 2.60's
 recommended mode); a rank that dies mid-run (SPECULANT_TEST_KILL_RANK, launch/spawn.py
 `fault_point`) fails the torchrun job and the Ray job with a line naming it, in bounded time,
-with no process, actor or placement group left behind.
+with no process, actor or placement group left behind. Two torchrun agents on this host form a
+real `--nnodes 2` job over a c10d rendezvous (TP spanning the nodes, warned; DP across them),
+equal to one process, and a node whose agent is killed fails the job with rank 0's line naming
+it. The Ray driver refuses a placement the cluster can never hold at once, and an --output
+another run holds; killed by SIGTERM (exit 143) or SIGKILL it leaves no actor running.
 
 Every subprocess has a timeout and every collective `--dist-timeout`. The Ray tests skip when
 Ray is not installed (`pip install 'speculant[ray]'`)."""
