@@ -19,6 +19,7 @@ import speculant
 from speculant.executor.request import RequestOutput
 from speculant.launch import accept_rate, threads
 from speculant.launch.cli import (
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PROMPT,
     PromptSpec,
     build_parser,
@@ -259,7 +260,7 @@ def test_default_run_prints_the_program_and_what_the_drafter_did(capsys, caplog,
 
 def test_max_num_seqs_defaults_to_the_requests_of_one_process():
     assert default_max_num_seqs(1, None) == 1
-    assert default_max_num_seqs(200, None) == 64
+    assert default_max_num_seqs(200, None) == DEFAULT_MAX_NUM_SEQS["cpu"]
     assert default_max_num_seqs(1, [1, 2, 8]) == 8  # explicit capture sizes still fit
     assert build_parser().parse_args(["generate"]).max_num_seqs is None
 
@@ -327,7 +328,10 @@ def test_generate_help_shows_defaults_and_examples(capsys):
     for flag, default in [
         ("--max-new-tokens N", "64"),
         ("--page-size N", "16"),
-        ("--max-num-seqs N", "256 on a GPU, 64 on the CPU"),
+        (
+            "--max-num-seqs N",
+            f"{DEFAULT_MAX_NUM_SEQS['cuda']} on a GPU, {DEFAULT_MAX_NUM_SEQS['cpu']} on the CPU",
+        ),
         ("--temperature T", "0.0"),
         ("--dtype {auto,float32,bfloat16,float16}", "auto"),
         ("--dist-timeout S", "300"),
