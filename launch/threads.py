@@ -1,9 +1,10 @@
 """Intra-op threads for a CPU run: as many as the model's size can use and the cores are free.
 
-A small model's matmuls are too short to split: on the bundled 8.4 M-parameter model one thread
-is fastest, and on a busy machine every extra thread waits for a core (30-50x slower under
-load). So the CLI sets torch's threads to min(cores free / ranks, one per PARAMS_PER_THREAD
-parameters); `--threads N` or OMP_NUM_THREADS choose instead.
+A small model's matmuls are too short to split, and on a busy machine every extra thread waits
+for a core: the bundled run generated 5-40x slower with two threads than with one while other
+jobs kept a 2-core machine busy (README, CPU threads). So the CLI sets torch's threads to
+min(cores free / ranks, one per PARAMS_PER_THREAD parameters); `--threads N` or
+OMP_NUM_THREADS choose instead.
 """
 
 from __future__ import annotations
