@@ -1,7 +1,7 @@
 """Intra-op threads for a CPU run: as many as the model's size can use and the cores are free.
 
 A small model's matmuls are too short to split, and on a busy machine every extra thread waits
-for a core: the bundled run generated 5-40x slower with two threads than with one while other
+for a core: the bundled run generated 5-45x slower with two threads than with one while other
 jobs kept a 2-core machine busy (README, CPU threads). So the CLI sets torch's threads to
 min(cores free / ranks, one per PARAMS_PER_THREAD parameters); `--threads N` or
 OMP_NUM_THREADS choose instead.
