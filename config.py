@@ -283,7 +283,7 @@ class CacheConfig:
 
     page_size: int = 16
     max_num_seqs: int | None = None  # None: 512 on a GPU, 64 on the CPU (over all DP ranks)
-    max_num_batched_tokens: int | None = None  # tokens per forward; None: 16384 GPU, 2048 CPU
+    max_num_batched_tokens: int | None = None  # tokens per forward; None: 8192 GPU, 2048 CPU
     max_model_len: int | None = None
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.85

@@ -42,7 +42,7 @@ from speculant.models.loader import resolve_dtype
 log = logging.getLogger("speculant")
 
 DEFAULT_MAX_NUM_SEQS = {False: 64, True: 512}  # by on_gpu
-DEFAULT_BATCHED_TOKENS = {False: 2048, True: 16384}  # by on_gpu
+DEFAULT_BATCHED_TOKENS = {False: 2048, True: 8192}  # by on_gpu
 
 
 @dataclass

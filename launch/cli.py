@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="N",
         help="tokens one forward takes at most: decode rows (k + 1 tokens each) first, then "
-        "prefill chunks (long prompts are split over steps) (default: 16384 on a GPU, 2048 on "
+        "prefill chunks (long prompts are split over steps) (default: 8192 on a GPU, 2048 on "
         "the CPU, at least --max-num-seqs x (k + 1))",
     )
     eng.add_argument(
