@@ -225,6 +225,13 @@ class Engine:
                     f"prompt {index} is text but {self.config.target!r} has no "
                     "tokenizer.json; pass token ids or a checkpoint with one"
                 )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise SpeculantError(
+                    f"prompt {index} is not valid Unicode (a lone surrogate at character "
+                    f"{exc.start}); fix the text or pass token ids"
+                ) from None
             ids = self.tokenizer.encode(prompt).ids
         else:
             ids = [int(t) for t in prompt]
@@ -245,7 +252,10 @@ class Engine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)
-        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
+        # the engine seed's per-request default, folded into int64 (the device's seed type)
+        seed = params.seed if params.seed is not None else (
+            (self.config.seed * 1_000_003 + index) % (2**63 - 1)
+        )
         return Request(
             index=index,
             prompt_ids=ids,

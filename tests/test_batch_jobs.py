@@ -237,3 +237,42 @@ def test_gpu_chunked_mixed_steps_equal_one_at_a_time(llama_dir, drafts, backend)
     assert together == one_at_a_time(engine, prompts, params)
     assert engine.graphs.num_replays > 0
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    "algo, draft, k",
+    [("draft-model", "assets/draft_lm", 3), ("eagle3", "assets/eagle3", 4),
+     ("dflash", "assets/dflash", 7), (None, None, 0)],  # fmt: skip
+)
+def test_every_drafter_runs_to_the_length_limit(algo, draft, k):
+    """[hardening] 1: at max_model_len the drafters write up to 2 (k + 1) positions past the
+    newest token; tables, RoPE and pages are sized for it (an IndexError before), and the output
+    equals plain decoding up to the limit."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = {} if algo is None else dict(algo=algo, draft=str(root / draft), num_draft_tokens=k)
+    prompts = [[5, 9, 13], list(range(20, 60))]
+    params = SamplingParams(max_new_tokens=10000, ignore_eos=True)
+    plain = Engine(str(root / "assets/target"), device="cpu", max_model_len=64)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    engine = Engine(str(root / "assets/target"), device="cpu", max_model_len=64, page_size=4,
+                    **spec)  # fmt: skip
+    outs = engine.generate(prompts, params)
+    assert [len(p) + len(o.token_ids) for p, o in zip(prompts, outs, strict=True)] == [64, 64]
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_text_prompt_with_a_lone_surrogate_is_one_clear_error():
+    from pathlib import Path
+
+    engine = Engine(str(Path(__file__).resolve().parents[1] / "assets/target"), device="cpu")
+    with pytest.raises(SpeculantError, match="prompt 0 is not valid Unicode"):
+        engine.generate(["def f(\udc80):"], SamplingParams(max_new_tokens=2))
+
+
+def test_huge_engine_seed_still_samples(llama_dir):
+    engine = Engine(str(llama_dir), device="cpu", seed=2**70)
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert len(out[0].token_ids) == 3
