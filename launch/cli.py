@@ -619,7 +619,7 @@ def generate_in_rank(
         [s.prompt for s in specs], params, use_tqdm=use_tqdm and len(specs) > 1, on_output=on_output
     )
     seconds = time.perf_counter() - start
-    if pctx is None or pctx.rank == 0:
+    if (pctx is None or pctx.rank == 0) and len(specs) > 1:  # a job: how the scheduler ran it
         stats = engine.stats()
         print("scheduler: " + " ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     if pctx is not None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers_dflash import write_random_dflash
 from helpers_eagle import write_random_eagle3
+from helpers_workload import prompt_of, run_with_arrivals
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,29 +59,8 @@ def engine_for(llama_dir, drafts, algo, k, page_size, budget, pool) -> Engine:
     return _engines[key]
 
 
-def run_with_arrivals(engine: Engine, prompts, params, arrivals) -> list[list[int]]:
-    """Add request i at step `arrivals[i]` and step until every request finished."""
-    requests = engine.make_requests(prompts, params)
-    pending = sorted(zip(arrivals, range(len(requests)), requests, strict=True))
-    outputs: dict[int, list[int]] = {}
-    step = 0
-    while pending or engine.scheduler.has_unfinished():
-        if not engine.scheduler.has_unfinished():
-            step = max(step, pending[0][0])
-        while pending and pending[0][0] <= step:
-            engine.scheduler.add(pending.pop(0)[2])
-        for request in engine.step():
-            outputs[request.index] = list(request.output_ids)
-        step += 1
-    return [outputs[i] for i in range(len(requests))]
-
-
 def one_at_a_time(engine: Engine, prompts, params) -> list[list[int]]:
     return [engine.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 104729) % 250 for i in range(length)]
 
 
 def assert_pool_whole(engine: Engine) -> None:

@@ -269,9 +269,9 @@ def test_overlap_never_runs_ahead_into_the_length_limit(llama_dir):
 
 
 def test_overlap_announces_each_steps_sizes_to_the_graphs(llama_dir):
-    """Every launch, run ahead or not, carries its sizes in its plan: a replay checks them against
-    those its graph was captured with (simulated on the CPU: eager padding stands in for replays, with
-    the capture sizes recorded as capture records them on a GPU)."""
+    """Every launch, run ahead or not, carries its sizes in its plan: a replay checks them
+    against those its graph was captured with (simulated on the CPU: eager padding stands in for
+    replays, with the capture sizes recorded as capture records them on a GPU)."""
     from speculant.executor.cuda_graph import dp_capture_dummies
 
     engine = Engine(llama_dir, device="cpu", max_num_seqs=4, max_model_len=128, page_size=4,

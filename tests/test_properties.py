@@ -10,6 +10,7 @@ import math
 import pytest
 from helpers_dflash import write_random_dflash
 from helpers_eagle import write_random_eagle3
+from helpers_workload import prompt_of, run_with_arrivals
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,23 +56,6 @@ def engine_for(llama_dir, drafts, algo, k, page_size) -> Engine:
     return _engines[key]
 
 
-def run_with_arrivals(engine: Engine, prompts, params, arrivals) -> list[list[int]]:
-    """Add request i at step `arrivals[i]` and step until every request finished."""
-    requests = engine.make_requests(prompts, params)
-    pending = sorted(zip(arrivals, range(len(requests)), requests, strict=True))
-    outputs: dict[int, list[int]] = {}
-    step = 0
-    while pending or engine.scheduler.has_unfinished():
-        if not engine.scheduler.has_unfinished():
-            step = max(step, pending[0][0])  # nothing running: the next request arrives now
-        while pending and pending[0][0] <= step:
-            engine.scheduler.add(pending.pop(0)[2])
-        for request in engine.step():
-            outputs[request.index] = list(request.output_ids)
-        step += 1
-    return [outputs[i] for i in range(len(requests))]
-
-
 workloads = st.lists(
     st.tuples(
         st.integers(1, MAX_PROMPT),  # prompt length
@@ -82,10 +66,6 @@ workloads = st.lists(
     min_size=1,
     max_size=6,
 )
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 104729) % 250 for i in range(length)]
 
 
 @SETTINGS
