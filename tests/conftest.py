@@ -20,6 +20,9 @@ INSTALL_HINTS = {
     "triton": "pip install triton==3.6.0 (a CUDA build of torch brings it)",
     "ray": "pip install -e '.[ray]'",
     "matplotlib": "pip install -e '.[plot]'",
+    "speculators": "pip install --no-deps speculators==0.9.0 loguru==0.7.3",
+    "loguru": "pip install --no-deps loguru==0.7.3",
+    "dflash": "pip install --no-deps dflash==0.1.0",
 }
 
 
