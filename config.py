@@ -291,7 +291,7 @@ class CacheConfig:
 
 @dataclass
 class GraphConfig:
-    """CUDA graph capture policy (see DESIGN.md, graph wrapper behaviour)."""
+    """CUDA graph capture policy (see docs/ARCHITECTURE.md, "Graphs")."""
 
     capture_sizes: list[int] | None = None
     max_capture_size: int | None = None

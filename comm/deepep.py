@@ -7,7 +7,8 @@ capturable) and the normal kernels for prefill (data-dependent sizes, eager only
 need parts of their buffer zeroed; the normal kernels dirty it, so a NORMAL -> LOW_LATENCY switch
 cleans it. A replayed graph re-runs only the recorded kernels, not the Python that set the mode
 and cleaned the buffer, so `DeepEPGraphAdapter.replay()` does both before every replay
-(see DESIGN.md, "DeepEP low-latency mode"). `deep_ep` is imported only when a buffer is built.
+(docs/ARCHITECTURE.md, "Graphs": DeepEP low-latency mode). `deep_ep` is imported only when a
+buffer is built.
 """
 
 from __future__ import annotations
