@@ -102,15 +102,19 @@ def eagle_dir(tmp_path_factory, moe_dir):
 
 class StepLog:
     """Wraps an engine's DP coordinator to log, per step, what this rank scheduled (prefill
-    chunks, decode rows) and the per-rank sizes it derived from the exchange."""
+    chunks, decode rows; in `plans` also each chunk's (start, tokens) and the requests preempted
+    while scheduling) and the per-rank sizes it derived from the exchange."""
 
     def __init__(self, engine: Engine):
         self.modes: list[tuple[int, int]] = []
+        self.plans: list[tuple] = []
         self.sizes: list[tuple | None] = []
         agree = engine.dp.agree
 
         def logged_agree(plan, *args):
             self.modes.append((len(plan.chunks), len(plan.decode)))
+            chunks = tuple((c.start, len(c.tokens)) for c in plan.chunks)
+            self.plans.append((len(plan.decode), chunks, len(plan.preempted)))
             plan = agree(plan, *args)
             self.sizes.append(None if plan.sizes is None else tuple(map(tuple, plan.sizes)))
             return plan
@@ -135,6 +139,9 @@ def moe_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
             tokens={o.index: o.token_ids for o in outs},
             accept_len={o.index: o.stats["accept_len"] for o in outs},
             modes=log.modes,
+            plans=log.plans,
+            preempted={o.index: o.stats["num_preemptions"] for o in outs},
+            preemptions=engine.scheduler.num_preemptions,  # this rank's own
             steps=log.sizes,
             moe_forwards=engine.model.dispatcher.num_forwards,
             backend=type(engine.model.dispatcher).__name__,
@@ -273,6 +280,56 @@ def test_dp2_speculative_padded_graph_sizes_keep_output_and_acceptance(ep2_run):
     for rank in ranks:  # no graphs on the CPU: eager steps stood in for replays
         assert rank["spec_padded"]["replays"] == 0 and rank["spec_padded"]["stand_ins"] > 0
     assert ranks[1]["spec_padded"]["dummy_steps"] > 0  # its requests ended first
+
+
+# ------------------------------------------------------------ EP=2, chunked prefill, preemption
+
+# Under a token budget of a few tokens per forward and a pool of 23 usable pages of 4 tokens,
+# prompts prefill in chunks mixed into decode steps and requests are preempted on each DP rank,
+# while every rank still runs one MoE forward per step (chunks in the exchanged plan).
+MOE_BUDGETS = {"plain": 7, "eagle3": 11}  # max_num_batched_tokens; k = 3 drafts
+
+
+@pytest.fixture(scope="module")
+def ep2_budget_cases(moe_dir, eagle_dir):
+    prompts = prompts_of((37, 5, 22, 13, 30, 9), seed=11)
+    params = [greedy(16)] * 5 + [SAMPLED]
+    eagle = dict(algo="eagle3", draft=str(eagle_dir), num_draft_tokens=3, eager_padding=True)
+    cases = []
+    for name, spec in (("plain", {}), ("eagle3", eagle)):
+        options = {**spec, "num_pages": 24, "max_num_batched_tokens": MOE_BUDGETS[name]}
+        cases.append((name, moe_dir, options, prompts, params))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def ep2_budget_run(ep2_budget_cases):
+    drop = ("num_pages", "max_num_batched_tokens")
+    roomy = [
+        (name, target, {k: v for k, v in options.items() if k not in drop}, prompts, params)
+        for name, target, options, prompts, params in ep2_budget_cases
+    ]
+    return reference(ep2_budget_cases), reference(roomy), launch(1, 2, ep2_budget_cases)
+
+
+@pytest.mark.parametrize("case", ["plain", "eagle3"])
+def test_ep2_chunked_preempted_equals_one_rank(ep2_budget_run, case):
+    tight, unconstrained, ranks = ep2_budget_run
+    assert tight[case]["tokens"] == unconstrained[case]["tokens"]
+    assert ranks[0][case]["tokens"] == tight[case]["tokens"]
+    check_lockstep(ranks, case)  # the same table and MoE forwards on every rank, every step
+    T, budget = 1 if case == "plain" else 4, MOE_BUDGETS[case]
+    plans = [step for rank in ranks for step in rank[case]["plans"]]
+    assert all(rows * T + sum(n for _, n in chunks) <= budget for rows, chunks, _ in plans)
+    assert any(start > 0 for _, chunks, _ in plans for start, _ in chunks)  # a split prompt
+    assert any(rows and chunks for rows, chunks, _ in plans)  # chunks mixed into a decode step
+    # a rank extending next to a rank in a pure decode step: both ran one (eager) MoE forward
+    modes = zip(ranks[0][case]["modes"], ranks[1][case]["modes"], strict=True)
+    assert any(a[0] and not b[0] and b[1] or b[0] and not a[0] and a[1] for a, b in modes)
+    preemptions = [rank[case]["preemptions"] for rank in ranks]
+    assert all(preemptions), preemptions  # on both DP ranks
+    assert sum(ranks[0][case]["preempted"].values()) == sum(preemptions)
+    assert sum(p for _, _, p in plans) == sum(preemptions)
 
 
 # ---------------------------------------------------------------------------------------- EP=4

@@ -80,6 +80,23 @@ class DecodeRecorder:
         return calls
 
 
+class PlanLog:
+    """Wraps an engine's DP coordinator to log, per step, the plan this rank ran: (decode rows,
+    ((start, tokens) of each prefill chunk), requests preempted while it was scheduled)."""
+
+    def __init__(self, engine: Engine):
+        self.steps: list[tuple] = []
+        agree = engine.dp.agree
+
+        def logged_agree(plan, *args):
+            plan = agree(plan, *args)
+            chunks = tuple((c.start, len(c.tokens)) for c in plan.chunks)
+            self.steps.append((len(plan.decode), chunks, len(plan.preempted)))
+            return plan
+
+        engine.dp.agree = logged_agree
+
+
 def check_own_sizes(decodes: list[tuple], dp: int, padded: bool) -> None:
     """A dense target's DP rank runs its own decode batches (nothing in its forward crosses DP
     ranks): every step has live rows, padded (eager padding) to the smallest captured size."""
@@ -103,11 +120,14 @@ def generate_in_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
     for name, target, options, prompts, params in cases:
         recorder.engine = None
         engine = Engine(str(target), pctx=pctx, **ENGINE, **options)
-        capture, recorder.engine = recorder.take(), engine
+        capture, recorder.engine, plans = recorder.take(), engine, PlanLog(engine)
         is_source = pctx.rank == 0
         outs = engine.generate(prompts if is_source else None, params if is_source else None)
         seen[name] = dict(
             tokens={o.index: o.token_ids for o in outs},
+            preempted={o.index: o.stats["num_preemptions"] for o in outs},
+            preemptions=engine.scheduler.num_preemptions,  # this rank's own
+            plans=plans.steps,
             capture=capture,
             decodes=recorder.take(),
             padded=bool(options.get("eager_padding")),
@@ -284,6 +304,115 @@ def test_tp2_dp2_equals_one_rank(mesh_run, case):
     for peers in ((0, 1), (2, 3)):  # TP peers ran the same decode steps, their own sizes
         assert ranks[peers[0]][case]["decodes"] == ranks[peers[1]][case]["decodes"], peers
         check_own_sizes(ranks[peers[0]][case]["decodes"], 2, ranks[peers[0]][case]["padded"])
+
+
+# ------------------------------------------------------------ chunked prefill and preemption
+
+# Six prompts (116 tokens) under a token budget of a few tokens per forward and a pool of 23
+# usable pages of 4 tokens (the longest request alone needs 16): every prompt above the budget
+# is prefilled in chunks over several steps, decode rows and chunks share forwards, and requests
+# are preempted and recomputed, in one process and on every DP share alike.
+BUDGET_PROMPTS = ((37, 5, 22, 13, 30, 9), 11)  # (lengths, seed)
+TIGHT = dict(num_pages=24)
+BUDGETS = {"plain": 7, "eagle3": 11, "dflash": 9}  # max_num_batched_tokens; k = 3 drafts
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory, llama_dir):
+    if importlib.util.find_spec("speculant.drafter.dflash") is None:
+        pytest.skip("DFLASH is not in this tree yet")
+    from helpers_dflash import write_random_dflash
+
+    path = tmp_path_factory.mktemp("dflash_tp")
+    write_random_dflash(
+        path, llama_dir, num_layers=2, block_size=4, target_layer_ids=[1, 0], num_kv_heads=1
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def budget_cases(llama_dir, eagle_dir, dflash_dir):
+    prompts = prompts_of(*BUDGET_PROMPTS)
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * (len(prompts) - 1)
+    params.append(SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=5,
+                                 ignore_eos=True))  # fmt: skip
+    specs = {
+        "plain": {},
+        # padded decode batches (as graphs would run them) next to eager chunks
+        "eagle3": dict(algo="eagle3", draft=str(eagle_dir), num_draft_tokens=3, eager_padding=True),
+        "dflash": dict(algo="dflash", draft=str(dflash_dir), num_draft_tokens=3),
+    }
+    cases = []
+    for name, spec in specs.items():
+        options = {**spec, **TIGHT, "max_num_batched_tokens": BUDGETS[name]}
+        cases.append((name, llama_dir, options, prompts, params if name != "dflash" else GREEDY))
+    return cases
+
+
+def roomy(cases: list[tuple]) -> list[tuple]:
+    """The same cases with the default budget and pool: no chunks, no preemption."""
+    drop = ("num_pages", "max_num_batched_tokens")
+    return [
+        (name, target, {k: v for k, v in options.items() if k not in drop}, prompts, params)
+        for name, target, options, prompts, params in cases
+    ]
+
+
+@pytest.fixture(scope="module")
+def budget_reference(budget_cases):
+    return reference(budget_cases), reference(roomy(budget_cases))
+
+
+@pytest.fixture(scope="module")
+def budget_tp2_run(budget_cases):
+    return launch(2, 1, budget_cases)
+
+
+@pytest.fixture(scope="module")
+def budget_dp2_run(budget_cases):
+    return launch(1, 2, budget_cases)
+
+
+def check_chunked_and_preempted(ranks: list[dict], case: str, tp: int) -> None:
+    """Every step kept to the budget; over the DP ranks some prompt was split into chunks, some
+    forward mixed decode rows with chunks, and requests were preempted: the outputs rank 0
+    gathered report every preemption the DP ranks' schedulers made."""
+    budget, T = BUDGETS[case], 1 if case == "plain" else 4
+    dp_ranks = ranks[::tp]  # one rank of each TP group
+    plans = [step for rank in dp_ranks for step in rank[case]["plans"]]
+    assert all(rows * T + sum(n for _, n in chunks) <= budget for rows, chunks, _ in plans)
+    assert any(start > 0 for _, chunks, _ in plans for start, _ in chunks)  # a split prompt
+    assert any(rows and chunks for rows, chunks, _ in plans)  # a mixed step
+    preemptions = [rank[case]["preemptions"] for rank in dp_ranks]
+    assert sum(preemptions) > 0, preemptions
+    assert sum(ranks[0][case]["preempted"].values()) == sum(preemptions)
+    assert sum(p for _, _, p in plans) == sum(preemptions)
+    assert all(rank[case]["pages_returned"] for rank in ranks)
+
+
+@pytest.mark.parametrize("case", ["plain", "eagle3", "dflash"])
+def test_tp2_chunked_preempted_equals_one_process(budget_reference, budget_tp2_run, case):
+    tight, unconstrained = budget_reference
+    ranks = budget_tp2_run
+    assert tight[case] == unconstrained[case]  # preemption and chunks change nothing
+    assert ranks[0][case]["tokens"] == ranks[1][case]["tokens"] == tight[case]
+    # the TP peers scheduled alike: the same chunks, decode rows and preemptions every step
+    assert ranks[0][case]["plans"] == ranks[1][case]["plans"]
+    assert ranks[0][case]["decodes"] == ranks[1][case]["decodes"]
+    check_chunked_and_preempted(ranks, case, tp=2)
+
+
+@pytest.mark.parametrize("case", ["plain", "eagle3", "dflash"])
+def test_dp2_chunked_preempted_equals_one_process(budget_reference, budget_dp2_run, case):
+    tight, unconstrained = budget_reference
+    ranks = budget_dp2_run
+    assert ranks[0][case]["tokens"] == tight[case] == unconstrained[case]
+    assert ranks[1][case]["tokens"] and set(ranks[1][case]["tokens"]) < set(tight[case])
+    check_chunked_and_preempted(ranks, case, tp=1)
+    for rank in ranks:  # each DP rank of a dense target ran its own decode sizes
+        check_own_sizes(rank[case]["decodes"], 2, case == "eagle3")
+    # both DP ranks planned their own steps: their schedules differ
+    assert ranks[0][case]["plans"] != ranks[1][case]["plans"]
 
 
 # ---------------------------------------------------------------------------------------- capture
