@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -55,6 +56,8 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     """One line on the first process of each node (not once per rank), then exit."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"speculant: error: {message}", file=sys.stderr, flush=True)
+    else:  # let local rank 0 print before torchrun, seeing this exit, stops it
+        time.sleep(5)
     sys.exit(code)
 
 
