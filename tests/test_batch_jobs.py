@@ -256,3 +256,21 @@ def test_huge_engine_seed_still_samples(llama_dir):
     engine = Engine(str(llama_dir), device="cpu", seed=2**70)
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=1.0))
     assert len(out[0].token_ids) == 3
+
+
+def test_overlap_with_chunked_prefill_equals_synchronous(llama_dir, drafts):
+    """`--overlap` under a small token budget (chunked prefill, mixed steps) runs ahead only
+    while the batch cannot change (nothing waits, no prompt in progress, the pool gives two more
+    steps' pages); tokens equal the synchronous run."""
+    options = dict(device="cpu", max_num_seqs=4, page_size=4, max_model_len=MAX_PROMPT + 40,
+                   max_num_batched_tokens=9, num_pages=60, eager_padding=True, algo="eagle3",
+                   draft=str(drafts["eagle3"]), num_draft_tokens=2)  # fmt: skip
+    ahead = Engine(str(llama_dir), overlap=True, **options)
+    synchronous = Engine(str(llama_dir), **options)
+    prompts = [prompt_of(n, n) for n in (5, 30, 12, 21, 3, 17)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    outs = ahead.generate(prompts, params)
+    expected = [o.token_ids for o in synchronous.generate(prompts, params)]
+    assert [o.token_ids for o in outs] == expected
+    assert ahead.steps_ahead > 0
+    assert_pool_whole(ahead)
