@@ -39,6 +39,7 @@ CONFIGS = {  # name: extra CLI flags
     "seqs512": ["--max-num-seqs", "512"],
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
     "eager": ["--enforce-eager"],
+    "overlap": ["--overlap"],
 }
 CONTEXT = 4096  # the default --max-model-len of an 8B Llama (min(checkpoint, 4096))
 
