@@ -156,6 +156,10 @@ def live_rows(engine: Engine, bs: int, vocab: int, context: int, gen) -> list[in
     """bs requests with `context` random tokens in the cache, their next step's inputs (random
     tokens, greedy) in the input buffers. Free the returned rows afterwards."""
     rows = [engine.kv.allocate(context + 400) for _ in range(bs)]
+    if any(engine.kv.pages_needed(row, context + 400) for row in rows):
+        for row in rows:
+            engine.kv.free(row)
+        raise RuntimeError(f"the KV pool holds too few pages for {bs} rows of {context + 400}")
     for i in range(0, bs, 8):
         chunk = rows[i : i + 8]
         prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in chunk]
