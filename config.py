@@ -183,6 +183,133 @@ def _eos_token_ids(hf: dict, source: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+QUANT_METHODS = ("fp8", "compressed-tensors")
+FP8_BLOCK = (128, 128)  # the one block shape published FP8 checkpoints use (and kernels assume)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 linear weights as published, from config.json's `quantization_config`: `fp8` (block
+    128x128 with `weight_scale_inv`, or per-tensor `weight_scale`) and compressed-tensors
+    `float-quantized` (tensor / channel / block `weight_scale`). Modules matching `ignore` keep
+    their stored dtype; activations stay unquantized on the reference path."""
+
+    method: str  # fp8 | compressed-tensors
+    strategy: str  # tensor | channel | block
+    scale_name: str  # weight_scale_inv (fp8 block) | weight_scale
+    static_input: bool = False  # the checkpoint holds a per-tensor `input_scale` per layer
+    ignore: tuple[str, ...] = ()  # HF module names, or "re:" patterns, stored unquantized
+
+
+def _unsupported(key: str, value: object, source: str, supported: str) -> SpeculantError:
+    return SpeculantError(
+        f"quantization_config {key}={value!r} in {source} is not supported; supported: {supported}"
+    )
+
+
+def _ignore_list(value: object, key: str, source: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise _unsupported(key, value, source, "a list of module names")
+    return tuple(value)
+
+
+def _fp8_method(q: dict, source: str) -> QuantConfig:
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise _unsupported("fmt", q["fmt"], source, "e4m3")
+    activations = q.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise _unsupported("activation_scheme", activations, source, "dynamic, static")
+    ignore = _ignore_list(q.get("ignored_layers"), "ignored_layers", source)
+    ignore += _ignore_list(q.get("modules_to_not_convert"), "modules_to_not_convert", source)
+    block = q.get("weight_block_size")
+    if block is None:
+        return QuantConfig("fp8", "tensor", "weight_scale", activations == "static", ignore)
+    if block != list(FP8_BLOCK):
+        raise _unsupported("weight_block_size", block, source, "[128, 128]")
+    if activations == "static":
+        raise _unsupported("activation_scheme", activations, source, "dynamic (block scales)")
+    return QuantConfig("fp8", "block", "weight_scale_inv", False, ignore)
+
+
+def _compressed_tensors(q: dict, source: str) -> QuantConfig:
+    if q.get("format") != "float-quantized":
+        raise _unsupported("format", q.get("format"), source, "float-quantized")
+    if q.get("kv_cache_scheme") is not None:
+        raise _unsupported("kv_cache_scheme", q["kv_cache_scheme"], source, "null")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _unsupported("config_groups", groups, source, "one or more scheme groups")
+    schemes = set()
+    for name, group in groups.items():
+        where = f"config_groups.{name}"
+        if not isinstance(group, dict):
+            raise _unsupported(where, group, source, "a scheme object")
+        targets = group.get("targets")
+        if not isinstance(targets, list) or "Linear" not in targets:
+            raise _unsupported(f"{where}.targets", targets, source, '["Linear"]')
+        if group.get("output_activations") is not None:
+            raise _unsupported(
+                f"{where}.output_activations", group["output_activations"], source, "null"
+            )
+        schemes.add(_ct_scheme(group.get("weights"), group.get("input_activations"), where, source))
+    if len(schemes) > 1:
+        raise _unsupported("config_groups", sorted(groups), source, "groups of one FP8 scheme")
+    strategy, static_input = schemes.pop()
+    ignore = _ignore_list(q.get("ignore"), "ignore", source)
+    return QuantConfig("compressed-tensors", strategy, "weight_scale", static_input, ignore)
+
+
+def _ct_scheme(weights: object, inputs: object, where: str, source: str) -> tuple[str, bool]:
+    """(weight strategy, static input scale) of one compressed-tensors scheme group."""
+    if not isinstance(weights, dict):
+        raise _unsupported(f"{where}.weights", weights, source, "an FP8 weight scheme")
+    for key, want in (("type", "float"), ("num_bits", 8), ("symmetric", True), ("dynamic", False)):
+        if weights.get(key, want) != want:
+            raise _unsupported(f"{where}.weights.{key}", weights.get(key), source, repr(want))
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel", "block"):
+        raise _unsupported(f"{where}.weights.strategy", strategy, source, "tensor, channel, block")
+    if strategy == "block" and weights.get("block_structure") != list(FP8_BLOCK):
+        raise _unsupported(
+            f"{where}.weights.block_structure", weights.get("block_structure"), source, "[128, 128]"
+        )
+    if inputs is None:  # weight-only FP8
+        return strategy, False
+    if not isinstance(inputs, dict):
+        raise _unsupported(f"{where}.input_activations", inputs, source, "an FP8 scheme or null")
+    for key, want in (("type", "float"), ("num_bits", 8)):
+        if inputs.get(key, want) != want:
+            raise _unsupported(
+                f"{where}.input_activations.{key}", inputs.get(key), source, repr(want)
+            )
+    if inputs.get("dynamic", False):
+        return strategy, False
+    if inputs.get("strategy") != "tensor" or strategy == "block":
+        raise _unsupported(
+            f"{where}.input_activations.strategy",
+            inputs.get("strategy"),
+            source,
+            "dynamic activations, or static per-tensor ones with tensor/channel weights",
+        )
+    return strategy, True
+
+
+def parse_quantization(hf: dict, source: str) -> QuantConfig | None:
+    """config.json's `quantization_config` (None without one); a scheme we cannot run is a
+    one-line error naming the key and value."""
+    q = config_dict(hf, "quantization_config", source)
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _fp8_method(q, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors(q, source)
+    raise _unsupported("quant_method", method, source, ", ".join(QUANT_METHODS))
+
+
 @dataclass
 class ModelConfig:
     """The architecture of a decoder (Llama / Qwen2 / Qwen3, and Qwen3-MoE's expert fields) as
@@ -210,6 +337,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layer_ids: tuple[int, ...] = ()  # layers with a sparse MoE block instead of the MLP
+    quantization: QuantConfig | None = None  # FP8 linear weights (see QuantConfig)
     hf: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -267,6 +395,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(hf, source),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             **moe,
+            quantization=parse_quantization(hf, source),
             hf=hf,
         )
 

@@ -15,8 +15,12 @@ from speculant.kernels.ops import TORCH_OPS, TorchOps
 
 
 def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ layer.weight^T (+ bias): the layer's `gemv` kernel when enable_gemv set one (it takes
-    single rows and hands every other shape to F.linear), else F.linear."""
+    """x @ layer.weight^T (+ bias): an FP8 layer's dequantised reference (models/fp8.py), else
+    the layer's `gemv` kernel when enable_gemv set one (it takes single rows and hands every
+    other shape to F.linear), else F.linear."""
+    fp8 = getattr(layer, "fp8", None)  # drafter layers outside this file have no FP8 form
+    if fp8 is not None:
+        return fp8.linear(layer, x, bias)
     if layer.gemv is not None:
         return layer.gemv(x, layer.weight, bias)
     return F.linear(x, layer.weight, bias)
@@ -117,6 +121,7 @@ class ColumnParallelLinear(nn.Module):
     `output_sizes` lists the full sizes of merged sub-matrices (gate and up, say)."""
 
     gemv = None  # set by enable_gemv
+    fp8 = None  # an fp8.Fp8Linear once fp8.quantize_linears gives the layer an e4m3 weight
 
     def __init__(
         self, in_features: int, output_sizes: list[int], bias: bool, pctx: ParallelContext
@@ -203,6 +208,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced over TP."""
 
     gemv = None  # set by enable_gemv
+    fp8 = None  # an fp8.Fp8Linear once fp8.quantize_linears gives the layer an e4m3 weight
 
     def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext):
         super().__init__()

@@ -18,6 +18,7 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, MoeConfig, read_json_object
 from speculant.errors import SpeculantError
+from speculant.models.fp8 import FP8, quantize_linears
 from speculant.models.llama import CausalLM
 from speculant.models.qwen3_moe import Qwen3MoeForCausalLM, make_dispatcher
 
@@ -145,6 +146,7 @@ def load_weights(
             unused.append(hf_name)
             continue
         param = params[name]
+        check_fp8_tensor(param, tensor, hf_name, source)
         if param.is_floating_point() and not tensor.is_floating_point():
             raise SpeculantError(
                 f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, not a "
@@ -169,6 +171,23 @@ def load_weights(
                 )
     if unused and (not dist.is_initialized() or dist.get_rank() == 0):  # one line per job
         log.warning("%s", unused_tensors_line(unused, source))
+
+
+def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, source: str) -> None:
+    """An e4m3 parameter takes only e4m3 tensors and a float parameter no FP8 one: either would
+    load without its scales and compute garbage."""
+    if (param.dtype == FP8) == (tensor.dtype == FP8):
+        return
+    if param.dtype == FP8:
+        raise SpeculantError(
+            f"tensor {hf_name!r} in {source} is {tensor.dtype}, but quantization_config in "
+            "config.json makes it FP8; add its module to the config's ignore list"
+        )
+    raise SpeculantError(
+        f"tensor {hf_name!r} in {source} is {tensor.dtype}, but its module loads unquantized "
+        "(FP8 is supported for the decoder's linear layers, not embeddings, lm_head or "
+        "experts; a quantized checkpoint needs its quantization_config)"
+    )
 
 
 def unused_tensors_line(names: list[str], source: str) -> str:
@@ -198,14 +217,20 @@ def file_holding(source: str | Path, name: str) -> str:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights in place, in the parameters' own dtype and device (no fp32 copy)."""
+    """Random weights in place, in the parameters' own dtype and device (no fp32 copy); FP8
+    layers get random e4m3 weights and scales (fp8.Fp8Linear.init_dummy)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if param.dtype == FP8 or hasattr(param, "fp8_scale"):
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:
             fan_in = param.shape[-1] if param.dim() > 1 else 1
             param.normal_(0.0, fan_in**-0.5 if param.dim() > 1 else 0.02, generator=gen)
+    for module in model.modules():
+        if getattr(module, "fp8", None) is not None:
+            module.fp8.init_dummy(module, gen)
 
 
 def build_causal_lm(
@@ -217,14 +242,23 @@ def build_causal_lm(
 ) -> CausalLM:
     """The target model for `cfg.architecture` on the ambient device and dtype (see
     default_device_and_dtype): a dense CausalLM, or Qwen3MoeForCausalLM with its experts split
-    over all ranks and the dispatcher `moe` names (`decode_tokens`: max_bs * (k + 1))."""
+    over all ranks and the dispatcher `moe` names (`decode_tokens`: max_bs * (k + 1)). A
+    `quantization_config` gives its linear layers FP8 weights and scales (models/fp8.py)."""
+    if cfg.quantization is not None and cfg.is_moe:
+        raise SpeculantError(
+            f"FP8 checkpoints of {cfg.architecture} are not supported yet (FP8 experts are "
+            "pending, issue 24); use the bf16 checkpoint"
+        )
     if not cfg.is_moe:
         if moe is not None and (moe.backend != "auto" or moe.max_tokens_per_rank is not None):
             raise SpeculantError(
                 f"--moe-backend/--moe-max-tokens-per-rank apply to mixture-of-experts targets; "
                 f"{cfg.architecture} is dense, drop them"
             )
-        return CausalLM(cfg, max_positions, pctx)
+        model = CausalLM(cfg, max_positions, pctx)
+        if cfg.quantization is not None:
+            quantize_linears(model, cfg.quantization)
+        return model
     device = torch.get_default_device()
     dispatcher = make_dispatcher(cfg, pctx, moe or MoeConfig(), decode_tokens, device)
     return Qwen3MoeForCausalLM(cfg, max_positions, pctx, dispatcher)
