@@ -242,14 +242,16 @@ def fp8_generate_in_rank(tp: int, cases: list[tuple]) -> dict:
         logits = our_logits(engine, PROMPT)
         source = pctx.rank == 0
         outs = engine.generate([PROMPT, PROMPT[:5]] if source else None, GREEDY if source else None)
-        seen[name] = dict(logits=logits, tokens={o.index: o.token_ids for o in outs})
+        # a list, not a tensor: torch would pass a tensor's storage, gone once the rank exits
+        seen[name] = dict(logits=logits.tolist(), tokens={o.index: o.token_ids for o in outs})
     pctx.close()
     return seen
 
 
 def test_tp2_equals_tp1(fp8_dirs):
     """Weights and their scales shard together: block scales along rows (q/k/v, gate/up) and
-    columns (o, down), channel scales with their rows, per-part tensor scales whole."""
+    columns (o, down), channel scales with their rows, per-part tensor scales whole. Logits
+    within 1e-4 (float32 partial sums reduced in another order)."""
     cases = [(s, fp8_dirs[(s, 512)]) for s in ("fp8_block", "ct_channel", "ct_tensor_static")]
     ranks = run_ranks(fp8_generate_in_rank, 2, (2, cases), timeout_s=LAUNCH_TIMEOUT_S)
     for name, target in cases:
@@ -257,7 +259,9 @@ def test_tp2_equals_tp1(fp8_dirs):
         logits = our_logits(engine, PROMPT)
         tokens = {o.index: o.token_ids for o in engine.generate([PROMPT, PROMPT[:5]], GREEDY)}
         for rank in ranks:
-            torch.testing.assert_close(rank[name]["logits"], logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(rank[name]["logits"]), logits, rtol=1e-4, atol=1e-4
+            )
         assert ranks[0][name]["tokens"] == tokens, name
 
 
