@@ -248,11 +248,28 @@ def fp8_generate_in_rank(tp: int, cases: list[tuple]) -> dict:
     return seen
 
 
-def test_tp2_equals_tp1(fp8_dirs):
+@pytest.fixture(scope="module")
+def kv1_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One KV head: at tp=2 it is replicated on both ranks, its scale rows with it."""
+    src = save_hf_model(
+        tmp_path_factory.mktemp("float_kv1"),
+        "llama",
+        seed=7,
+        intermediate_size=512,
+        **{**SIZES, "num_key_value_heads": 1},
+    )
+    return {
+        scheme: write_fp8_checkpoint(src, tmp_path_factory.mktemp(f"{scheme}_kv1"), scheme)
+        for scheme in ("fp8_block", "ct_channel")
+    }
+
+
+def test_tp2_equals_tp1(fp8_dirs, kv1_dirs):
     """Weights and their scales shard together: block scales along rows (q/k/v, gate/up) and
     columns (o, down), channel scales with their rows, per-part tensor scales whole. Logits
     within 1e-4 (float32 partial sums reduced in another order)."""
     cases = [(s, fp8_dirs[(s, 512)]) for s in ("fp8_block", "ct_channel", "ct_tensor_static")]
+    cases += [(f"{s}_kv1", path) for s, path in kv1_dirs.items()]
     ranks = run_ranks(fp8_generate_in_rank, 2, (2, cases), timeout_s=LAUNCH_TIMEOUT_S)
     for name, target in cases:
         engine = Engine(str(target), **ENGINE)
@@ -270,6 +287,13 @@ def test_block_split_by_tp_is_refused(fp8_dirs):
     with pytest.raises(SpeculantError, match=r"tp=2 leaves 160 output rows per rank") as exc:
         build_causal_lm(cfg, 64, ParallelContext(tp_size=2, tp_rank=0))
     assert "\n" not in str(exc.value)
+
+
+def test_fp8_experts_are_refused():
+    hf = dict(with_quant(SCHEMES["fp8_block"][0]), architectures=["Qwen3MoeForCausalLM"])
+    cfg = ModelConfig.from_hf(dict(hf, num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(SpeculantError, match="FP8 checkpoints of Qwen3MoeForCausalLM"):
+        build_causal_lm(cfg, 64, ParallelContext.single())
 
 
 # ------------------------------------------------------------------------- speculative decoding
