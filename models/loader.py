@@ -184,9 +184,9 @@ def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, so
             "config.json makes it FP8; add its module to the config's ignore list"
         )
     raise SpeculantError(
-        f"tensor {hf_name!r} in {source} is {tensor.dtype}, but its module loads unquantized "
-        "(FP8 is supported for the decoder's linear layers, not embeddings, lm_head or "
-        "experts; a quantized checkpoint needs its quantization_config)"
+        f"tensor {hf_name!r} in {source} is {tensor.dtype}, but its module loads unquantized: "
+        "FP8 loads in a target's decoder linear layers when config.json has its "
+        "quantization_config (not in embeddings, lm_head, experts or drafters); use bf16 weights"
     )
 
 

@@ -410,3 +410,10 @@ def test_fp8_tensor_into_an_unquantized_model_is_refused(tmp_path, fp8_dirs):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpeculantError, match="float8_e4m3fn, but its module loads unquantized"):
         Engine(str(tmp_path), **ENGINE)
+
+
+def test_fp8_draft_model_is_refused(fp8_dirs, float_dirs):
+    """Draft models are built unquantized: an FP8 one is an error, not floats without scales."""
+    draft = dict(algo="draft-model", draft=str(fp8_dirs[("fp8_block", 320)]), num_draft_tokens=2)
+    with pytest.raises(SpeculantError, match="model.layers.0.*float8_e4m3fn"):
+        Engine(str(float_dirs[320]), **ENGINE, **draft)
