@@ -135,9 +135,9 @@ class Fp8Linear:
         scale = getattr(layer, self.quant.scale_name)
         if self.quant.strategy == "channel":
             return scale
-        if self.quant.strategy == "tensor":
-            sizes = torch.tensor(self.part_sizes, device=scale.device)
-            return scale.repeat_interleave(sizes).unsqueeze(1)
+        if self.quant.strategy == "tensor":  # python sizes: no host-to-device copy in a graph
+            parts = [scale[i : i + 1].expand(size) for i, size in enumerate(self.part_sizes)]
+            return torch.cat(parts).unsqueeze(1)
         parts = scale.split([_blocks(size) for size in self.part_sizes])
         rows = [
             part.repeat_interleave(BLOCK, dim=0)[:size]
