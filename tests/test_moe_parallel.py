@@ -3,10 +3,10 @@ experts are split over every rank gives the single-rank tokens at EP=2 (DP=2) an
 TP2), plain and with EAGLE-3, with uneven batches, prefills next to decodes and a DP rank with no
 requests (after the start-up warm-up's prefills on every rank), and at EP=2 under a token budget
 and page pool that force chunked prefill mixed into decode steps and preemption on both DP
-ranks; every rank derives the same
-per-step table and runs the same number of MoE forwards; the capture-uniformity regression (with
-an upcycled MoE whose dense twin drafts with real acceptance); the per-step protocol and the
-dispatch plan as units; and `speculant generate --dp 2` on an MoE checkpoint.
+ranks; every rank derives the same per-step table and runs the same number of MoE forwards; the
+capture-uniformity regression (with an upcycled MoE whose dense twin drafts with real
+acceptance); the per-step protocol and the dispatch plan as units; and `speculant generate --dp
+2` on an MoE checkpoint.
 
 Every multi-process run is bounded (collectives time out after COLLECTIVE_TIMEOUT_S, launches
 are killed after LAUNCH_TIMEOUT_S). Checkpoints come from tests/test_moe.py's writer."""

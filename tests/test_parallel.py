@@ -1,10 +1,10 @@
 """Tensor and data parallelism on the CPU with real gloo process groups (one process per rank):
 TP=2, DP=2 and TP2 x DP2 give the same tokens as one rank (TP=2 and DP=2 also under a token
-budget and page pool small enough for chunked prefill, mixed steps and preemption on the
-ranks, plain, EAGLE-3 and DFLASH), TP peers run the same steps while
-each DP rank of a dense target runs its own batch sizes (an idle one sits the step out), every
-rank runs the same capture sequence, and the
-`speculant generate --tp/--dp` launcher fails a run with a dead or stuck rank instead of hanging.
+budget and page pool small enough for chunked prefill, mixed steps and preemption on the ranks,
+plain, EAGLE-3 and DFLASH), TP peers run the same steps while each DP rank of a dense target runs
+its own batch sizes (an idle one sits the step out), every rank runs the same capture sequence,
+and the `speculant generate --tp/--dp` launcher fails a run with a dead or stuck rank instead of
+hanging.
 
 What a rank ran is observed inside it, not read from the plan every rank derives from one
 exchanged table: `DecodeRecorder` wraps ModelRunner.decode_step in the rank's process and logs
