@@ -19,6 +19,7 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, MoeConfig, read_json_object
 from speculant.errors import SpeculantError
 from speculant.models.fp8 import FP8, quantize_linears
+from speculant.models.layers import RotaryEmbedding
 from speculant.models.llama import CausalLM
 from speculant.models.qwen3_moe import Qwen3MoeForCausalLM, make_dispatcher
 
@@ -233,6 +234,29 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             module.fp8.init_dummy(module, gen)
 
 
+def build_fp8_causal_lm(cfg: ModelConfig, max_positions: int, pctx: ParallelContext) -> CausalLM:
+    """A dense CausalLM whose linear layers hold FP8 weights and scales, built on the meta
+    device first so that no float copy of the linear weights is ever allocated; the rotary
+    tables are then rebuilt and every other parameter allocated on the ambient device."""
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions, pctx)
+        quantize_linears(model, cfg.quantization)
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+            real.__dict__.update(param.__dict__)  # weight_loader, shard_ids, fp8_scale
+            setattr(module, name, real)
+        for name, child in list(module.named_children()):
+            if isinstance(child, RotaryEmbedding):
+                rope = (cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+                setattr(module, name, RotaryEmbedding(*rope))
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a new buffer in the model needs rebuilding here
+        raise RuntimeError(f"FP8 model build left {left} on the meta device")
+    return model
+
+
 def build_causal_lm(
     cfg: ModelConfig,
     max_positions: int,
@@ -255,10 +279,9 @@ def build_causal_lm(
                 f"--moe-backend/--moe-max-tokens-per-rank apply to mixture-of-experts targets; "
                 f"{cfg.architecture} is dense, drop them"
             )
-        model = CausalLM(cfg, max_positions, pctx)
         if cfg.quantization is not None:
-            quantize_linears(model, cfg.quantization)
-        return model
+            return build_fp8_causal_lm(cfg, max_positions, pctx)
+        return CausalLM(cfg, max_positions, pctx)
     device = torch.get_default_device()
     dispatcher = make_dispatcher(cfg, pctx, moe or MoeConfig(), decode_tokens, device)
     return Qwen3MoeForCausalLM(cfg, max_positions, pctx, dispatcher)
