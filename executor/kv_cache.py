@@ -96,7 +96,12 @@ class PagedKVCache:
         """Take a request row and enough pages for `num_tokens` positions; returns the row."""
         self.check_fits(num_tokens)
         row = self.allocate_row()
-        self.grow(row, num_tokens)
+        if not self.grow(row, num_tokens):
+            self.free(row)
+            raise SpeculantError(
+                f"{self.pages_for(num_tokens)} KV pages wanted but {len(self.free_pages)} are "
+                "free; free rows first, or raise --num-pages"
+            )
         self.commit()
         return row
 
