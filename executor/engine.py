@@ -200,9 +200,16 @@ class Engine:
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         scratch.allocate_row()
-        for seqs in steps:
-            sampled = [ScratchRequest(SamplingParams(temperature=1.0))] * len(seqs)  # the larger
-            runner.extend(seqs, self._sampling_info(sampled), FULL)
+        try:
+            for seqs in steps:
+                sampled = [ScratchRequest(SamplingParams(temperature=1.0))] * len(seqs)  # larger
+                runner.extend(seqs, self._sampling_info(sampled), FULL)
+        except torch.OutOfMemoryError:
+            raise SpeculantError(
+                f"a step of max_num_batched_tokens={budget} tokens ({rows} verify rows) does not "
+                "fit in GPU memory next to the weights; lower --max-num-batched-tokens or "
+                "--max-num-seqs"
+            ) from None
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del runner
