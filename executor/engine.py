@@ -576,8 +576,11 @@ class Engine:
         """One verify row's result (tokens T, drafts k, accept_len) applied to its request."""
         request.decode_seconds += seconds
         emitted = row[: row[-1]]
-        request.record_verify(len(emitted))
+        before = len(request.output_ids)
         request.append(emitted)
+        # acceptance counts what the request keeps: not drafts accepted past its length limit or
+        # after a stop token (the z-lab reference's definition)
+        request.record_verify(len(request.output_ids) - before)
         request.next_input = [emitted[-1]] + row[self.tokens_per_req : -1]
 
     def stats(self) -> dict:

@@ -121,7 +121,8 @@ class Request:
         return bool(self.next_input)
 
     def record_verify(self, emitted: int) -> None:
-        """Count one verify step that emitted `emitted` tokens (accepted drafts + 1)."""
+        """Count one verify step that emitted `emitted` tokens the request kept (accepted drafts
+        + 1, less any past max_new_tokens or a stop token)."""
         self.num_verify_steps += 1
         self.emitted_in_verify += emitted
         for position in range(emitted - 1):

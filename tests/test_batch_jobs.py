@@ -274,3 +274,15 @@ def test_overlap_with_chunked_prefill_equals_synchronous(llama_dir, drafts):
     assert [o.token_ids for o in outs] == expected
     assert ahead.steps_ahead > 0
     assert_pool_whole(ahead)
+
+
+def test_acceptance_counts_only_kept_tokens(llama_dir):
+    """[formats] 4: a verify step's tokens past max_new_tokens are not counted (the target as
+    its own draft model accepts every draft: k = 3 emits 4 a step; 6 new tokens = 1 at prefill,
+    4, then 1 kept of 4)."""
+    engine = Engine(str(llama_dir), device="cpu", algo="draft-model", draft=str(llama_dir),
+                    num_draft_tokens=3)  # fmt: skip
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and out.stats["num_verify_steps"] == 2
+    assert out.stats["accept_len"] == 2.5
+    assert out.stats["per_position_acceptance"] == [0.5, 0.5, 0.5]
