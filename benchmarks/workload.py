@@ -40,6 +40,7 @@ CONFIGS = {  # name: extra CLI flags
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
     "eager": ["--enforce-eager"],
     "overlap": ["--overlap"],
+    "sync": ["--no-overlap"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
 }

@@ -236,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
     spec.add_argument(
         "--overlap",
-        action="store_true",
-        help="one rank: launch the next decode step before reading the current one back",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one rank: launch the next decode step before reading the current one back, while "
+        "the batch cannot change (--no-overlap: read every step back first)",
     )
     spec.add_argument(
         "--attention-backend",

@@ -266,13 +266,13 @@ def test_overlap_with_chunked_prefill_equals_synchronous(llama_dir, drafts):
                    max_num_batched_tokens=9, num_pages=60, eager_padding=True, algo="eagle3",
                    draft=str(drafts["eagle3"]), num_draft_tokens=2)  # fmt: skip
     ahead = Engine(str(llama_dir), overlap=True, **options)
-    synchronous = Engine(str(llama_dir), **options)
+    synchronous = Engine(str(llama_dir), overlap=False, **options)
     prompts = [prompt_of(n, n) for n in (5, 30, 12, 21, 3, 17)]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     outs = ahead.generate(prompts, params)
     expected = [o.token_ids for o in synchronous.generate(prompts, params)]
     assert [o.token_ids for o in outs] == expected
-    assert ahead.steps_ahead > 0
+    assert ahead.steps_ahead > 0 and synchronous.steps_ahead == 0
     assert_pool_whole(ahead)
 
 

@@ -72,11 +72,12 @@ def test_jsonl_prompts_write_output_file(llama_dir, tmp_path):
 
 
 def test_overlap_flag_gives_the_same_outputs(llama_dir, tmp_path):
-    """`--overlap` (launch a step before reading the previous one back) writes the same file."""
+    """`--overlap` (the default: launch a step before reading the previous one back) writes the
+    same file as `--no-overlap`."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [5, 6, 7]},
                                                  {"prompt": "import os"}])  # fmt: skip
     files = []
-    for flags in ([], ["--overlap"]):
+    for flags in (["--no-overlap"], ["--overlap"]):
         files.append(tmp_path / f"out{len(files)}.jsonl")
         proc = run_cli("--target", llama_dir, "--prompts", prompts, "--output", files[-1],
                        "--max-new-tokens", 24, "--ignore-eos", *flags)  # fmt: skip
