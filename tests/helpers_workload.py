@@ -24,3 +24,19 @@ def run_with_arrivals(engine, prompts, params, arrivals) -> list[list[int]]:
             outputs[request.index] = list(request.output_ids)
         step += 1
     return [outputs[i] for i in range(len(requests))]
+
+
+def workload_strategy(max_prompt: int, max_new: int, max_arrival: int):
+    """Hypothesis lists of (prompt length, max_new_tokens, arrival step, prompt seed)."""
+    from hypothesis import strategies as st
+
+    return st.lists(
+        st.tuples(
+            st.integers(1, max_prompt),
+            st.integers(1, max_new),
+            st.integers(0, max_arrival),
+            st.integers(0, 10**6),
+        ),
+        min_size=1,
+        max_size=6,
+    )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers_dflash import write_random_dflash
 from helpers_eagle import write_random_eagle3
-from helpers_workload import prompt_of, run_with_arrivals
+from helpers_workload import prompt_of, run_with_arrivals, workload_strategy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,16 +70,7 @@ def assert_pool_whole(engine: Engine) -> None:
     assert not engine.scheduler.has_unfinished()
 
 
-workloads = st.lists(
-    st.tuples(
-        st.integers(1, MAX_PROMPT),  # prompt length
-        st.integers(1, MAX_NEW),  # max_new_tokens
-        st.integers(0, 5),  # arrival step
-        st.integers(0, 10**6),  # prompt seed
-    ),
-    min_size=1,
-    max_size=6,
-)
+workloads = workload_strategy(MAX_PROMPT, MAX_NEW, max_arrival=5)
 
 
 @SETTINGS

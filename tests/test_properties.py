@@ -10,7 +10,7 @@ import math
 import pytest
 from helpers_dflash import write_random_dflash
 from helpers_eagle import write_random_eagle3
-from helpers_workload import prompt_of, run_with_arrivals
+from helpers_workload import prompt_of, run_with_arrivals, workload_strategy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -56,16 +56,7 @@ def engine_for(llama_dir, drafts, algo, k, page_size) -> Engine:
     return _engines[key]
 
 
-workloads = st.lists(
-    st.tuples(
-        st.integers(1, MAX_PROMPT),  # prompt length
-        st.integers(1, MAX_NEW),  # max_new_tokens
-        st.integers(0, 6),  # arrival step
-        st.integers(0, 10**6),  # prompt seed
-    ),
-    min_size=1,
-    max_size=6,
-)
+workloads = workload_strategy(MAX_PROMPT, MAX_NEW, max_arrival=6)
 
 
 @SETTINGS
