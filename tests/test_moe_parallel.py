@@ -276,7 +276,8 @@ def test_dp2_speculative_padded_graph_sizes_keep_output_and_acceptance(ep2_run):
     ours = ranks[0]["spec_padded"]
     assert ours["tokens"] == expected["plain_greedy"]["tokens"]
     single = expected["spec_padded"]["accept_len"]
-    assert min(single.values()) > 2.0  # the drafter is mostly accepted
+    # the drafter is mostly accepted (a short request's last step keeps fewer: kept tokens count)
+    assert sum(single.values()) / len(single) > 2.0 and min(single.values()) > 1.2
     for index, accept_len in ours["accept_len"].items():
         assert accept_len == pytest.approx(single[index], rel=0.02), index
     for rank in ranks:  # no graphs on the CPU: eager steps stood in for replays
