@@ -1,7 +1,7 @@
 """FP8 linear weights as published (config.QuantConfig): the e4m3 weight and its scales on a
 tensor-parallel linear layer of models/layers.py, how the scales shard with the weight, and the
-torch reference forward (dequantise to the activation dtype, then F.linear). The Triton FP8
-kernels are pending (issue 24); every device runs this reference path today."""
+torch reference forward (dequantise to the activation dtype, then F.linear); on the Triton
+backend the forward runs kernels/fp8.py's kernels instead."""
 
 from __future__ import annotations
 
@@ -152,9 +152,34 @@ class Fp8Linear:
         return (layer.weight.to(wide) * self.scale(layer).to(wide)).to(dtype)
 
     def linear(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
-        """The reference forward: dequantised weight, activations as they come (the checkpoint's
-        dynamic or static activation quantisation is the kernels' business)."""
+        """x W^T (+ bias): the Triton FP8 kernels (kernels/fp8.py) where the layer's `gemv` is
+        set (the Triton backend, enable_gemv) and they run on x, else the reference forward:
+        dequantised weight, activations as they come (a static `input_scale` is not applied:
+        the kernels quantise activations dynamically, where they do at all)."""
+        if layer.gemv is not None:
+            from speculant.kernels import fp8 as kernels  # imports triton
+
+            args = self.kernel_scale(layer)
+            if args is not None and kernels.supports(x, layer.weight):
+                return kernels.linear(x, layer.weight, *args, bias)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
+
+    def kernel_scale(self, layer: nn.Module) -> tuple[torch.Tensor, str] | None:
+        """(scale, mode) as kernels/fp8.py takes them: the block scales when every merged part
+        has whole 128-row blocks (then the parts' blocks stack into one matrix's layout), else
+        None (the reference); per-channel and per-tensor scales as one float32 per row (the
+        tensor form cached, rebuilt when the scale parameter changes)."""
+        scale = getattr(layer, self.quant.scale_name)
+        if self.quant.strategy == "block":
+            whole = len(self.part_sizes) == 1 or all(s % BLOCK == 0 for s in self.part_sizes)
+            return (scale, "block") if whole else None
+        if self.quant.strategy == "channel":
+            return scale.view(-1), "row"
+        key = (scale.data_ptr(), scale._version)
+        cached = getattr(self, "_row_scale", None)
+        if cached is None or cached[0] != key:
+            cached = self._row_scale = (key, self.scale(layer).reshape(-1).contiguous())
+        return cached[1], "row"
 
     @torch.no_grad()
     def init_dummy(self, layer: nn.Module, gen: torch.Generator) -> None:

@@ -1,0 +1,415 @@
+"""y = x W^T for an e4m3 weight W [N, K] with its float32 scales, bf16/fp16 activations x [M, K]
+(issue 24): the Triton kernels behind models/fp8.py's forward on the Triton backend.
+
+Scales come in two forms. `block`: one scale per 128 x 128 block of W, a [ceil(N/128),
+ceil(K/128)] tensor (the published `weight_scale_inv` layout of one matrix). `row`: one scale
+per output row, a float32 [N] vector (per-channel scales, and per-tensor scales expanded over
+their rows).
+
+Kernels, picked by the row count M of x (`plan`):
+- `_fma_kernel` (M <= FMA_MAX_M, decode at small batch): each program owns BLOCK_N output rows
+  for every row of x and streams its slice of W once, converting e4m3 to float32 in registers
+  and multiplying x (not W) by the block scale of each column; float32 multiply-adds, one
+  reduction at the end. Written for memory bandwidth, as kernels/gemv.py.
+- `_dot_kernel` (FMA_MAX_M < M <= SKINNY_MAX_M, verify and large decode batches; also a W8A16
+  GEMM for any M): W tiles converted to bf16 in registers, tl.dot against x^T ("swap AB": the
+  weight rows fill the MMA's tall side), each 128-column chunk's product scaled by its block
+  scale; optional split-K into a float32 partial buffer summed by torch.
+- above SKINNY_MAX_M (prefill): PREFILL_GEMM picks `dequant` (W to bf16 once by
+  `_dequant_kernel`, then cuBLAS), `w8a8` (x quantised per token per 128 columns by
+  `_act_quant_kernel`, then `_w8a8_kernel`: FP8 tensor cores, tl.dot on float8e4nv, both
+  scales applied per 128-column chunk) or `w8a16` (`_dot_kernel` with GEMM tiles).
+
+Every launch is CUDA-graph capturable: buffers are sized by the shapes only, nothing reads a
+device value on the host. Under Triton's interpreter (CPU tests) tl.dot runs in float32 on the
+same values (the interpreter's bf16 and fp8 dots are not exact). The torch references
+(`reference_linear`, `reference_w8a8`) are what the kernels are checked against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from speculant.kernels.runtime import (
+    INTERPRET,
+    pdl_enter,
+    pdl_mode,
+    pdl_options,
+    runs_triton,
+    tl,
+    triton,
+)
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128  # rows and columns of one scale block
+MODES = ("block", "row")
+
+# M thresholds (set from benchmarks/fp8_gpu.py's sweep on one H200)
+FMA_MAX_M = 4
+SKINNY_MAX_M = 64
+PREFILL_GEMM = "dequant"  # dequant | w8a8 | w8a16
+# (BLOCK_N, BLOCK_K, num_warps) of the FMA kernel; BLOCK_N divides 128 (one scale row block)
+FMA_CONFIG = (16, 512, 4)
+# (BLOCK_N, BLOCK_M cap, num_warps, num_stages) of the skinny dot kernel; BLOCK_K is 128
+DOT_CONFIG = (64, 64, 4, 4)
+GEMM_CONFIG = (128, 128, 8, 3)  # the same for the w8a16 / w8a8 GEMMs (BLOCK_N, BLOCK_M, ...)
+# Split-K for the dot kernel: split while the grid has fewer programs than this (the H200 has
+# 132 SMs), up to MAX_SPLIT_K ways.
+MIN_PROGRAMS = 264
+MAX_SPLIT_K = 8
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _fma_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_w, stride_y, stride_s,
+    BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ms = tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    m_ok = ms < M
+    scale_row = s_ptr + (pid * BLOCK_N // 128) * stride_s  # BLOCK_N divides 128
+    pdl_enter(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
+        x_ptrs = x_ptr + ms[:, None] * stride_x + cols[None, :]
+        if EVEN:
+            w = tl.load(w_ptrs).to(tl.float32)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        else:
+            col_ok = cols < K
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            w = w.to(tl.float32)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if BLOCK_SCALE:
+            if EVEN:
+                s = tl.load(scale_row + cols // 128)
+            else:
+                s = tl.load(scale_row + cols // 128, mask=cols < K, other=0.0)
+            x = x * s[None, :]
+        acc += w[None, :, :] * x[:, None, :]
+    out = tl.sum(acc, axis=2)
+    if not BLOCK_SCALE:
+        out = out * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    y_ptrs = y_ptr + ms[:, None] * stride_y + rows[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_w, stride_y, stride_s,
+    stride_split, K_CHUNKS_PER_SPLIT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """acc[BLOCK_N, BLOCK_M] = W_tile x^T over this program's K chunks (BLOCK_K divides 128)."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    m_ok = ms < M
+    pdl_enter(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(0, K_CHUNKS_PER_SPLIT):  # chunks past K (the last split's) load nothing
+        kc = pid_k * K_CHUNKS_PER_SPLIT + i
+        cols = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(
+            w_ptr + rows[:, None] * stride_w + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+        )  # fmt: skip
+        xt = tl.load(
+            x_ptr + ms[None, :] * stride_x + cols[:, None],
+            mask=m_ok[None, :] & col_ok[:, None], other=0.0,
+        )  # fmt: skip
+        if DOT_F32:
+            part = tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            part = tl.dot(w.to(xt.dtype), xt)
+        if BLOCK_SCALE:
+            s_ptrs = s_ptr + (rows // 128) * stride_s + (kc * BLOCK_K) // 128
+            s = tl.load(s_ptrs, mask=row_ok & (kc * BLOCK_K < K), other=0.0)
+            acc += part * s[:, None]
+        else:
+            acc += part
+    if not BLOCK_SCALE:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    y_ptrs = y_ptr + pid_k * stride_split + ms[None, :] * stride_y + rows[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & row_ok[:, None])
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, stride_out, BLOCK_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok, other=0.0)
+    if BLOCK_SCALE:
+        s_ptrs = s_ptr + (rows // 128) * stride_s + tl.program_id(1) * BLOCK_K // 128
+        s = tl.load(s_ptrs, mask=rows < N, other=0.0)[:, None]
+    else:
+        s = tl.load(s_ptr + rows, mask=rows < N, other=0.0)[:, None]
+    out = w.to(tl.float32) * s
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Row m, 128-column group g of x -> e4m3 q and its scale amax / 448 (at least 1e-10)."""
+    m, g = tl.program_id(0), tl.program_id(1)
+    cols = g * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = cols < K
+    x = tl.load(x_ptr + m * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10 * 448.0) / 448.0
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + m * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + m * stride_s + g, scale)
+
+
+@triton.jit
+def _w8a8_kernel(
+    a_ptr, as_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr, stride_a, stride_as, stride_w,
+    stride_y, stride_s, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """y[BLOCK_M, BLOCK_N] = sum over 128-column chunks of (a_q w_q^T) * a_scale * w_scale."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    m_ok = ms < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kc in range(0, tl.cdiv(K, BLOCK_K)):
+        cols = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        a = tl.load(
+            a_ptr + ms[:, None] * stride_a + cols[None, :],
+            mask=m_ok[:, None] & col_ok[None, :], other=0.0,
+        )  # fmt: skip
+        wt = tl.load(
+            w_ptr + rows[None, :] * stride_w + cols[:, None],
+            mask=row_ok[None, :] & col_ok[:, None], other=0.0,
+        )  # fmt: skip
+        if DOT_F32:
+            part = tl.dot(a.to(tl.float32), wt.to(tl.float32))
+        else:
+            part = tl.dot(a, wt)
+        a_s = tl.load(as_ptr + ms * stride_as + kc, mask=m_ok, other=0.0)
+        if BLOCK_SCALE:
+            w_s = tl.load(s_ptr + (rows // 128) * stride_s + kc, mask=row_ok, other=0.0)
+            acc += part * a_s[:, None] * w_s[None, :]
+        else:
+            acc += part * a_s[:, None]
+    if not BLOCK_SCALE:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    y_ptrs = y_ptr + ms[:, None] * stride_y + rows[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _check(weight: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"scale mode {mode!r}: use one of {MODES}")
+    n, k = weight.shape
+    want = (-(-n // BLOCK), -(-k // BLOCK)) if mode == "block" else (n,)
+    if tuple(scale.shape) != want or scale.dtype != torch.float32:
+        got = f"{scale.dtype} {tuple(scale.shape)}"
+        raise ValueError(f"{mode} scales must be float32 {want}, got {got}")
+
+
+def fma_gemv(x2, weight, scale, mode, config=None):
+    """y [M, N] = x2 [M, K] W^T through `_fma_kernel` (M <= 16 or so)."""
+    block_n, block_k, warps = config or FMA_CONFIG
+    m, k = x2.shape
+    n = weight.shape[0]
+    block_m = next_power_of_2(m)
+    block_k = max(BLOCK, block_k // block_m)  # registers: BLOCK_M x BLOCK_N x BLOCK_K floats
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    pdl = pdl_mode(x2)
+    even = n % block_n == 0 and k % block_k == 0
+    _fma_kernel[(triton.cdiv(n, block_n),)](
+        x2, weight, scale, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        scale.stride(0), BLOCK_SCALE=mode == "block", BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN=even, num_warps=warps, num_stages=2, **pdl_options(pdl),
+    )  # fmt: skip
+    return y
+
+
+def split_k_for(programs: int, k: int, block_k: int = BLOCK) -> int:
+    """Split-K ways for a grid of `programs`: double while under MIN_PROGRAMS, at most
+    MAX_SPLIT_K and at most one K chunk per split."""
+    split, chunks = 1, -(-k // block_k)
+    while programs * split < MIN_PROGRAMS and split * 2 <= min(MAX_SPLIT_K, chunks):
+        split *= 2
+    return split
+
+
+def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
+    """y [M, N] = x2 [M, K] W^T through `_dot_kernel` (W8A16 tensor cores)."""
+    block_n, max_block_m, warps, stages = config or DOT_CONFIG
+    m, k = x2.shape
+    n = weight.shape[0]
+    block_m = min(max(16, next_power_of_2(m)), max_block_m)
+    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    split = split_k if split_k is not None else split_k_for(grid_n * grid_m, k)
+    chunks = triton.cdiv(k, BLOCK)
+    per_split = triton.cdiv(chunks, split)
+    split = triton.cdiv(chunks, per_split)  # no empty splits
+    if split == 1:
+        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    else:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    pdl = pdl_mode(x2) if split == 1 else 0
+    _dot_kernel[(grid_n, grid_m, split)](
+        x2, weight, scale, out, m, n, k, x2.stride(0), weight.stride(0), n, scale.stride(0),
+        m * n, per_split, BLOCK_SCALE=mode == "block", BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=BLOCK, SPLIT=split, DOT_F32=INTERPRET, num_warps=warps, num_stages=stages,
+        **pdl_options(pdl),
+    )  # fmt: skip
+    return out if split == 1 else out.sum(0).to(x2.dtype)
+
+
+def dequantize(weight, scale, mode, dtype=torch.bfloat16):
+    """W [N, K] in `dtype`: e4m3 times its scales (float32 product), by `_dequant_kernel`."""
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    block_n, block_k = 32, BLOCK
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0),
+        BLOCK_SCALE=mode == "block", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def quantize_activations(x2):
+    """(e4m3 [M, K], float32 scales [M, ceil(K/128)]): per token, per 128 columns."""
+    m, k = x2.shape
+    groups = triton.cdiv(k, BLOCK)
+    q = torch.empty((m, k), dtype=FP8, device=x2.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    if m:
+        _act_quant_kernel[(m, groups)](
+            x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), BLOCK_K=BLOCK, num_warps=1
+        )
+    return q, s
+
+
+def w8a8_gemm(x2, weight, scale, mode, config=None, quantized=None):
+    """y [M, N] = x2 [M, K] W^T with x2 quantised per token per 128 columns (FP8 MMA);
+    `quantized`: (q, scales) given, e.g. by reference_quantize_activations (the interpreter's
+    float32-to-e4m3 conversion misrounds some values, so the CPU tests pass torch's)."""
+    block_n, block_m, warps, stages = config or GEMM_CONFIG
+    m, k = x2.shape
+    n = weight.shape[0]
+    q, a_s = quantized if quantized is not None else quantize_activations(x2)
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    block_m = min(block_m, max(16, next_power_of_2(m)))
+    _w8a8_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        q, a_s, weight, scale, y, m, n, k, q.stride(0), a_s.stride(0), weight.stride(0),
+        y.stride(0), scale.stride(0), BLOCK_SCALE=mode == "block", BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=BLOCK, DOT_F32=INTERPRET, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def choice(m: int) -> str:
+    """The path `linear` takes for M rows: fma | dot | dequant | w8a8 | w8a16."""
+    if m <= FMA_MAX_M:
+        return "fma"
+    if m <= SKINNY_MAX_M:
+        return "dot"
+    return PREFILL_GEMM
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs a kernel for x (else the caller takes its reference)."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == FP8
+        and weight.stride(-1) == 1
+        and runs_triton(x)
+    )
+
+
+def linear(x, weight, scale, mode, bias=None, path: str | None = None):
+    """x [..., K] W^T (+ bias) for an e4m3 W [N, K] with `mode` scales (see the module doc);
+    `path` forces one of choice()'s paths (tests, benchmarks)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    path = path or choice(m)
+    if m == 0:
+        y = x2.new_empty((0, weight.shape[0]))
+    elif path == "fma":
+        y = fma_gemv(x2, weight, scale, mode)
+    elif path == "dot":
+        y = dot_gemm(x2, weight, scale, mode)
+    elif path == "w8a16":
+        y = dot_gemm(x2, weight, scale, mode, GEMM_CONFIG, split_k=1)
+    elif path == "w8a8":
+        y = w8a8_gemm(x2, weight, scale, mode)
+    elif path == "dequant":
+        y = F.linear(x2, dequantize(weight, scale, mode, x2.dtype))
+    else:
+        raise ValueError(f"FP8 GEMM path {path!r}: use fma, dot, w8a16, w8a8 or dequant")
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y + bias if bias is not None else y
+
+
+# ---------------------------------------------------------------------------- references
+
+
+def full_scale(weight: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:
+    """The float32 scale of every element of W [N, K]."""
+    n, k = weight.shape
+    if mode == "row":
+        return scale.view(n, 1).expand(n, k)
+    return scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def reference_linear(x, weight, scale, mode, bias=None, dtype=torch.float32):
+    """x W^T with W dequantised, in `dtype` (float32, or float64 for a tight reference)."""
+    w = weight.to(dtype) * full_scale(weight, scale, mode).to(dtype)
+    return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+
+
+def reference_quantize_activations(x2: torch.Tensor):
+    """The torch twin of quantize_activations."""
+    m, k = x2.shape
+    groups = -(-k // BLOCK)
+    padded = torch.zeros(m, groups * BLOCK, dtype=torch.float32, device=x2.device)
+    padded[:, :k] = x2.float()
+    blocks = padded.view(m, groups, BLOCK)
+    s = blocks.abs().amax(dim=-1).clamp(min=1e-10 * E4M3_MAX) / E4M3_MAX
+    q = (blocks / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.view(m, -1)[:, :k], s
+
+
+def reference_w8a8(x, weight, scale, mode, dtype=torch.float32):
+    """x W^T with x quantised as quantize_activations does, both dequantised, in `dtype`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = reference_quantize_activations(x2)
+    xq = q.to(dtype) * s.to(dtype).repeat_interleave(BLOCK, 1)[:, : x2.shape[1]]
+    return reference_linear(xq, weight, scale, mode, dtype=dtype).view(*x.shape[:-1], -1)
