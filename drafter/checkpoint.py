@@ -102,8 +102,6 @@ def format_of(hf: dict, source: str) -> DrafterFormat:
     kind = hf.get("speculators_model_type")
     if kind is None:
         archs = " ".join(hf.get("architectures") or []).lower()
-        if "dflash2" in archs:
-            return DrafterFormat(None)  # the DFLASH loader names what is unsupported
         algo = "eagle3" if "eagle3" in archs else "dflash" if "dflash" in archs else None
         return DrafterFormat(algo)
     if kind not in SPECULATORS_ALGOS:
@@ -155,6 +153,20 @@ def speculators_fields(hf: dict, source: str) -> dict:
         )
     extra = {k: v for k, v in hf.items() if k not in _SPECULATORS_META and v is not None}
     return {**extra, **layer}
+
+
+DFLASH2_FIELDS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+
+
+def is_dflash2(hf: dict) -> bool:
+    """A DFlash2 drafter (`--algo dflash`, its own loader): its architectures name
+    DFlash2DraftModel, as the reference's loader picks the class; without architectures, its
+    `dflash_config` (or top level) has the selector and convolution fields."""
+    archs = hf.get("architectures")
+    if archs:
+        return any("dflash2" in str(arch).lower() for arch in archs)
+    extra = hf.get("dflash_config") if isinstance(hf.get("dflash_config"), dict) else {}
+    return any(name in hf or name in extra for name in DFLASH2_FIELDS)
 
 
 def layer_types_and_window(

@@ -93,7 +93,7 @@ class DFlashConfig:
     source: str = "config.json"
 
     @classmethod
-    def from_dir(cls, path: str | Path, target: ModelConfig) -> DFlashConfig:
+    def from_dir(cls, path: str | Path, target: ModelConfig, dflash2: bool = False) -> DFlashConfig:
         hf = read_hf_config(path)
         source = str(Path(path) / "config.json")
         fmt = format_of(hf, source)
@@ -105,7 +105,7 @@ class DFlashConfig:
                 f"{source} describes {archs[0]!r}, not a DFLASH drafter (DFlashDraftModel); "
                 "pass the drafter's folder"
             )
-        if any("dflash2" in arch.lower() for arch in archs):
+        if not dflash2 and any("dflash2" in arch.lower() for arch in archs):
             raise SpeculantError(
                 f"{source} is a DFlash2 drafter (candidate selector, convolutions); only "
                 "DFlashDraftModel checkpoints are supported"
@@ -328,10 +328,13 @@ class DFlashModel(nn.Module):
             len(cfg.target_layer_ids) * lc.hidden_size, lc.hidden_size, False
         )
         self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashLayer(lc, i, pctx) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([self.make_layer(lc, i, pctx) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads  # per TP rank
         self.head_dim = lc.head_dim
+
+    def make_layer(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext) -> nn.Module:
+        return DFlashLayer(cfg, layer_id, pctx)  # DFlash2 adds its convolutions
 
     def forward(
         self,
@@ -460,11 +463,17 @@ class DFlashDrafter(Drafter):
             block_positions.reshape(-1),
             self.attn,
         )
-        logits = self.target.compute_logits(hidden.view(bs, self.k + 1, -1)[:, 1:])
+        hidden = hidden.view(bs, self.k + 1, -1)[:, 1:]
+        logits = self.target.compute_logits(hidden)
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.logit_softcap > 0:
             logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+        return self.draft(hidden, logits, newest, block_positions, sampling, variant)
+
+    def draft(self, hidden, logits, newest, block_positions, sampling, variant) -> Proposal:
+        """The k drafts from the block's final hidden states [bs, k, H] and logits [bs, k, V] at
+        block positions 1..k (DFlash2 selects them with its candidate selector)."""
         drafts, probs = [], []
         for i in range(self.k):  # draft i is the token at block_start + 1 + i
             token, q = self.pick(logits[:, i], sampling, block_positions[:, i + 1], variant)

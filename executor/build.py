@@ -19,10 +19,12 @@ from speculant.config import (
     MoeConfig,
     ParallelConfig,
     SpecConfig,
+    read_hf_config,
 )
 from speculant.drafter.base import Drafter
-from speculant.drafter.checkpoint import drafter_format
+from speculant.drafter.checkpoint import drafter_format, is_dflash2
 from speculant.drafter.dflash import DFlashDrafter, block_size_of, load_dflash
+from speculant.drafter.dflash2 import DFlash2Drafter, load_dflash2
 from speculant.drafter.draft_model import DraftModelDrafter
 from speculant.drafter.eagle import load_eagle3
 from speculant.drafter.eagle_drafter import Eagle3Drafter
@@ -266,6 +268,8 @@ def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafte
         load, drafter_cls = (
             (load_eagle3, Eagle3Drafter) if spec.algo == "eagle3" else (load_dflash, DFlashDrafter)
         )
+        if spec.algo == "dflash" and is_dflash2(read_hf_config(spec.draft)):
+            load, drafter_cls = load_dflash2, DFlash2Drafter
         head = load(
             spec.draft,
             setup.model_config,
