@@ -49,6 +49,8 @@ MODES = ("block", "row")
 FMA_MAX_M = 4
 SKINNY_MAX_M = 64
 PREFILL_GEMM = "dequant"  # dequant | w8a8 | w8a16
+# or a measured table instead of the thresholds: ((max M, path), ...) by increasing M
+PATH_TABLE: tuple[tuple[int, str], ...] | None = None
 # (BLOCK_N, BLOCK_K, num_warps) of the FMA kernel; BLOCK_N divides 128 (one scale row block)
 FMA_CONFIG = (16, 512, 4)
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages) of the skinny dot kernel; BLOCK_K is 128
@@ -333,7 +335,13 @@ def w8a8_gemm(x2, weight, scale, mode, config=None, quantized=None):
 
 
 def choice(m: int) -> str:
-    """The path `linear` takes for M rows: fma | dot | dequant | w8a8 | w8a16."""
+    """The path `linear` takes for M rows: fma | dot | dequant | w8a8 | w8a16 (PATH_TABLE's
+    first entry whose M bound holds, when set; else by the thresholds)."""
+    if PATH_TABLE:
+        for max_m, path in PATH_TABLE:
+            if m <= max_m:
+                return path
+        return PATH_TABLE[-1][1]
     if m <= FMA_MAX_M:
         return "fma"
     if m <= SKINNY_MAX_M:
