@@ -16,6 +16,7 @@ that one drafts, and accepts often enough for verify steps to differ."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -54,17 +55,30 @@ def write_random_dflash2(
     config_overrides: dict | None = None,
     drop_keys: tuple[str, ...] = (),
     bare_codebooks: bool = False,
+    from_dflash: str | Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """A random DFlash2 drafter in the reference's layout, without the `dflash` package. `sizes`
     override SIZES in dflash_config (a None value leaves the field out); `bare_codebooks` stores
-    the codebooks without `.weight`, as published checkpoints do."""
+    the codebooks without `.weight`, as published checkpoints do; `from_dflash`: a trained DFLASH
+    drafter's folder whose config and weights it starts from (small codebooks, so the selector
+    mostly keeps that drafter's argmax and drafts are often accepted)."""
     sizes = {**SIZES, **(sizes or {})}
     ids = list(target_layer_ids) if target_layer_ids is not None else None
-    tensors = write_random_dflash(out_dir, target_dir, num_layers, block_size, ids, seed=seed)
+    out_dir = Path(out_dir)
+    if from_dflash is None:
+        tensors = write_random_dflash(out_dir, target_dir, num_layers, block_size, ids, seed=seed)
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(from_dflash) / "config.json", out_dir / "config.json")
+        tensors = load_file(Path(from_dflash) / "model.safetensors")
+        num_layers = json.loads((out_dir / "config.json").read_text())["num_hidden_layers"]
     target = ModelConfig.from_dir(target_dir)
     gen = torch.Generator().manual_seed(seed + 1000)
     full = {k: SIZES[k] if v is None else v for k, v in sizes.items()}
     extra = _extra_tensors(target.hidden_size, target.vocab_size, num_layers, full, gen)
+    if from_dflash is not None:
+        for name in ("predecessor_codebook", "successor_codebook"):
+            extra[f"candidate_selector.{name}.weight"] *= 0.3
     tensors.update({k: v.to(torch.bfloat16) for k, v in extra.items()})
     for key in drop_keys:
         del tensors[key]
@@ -72,7 +86,6 @@ def write_random_dflash2(
         for name in ("predecessor_codebook", "successor_codebook"):
             key = f"candidate_selector.{name}"
             tensors[key] = tensors.pop(f"{key}.weight")
-    out_dir = Path(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out_dir / "config.json").read_text())
     config["architectures"] = ["DFlash2DraftModel"]

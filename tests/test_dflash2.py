@@ -285,20 +285,35 @@ def test_dflash2_chunked_mixed_steps_equal_one_at_a_time(llama_dir, dflash2_dir,
 # ------------------------------------------------------------ sampled losslessness
 
 
-def test_dflash2_sampling_follows_target_distribution(llama_dir, dflash2_dir):
+@pytest.mark.parametrize("target", ["random", "bundled"])
+def test_dflash2_sampling_follows_target_distribution(tmp_path, llama_dir, dflash2_dir, target):
     """Seeded sampled generation with DFlash2 drafts: the second token (emitted by verify against
     the selector's sampled drafts) follows the target's p given the first (temperature 0.9,
-    top-p 0.9); counts over many seeds against the summed per-run distributions."""
-    spec = Engine(llama_dir, device="cpu", max_num_seqs=64, max_model_len=32, page_size=4,
-                  algo="dflash", draft=str(dflash2_dir), num_draft_tokens=3)  # fmt: skip
-    prompt = prompts_of((6,), seed=321)[0]
+    top-p 0.9); counts over many seeds against the summed per-run distributions. On the bundled
+    target the drafter starts from the trained DFLASH drafter, so drafts are often accepted and
+    a wrong q (not the one the drafts were drawn from) skews the counts."""
+    if target == "bundled":
+        write_random_dflash2(tmp_path, TARGET, from_dflash=DFLASH, seed=3)
+        target_dir, draft = TARGET, tmp_path
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+        prompt = tokenizer.encode("def add(a, b):\n    return a + b\n\ndef ").ids
+    else:
+        target_dir, draft = llama_dir, dflash2_dir
+        prompt = prompts_of((6,), seed=321)[0]
+    spec = Engine(target_dir, device="cpu", max_num_seqs=64, max_model_len=64, page_size=4,
+                  algo="dflash", draft=str(draft), num_draft_tokens=3)  # fmt: skip
     n = 800
     params = [
         SamplingParams(max_new_tokens=3, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True)
         for s in range(n)
     ]
     outs = spec.generate([prompt] * n, params, use_tqdm=False)
-    plain = engine(llama_dir)
+    if target == "bundled":
+        accepted = sum(o.stats["accept_len"] for o in outs) / n
+        assert accepted > 1.1, f"drafts are rarely accepted ({accepted:.2f} tokens per step)"
+    plain = engine(target_dir)
     p_after: dict[int, torch.Tensor] = {}
     expected = torch.zeros(plain.model_config.vocab_size, dtype=torch.float64)
     counts = torch.zeros_like(expected)
