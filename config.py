@@ -427,6 +427,10 @@ class GraphConfig:
     disable_padding: bool = False
     enforce_eager: bool = False
     eager_padding: bool = False
+    # extend (prefill / mixed) forwards by padded token count (executor/piecewise.py):
+    # None is the default list, [] none
+    piecewise_sizes: list[int] | None = None
+    piecewise_capture: str = "eager"  # eager: every size at start; lazy: on a size's first use
 
 
 @dataclass

@@ -41,6 +41,14 @@ def write_dflash2(target: dict, rank: int, top_k: int, kernel: int, group: int, 
     return str(path)
 
 
+def make_engine(target: str, **options) -> Engine:
+    """Fixed k every step (where the tree has adaptive speculation), so every step drafts."""
+    try:
+        return Engine(target, speculation="fixed", **options)
+    except TypeError:  # a tree without --speculation
+        return Engine(target, **options)
+
+
 def graph_of(engine: Engine, variant: str, bs: int):
     graphs = engine.graphs
     if hasattr(graphs, "graph"):
@@ -146,7 +154,7 @@ def main() -> int:
         shape, args.rank, args.top_k, args.kernel, args.group,
         block_size=args.k + 1, num_layers=layers,
     )  # fmt: skip
-    spec = Engine(target, draft=draft, **common)
+    spec = make_engine(target, draft=draft, **common)
     assert type(spec.drafter).__name__ == "DFlash2Drafter", type(spec.drafter)
     if cuda:
         report["graph_equals_eager_greedy"] = check_equal(spec, vocab, sizes=BATCH_SIZES)
@@ -156,7 +164,7 @@ def main() -> int:
     if cuda:
         torch.cuda.empty_cache()
     if not args.no_compare:
-        dflash = Engine(
+        dflash = make_engine(
             target, draft=write_dflash(shape, block_size=args.k + 1, num_layers=layers), **common
         )
         report["dflash_steps"] = step_times(dflash, vocab, args.context, cuda)

@@ -39,6 +39,8 @@ CONFIGS = {  # name: extra CLI flags
     "seqs512": ["--max-num-seqs", "512"],
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
     "eager": ["--enforce-eager"],
+    "nopiecewise": ["--piecewise-sizes", "none"],  # extend steps eager, decode graphs kept
+    "lazypiecewise": ["--piecewise-capture", "lazy"],
     "overlap": ["--overlap"],
     "sync": ["--no-overlap"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)

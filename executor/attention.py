@@ -77,6 +77,13 @@ class PoolAttention:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.req_to_page, self.page_size = req_to_page, page_size
 
+    def release_step(self) -> None:
+        """Forget what the last `prepare` kept (tensors a graph capture left in its pool, which
+        would keep the pool alive); the next step's `prepare` sets them again."""
+        keep = {"k_pools", "v_pools", "req_to_page", "page_size"}
+        for name in [n for n in vars(self) if n not in keep]:
+            delattr(self, name)
+
 
 class TorchPagedAttention(PoolAttention):
     """Writes the step's K/V into their slots, gathers each row's pages in position order, and

@@ -118,6 +118,8 @@ def engine_config(target: str, **options) -> EngineConfig:
                 "enforce_eager",
                 "eager_padding",
                 "disable_graph_padding",
+                "piecewise_sizes",
+                "piecewise_capture",
             },
         ),
         "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),

@@ -215,6 +215,16 @@ class GraphRunner:
                 self.graph_memory_bytes / 2**30,
             )
 
+    def clear(self) -> None:
+        """Release every graph and its outputs, and so the memory pool (Engine.clear_graphs);
+        steps run eagerly (padded as before) until graphs are enabled and captured again."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.captured_sizes.clear()
+        self.capture_order.clear()
+        self.graph_memory_bytes = 0
+        self.use_graphs = False
+
     def _lockstep_eager(self, variant: str, bs: int) -> None:
         """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
         self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from speculant.comm.all_reduce import build_one_shot
 from speculant.comm.groups import ParallelContext, resolve_context
 from speculant.config import ModelConfig, ParallelConfig
 from speculant.errors import SpeculantError
-from speculant.executor.attention import resolve_attention_backend
+from speculant.executor.attention import PoolAttention, resolve_attention_backend
 from speculant.executor.build import (
     DEFAULT_MAX_MODEL_LEN,
     RankSetup,
@@ -33,11 +34,12 @@ from speculant.executor.dp import DPCoordinator, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
+from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.step_plan import DPStepSizes, StepPlan
-from speculant.models.loader import resolve_dtype
+from speculant.models.loader import iter_safetensors, load_weights, resolve_dtype
 
 log = logging.getLogger("speculant")
 
@@ -68,6 +70,7 @@ class Engine:
     """One rank's speculative-decoding executor. See `generate`."""
 
     def __init__(self, target: str, *, pctx: ParallelContext | None = None, **options):
+        started = time.perf_counter()
         cfg = engine_config(str(target), **options)
         self.config = cfg
         self.device = resolve_device(cfg.device)
@@ -124,7 +127,12 @@ class Engine:
         scratch = build_kv_cache(setup, self.model, num_pages=2)
         self.drafter = build_drafter(setup, self.model, scratch)
         self.activation_bytes = self._profile_step_memory(scratch)
-        self.kv = build_kv_cache(setup, self.model, reserved_bytes=self.activation_bytes)
+        # piecewise graphs keep a forward's activations in their own pool: reserve them twice
+        piecewise_graphs = uses_piecewise_graphs(
+            cfg.graph, self.device, self.attention_backend, mc.is_moe, self.max_num_batched_tokens
+        )
+        reserved = self.activation_bytes * (2 if piecewise_graphs else 1)
+        self.kv = build_kv_cache(setup, self.model, reserved_bytes=reserved)
         if self.drafter is not None:
             self.drafter.bind_kv(self.kv)
         del scratch
@@ -143,7 +151,16 @@ class Engine:
             self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe
         )
         self.graphs.hooks.extend(self.model.replay_hooks())  # DeepEP's mode reset
+        decode_start = time.perf_counter()
         self.graphs.capture()
+        self.decode_capture_seconds = time.perf_counter() - decode_start
+        self._decode_graphs = self.graphs.use_graphs  # restored by capture_graphs after clear
+        self.piecewise = PiecewiseRunner(
+            self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
+            self.attention_backend, mc.is_moe,
+        )  # fmt: skip
+        self.runner.piecewise = self.piecewise
+        self.piecewise.capture()
         self.dp = DPCoordinator(self.pctx, self.graphs, self.tokens_per_req, mc.is_moe)
         self.scheduler = Scheduler(
             self.kv, self.max_num_seqs, self.tokens_per_req, self.max_num_batched_tokens
@@ -156,6 +173,61 @@ class Engine:
         self.steps_ahead = 0  # decode steps launched before the previous one was read back
         if self._compiles_at_first_use():
             self.warm_up()
+        self.startup_seconds = time.perf_counter() - started
+        if self.pctx.rank == 0:
+            log.info(
+                "engine ready in %.1f s (decode graphs %.1f s, piecewise graphs %.1f s)",
+                self.startup_seconds,
+                self.decode_capture_seconds,
+                self.piecewise.capture_seconds,
+            )
+
+    def clear_graphs(self) -> dict:
+        """Release every CUDA graph (decode and piecewise) and their memory pools; steps then run
+        eagerly (padded as before) until `capture_graphs`. Every rank calls it. Returns the GPU
+        memory reserved before and after, in bytes (0 on the CPU)."""
+        on_gpu = self.device.startswith("cuda")
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device) if on_gpu else 0
+        self.graphs.clear()
+        self.piecewise.clear()
+        for attn in self._attention_backends():  # per-step tensors a capture left behind
+            attn.release_step()
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+        after = torch.cuda.memory_reserved(self.device) if on_gpu else 0
+        if self.pctx.rank == 0 and on_gpu:
+            log.info(
+                "cleared CUDA graphs: %.2f GiB reserved before, %.2f GiB after",
+                before / 2**30,
+                after / 2**30,
+            )
+        return {"reserved_before": before, "reserved_after": after}
+
+    def capture_graphs(self) -> None:
+        """Capture the decode and piecewise graphs again (after `clear_graphs`)."""
+        self.graphs.use_graphs = self._decode_graphs
+        self.graphs.capture()
+        self.piecewise.capture()
+
+    def load_weights(self, path: str) -> None:
+        """Load a checkpoint of the target's architecture from `path` into the model in place
+        (every rank calls it), then clear and recapture every graph: later steps run the new
+        weights. The drafter keeps its weights."""
+        self.clear_graphs()
+        load_weights(self.model, iter_safetensors(path), str(path))
+        self.capture_graphs()
+
+    def _attention_backends(self) -> list:
+        """The runner's and the drafter's attention backends (one level of attributes)."""
+        found = [self.runner.attn]
+        for value in vars(self.drafter).values() if self.drafter is not None else ():
+            if isinstance(value, PoolAttention) and value not in found:
+                found.append(value)
+        return found
+
 
     def _compiles_at_first_use(self) -> bool:
         """Triton compiles a kernel variant the first time it runs (a second or more each);

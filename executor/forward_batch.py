@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from speculant.kernels.paged_attention import VarlenTiles
 
 
 class ForwardMode(enum.Enum):
@@ -50,6 +54,7 @@ class ForwardBatch:
     sampling: SamplingInfo | None = None
     seq_lens: tuple[int, ...] | None = None  # EXTEND: query tokens of each sequence (host)
     tokens_per_rank: list[int] | None = None  # every rank's tokens this forward (MoE dispatch plan)
+    tiles: VarlenTiles | None = None  # EXTEND: a static tile table (piecewise graphs), else made
 
     @property
     def is_varlen(self) -> bool:

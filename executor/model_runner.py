@@ -70,6 +70,7 @@ class ModelRunner:
         )
         self.buffers = InputBuffers(max_bs, self.tokens_per_req, self.device)
         self.offsets = torch.arange(self.tokens_per_req, device=self.device)
+        self.piecewise = None  # the engine's PiecewiseRunner: extend forwards by token count
 
     @torch.inference_mode()
     def decode_step(
@@ -162,6 +163,10 @@ class ModelRunner:
             seq_lens=tuple(lens),
             tokens_per_rank=tokens_per_rank,
         )
+        if self.piecewise is not None:  # a graph of its padded token count (executor/piecewise.py)
+            out = self.piecewise.forward(batch, [s.row for s in seqs])
+            if out is not None:
+                return *out, batch
         self.attn.prepare(batch)
         hidden, aux = self.model(batch.input_ids, batch.positions, self.attn, tokens_per_rank)
         return hidden, aux, batch

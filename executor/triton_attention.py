@@ -50,7 +50,9 @@ class TritonPagedAttention(PoolAttention):
         varlen = None
         if batch.is_varlen:
             group = q.shape[1] // k.shape[1]
-            if group not in self.tiles:
+            if batch.tiles is not None and batch.tiles.group == group:
+                self.tiles[group] = batch.tiles  # static device buffers (a piecewise graph)
+            elif group not in self.tiles:
                 self.tiles[group] = varlen_tiles(list(batch.seq_lens), group, q.device)
             varlen = self.tiles[group]
         return paged_attention(

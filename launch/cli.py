@@ -91,6 +91,11 @@ def _capture_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _piecewise_sizes(text: str) -> list[int]:
+    """`none` (no piecewise graphs: []) or sizes as for --capture-sizes."""
+    return [] if text.strip().lower() == "none" else _capture_sizes(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `speculant` command."""
     parser = _Parser(prog="speculant", description="Speculative-decoding inference engine.")
@@ -231,6 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-graph-padding",
         action="store_true",
         help="replay only exact captured sizes (else pad up to the next one)",
+    )
+    spec.add_argument(
+        "--piecewise-sizes",
+        type=_piecewise_sizes,
+        metavar="16,32,...",
+        help="token counts to capture graphs of prefill and mixed steps for (default: 16, 32, "
+        "..., 8192, at most --max-num-batched-tokens; none: run them eagerly)",
+    )
+    spec.add_argument(
+        "--piecewise-capture",
+        choices=["eager", "lazy"],
+        default="eager",
+        help="capture those graphs at start (eager) or at each size's first use (lazy)",
     )
     spec.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     spec.add_argument("--eager-padding", action="store_true", help="pad eager batches (testing)")
@@ -511,6 +529,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         disable_graph_padding=args.disable_graph_padding,
         enforce_eager=args.enforce_eager,
         eager_padding=args.eager_padding,
+        piecewise_sizes=args.piecewise_sizes,
+        piecewise_capture=args.piecewise_capture,
         overlap=args.overlap,
         attention_backend=args.attention_backend,
         tp=args.tp,

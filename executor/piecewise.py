@@ -1,0 +1,442 @@
+"""Graphs for extend steps ([piecewise]): the target forward of a step of packed sequences (prefill
+chunks, and the verify rows of a mixed step) captured per padded token count N, a "bucket", and
+replayed for every step of up to N tokens. Pure decode steps keep their whole-step graphs
+(executor/cuda_graph.py).
+
+The whole forward is one graph: the Triton attention reads the step's layout from static device
+buffers (every sequence's request row, start and length, and a tile table sized for the bucket's
+worst case), so its grid is fixed per bucket. Logits at the wanted positions, verify, sampling
+and the drafter run eagerly after it, on the step's own (unpadded) batch.
+
+Padding: the tokens past the step's n (up to N) form one more sequence, in the sentinel row at
+position 0 with token 0: they write only the sentinel slot (the dummy page 0, which no live row
+maps) and attend only to it, so they stay finite. The tiles past the step's own name an empty
+sequence and do nothing. `eager_padding` runs the same padded forward eagerly (the CPU tests).
+
+FastDeploy's piecewise backend's behaviours: one `BucketEntry` per shape (graph, output buffers,
+warm-up count, captured flag); every bucket captured at start, or each on first use
+(`--piecewise-capture lazy`); the capture order recorded and checked equal on every rank; one
+memory pool; a replay only of a captured shape; `clear` releases every graph and the pool.
+
+Eager instead: steps above the largest bucket, the CPU, --enforce-eager, the torch attention
+backend (its packed path loops over sequences on the host) and MoE targets (a replayed graph would
+bake in every rank's dispatch sizes; their extend steps stay eager)."""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from speculant.comm.groups import ParallelContext
+from speculant.config import GraphConfig
+from speculant.errors import SpeculantError
+from speculant.executor.forward_batch import ForwardBatch, ForwardMode
+from speculant.kernels.paged_attention import VarlenTiles
+from speculant.kernels.runtime import next_power_of_2
+
+log = logging.getLogger("speculant")
+
+DEFAULT_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CAPTURE_MODES = ("eager", "lazy")
+WARMUP_RUNS = 2
+
+
+def piecewise_sizes(cfg: GraphConfig, max_num_batched_tokens: int) -> list[int]:
+    """Token buckets: the configured or default list capped at the token budget (adding the
+    budget itself when the list passes it, so every step of the budget replays); [] for none."""
+    if cfg.piecewise_sizes is not None and not cfg.piecewise_sizes:
+        return []
+    sizes = sorted(set(cfg.piecewise_sizes or DEFAULT_SIZES))
+    if min(sizes) < 1:
+        raise SpeculantError(f"piecewise size {min(sizes)} is not positive; give sizes >= 1")
+    kept = [s for s in sizes if s <= max_num_batched_tokens]
+    if max(sizes) > max_num_batched_tokens and max_num_batched_tokens not in kept:
+        kept.append(max_num_batched_tokens)
+    return kept
+
+
+def uses_piecewise_graphs(
+    cfg: GraphConfig, device: str, attention_backend: str, is_moe: bool, budget: int
+) -> bool:
+    """Whether extend forwards replay graphs (else they run eagerly, padded or not)."""
+    return (
+        not cfg.enforce_eager
+        and str(device).startswith("cuda")
+        and attention_backend == "triton"
+        and not is_moe
+        and bool(piecewise_sizes(cfg, budget))
+    )
+
+
+def check_same_order(pctx: ParallelContext, order: list[int], what: str) -> None:
+    """Every rank must capture the same buckets in the same order (TP graphs hold all-reduces
+    that must line up); a mismatch is an error on every rank instead of a hang."""
+    orders = pctx.all_gather_object(list(order))
+    for rank, other in enumerate(orders):
+        if other != orders[0]:
+            raise SpeculantError(
+                f"rank {rank} {what} piecewise graphs for token counts {other} but rank 0 "
+                f"{orders[0]}; give every rank the same --piecewise-sizes, "
+                "--max-num-batched-tokens and --piecewise-capture"
+            )
+
+
+def tile_block_m(group: int, num_tokens: int) -> int:
+    """Query rows per tile of a bucket (the eager plan's rule at its longest sequence)."""
+    return min(64, max(16, next_power_of_2(group * num_tokens)))
+
+
+@dataclass
+class BucketEntry:
+    """One shape: N padded tokens of at most `max_seqs` sequences (plus the padding sequence and
+    the empty one), its static inputs, and once captured its graph and output buffers."""
+
+    num_tokens: int
+    max_seqs: int
+    block_m: int
+    num_tiles: int
+    tokens: torch.Tensor  # int64 [3, N]: input ids, positions, cache slots
+    rows: torch.Tensor  # int64 [max_seqs + 2]: request rows of the sequences
+    meta: torch.Tensor  # int32: starts, lens [max_seqs + 2]; tile seq, tile m0 [num_tiles]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    num_warmups: int = 0
+    captured: bool = False
+    replays: int = 0
+
+    @property
+    def num_seq_slots(self) -> int:
+        return self.max_seqs + 2
+
+    def tile_tensors(self) -> tuple[torch.Tensor, ...]:
+        s, t = self.num_seq_slots, self.num_tiles
+        meta = self.meta
+        return meta[2 * s : 2 * s + t], meta[2 * s + t :], meta[:s], meta[s : 2 * s]
+
+
+def num_bucket_tiles(group: int, num_tokens: int, max_seqs: int, block_m: int) -> int:
+    """Tiles enough for any layout of num_tokens tokens in at most max_seqs sequences and the
+    padding sequence: each sequence's last tile may be partial, so at most one more per
+    sequence than the tokens fill."""
+    return -(-group * num_tokens // block_m) + max_seqs + 2
+
+
+def bucket_layout(
+    entry: BucketEntry, seq_lens: list[int], rows: list[int], group: int, sentinel_row: int
+) -> tuple[tuple[int, ...], list[int], list[int]]:
+    """Host values of a bucket's static metadata for sequences of `seq_lens` tokens in request
+    rows `rows`: the sequences, the padding sequence (sentinel row, N - n tokens), then empty
+    sequence slots; every unused tile names the last one (length 0: it reads and writes
+    nothing). Returns the sequence lengths (padding included), the rows and the int32 block
+    (starts, lens, tile seq, tile m0)."""
+    n, N, bm = sum(seq_lens), entry.num_tokens, entry.block_m
+    lens = list(seq_lens) + ([N - n] if N > n else [])
+    all_rows = list(rows) + ([sentinel_row] if N > n else [])
+    slots = entry.num_seq_slots
+    empty = slots - 1
+    starts, start, tile_seq, tile_m0 = [], 0, [], []
+    for seq, length in enumerate(lens):
+        starts.append(start)
+        start += length
+        for m0 in range(0, group * length, bm):
+            tile_seq.append(seq)
+            tile_m0.append(m0)
+    unused = entry.num_tiles - len(tile_seq)
+    assert unused >= 0 and len(lens) < slots, (N, entry.num_tiles, len(tile_seq), len(lens))
+    pad_seqs = slots - len(lens)
+    meta = (
+        starts + [0] * pad_seqs + lens + [0] * pad_seqs
+        + tile_seq + [empty] * unused + tile_m0 + [0] * unused
+    )  # fmt: skip
+    return tuple(lens), all_rows + [sentinel_row] * pad_seqs, meta
+
+
+@dataclass
+class PiecewiseStats:
+    replays: int = 0
+    padded_eager: int = 0  # padded forwards run eagerly (no graphs, or eager padding)
+    unpadded: int = 0  # steps above the largest bucket (or with too many sequences)
+    by_size: dict[int, int] = field(default_factory=dict)
+
+
+class PiecewiseRunner:
+    """Runs a packed target forward through its bucket: a replay, a padded eager forward, or
+    None (the caller runs it eagerly unpadded)."""
+
+    def __init__(
+        self,
+        runner,
+        cfg: GraphConfig,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        pctx: ParallelContext,
+        attention_backend: str,
+        is_moe: bool = False,
+    ):
+        if cfg.piecewise_capture not in CAPTURE_MODES:
+            raise SpeculantError(
+                f"piecewise capture {cfg.piecewise_capture!r} is not supported; use "
+                f"{' or '.join(CAPTURE_MODES)}"
+            )
+        self.runner, self.cfg, self.pctx = runner, cfg, pctx
+        self.sizes = [] if is_moe else piecewise_sizes(cfg, max_num_batched_tokens)
+        self.graphs_possible = uses_piecewise_graphs(
+            cfg, runner.device, attention_backend, is_moe, max_num_batched_tokens
+        )
+        self.use_graphs = self.graphs_possible
+        self.pad = bool(self.sizes) and (self.use_graphs or cfg.eager_padding)
+        self.lazy = cfg.piecewise_capture == "lazy"
+        if self.lazy and self.use_graphs and pctx.dp_size > 1:
+            raise SpeculantError(
+                "--piecewise-capture lazy needs --dp 1 (DP ranks meet a size at different "
+                "steps); use --piecewise-capture eager"
+            )
+        kv = runner.kv
+        self.kv_len = kv.max_tokens_per_req
+        self.sentinel_row = kv.sentinel_row
+        self.sentinel_slot = int(kv.req_to_page[kv.sentinel_row, 0]) * kv.page_size
+        attn = runner.model.model.layers[0].self_attn
+        self.group = attn.num_heads // attn.num_kv_heads
+        self.entries: dict[int, BucketEntry] = {
+            n: self._entry(n, min(max_num_seqs, n)) for n in self.sizes
+        }
+        self.capture_order: list[int] = []
+        self.pool = None
+        self.memory_bytes = 0
+        self.capture_seconds = 0.0
+        self.stats = PiecewiseStats()
+
+    def _entry(self, n: int, max_seqs: int) -> BucketEntry:
+        device = self.runner.device
+        block_m = tile_block_m(self.group, n)
+        num_tiles = num_bucket_tiles(self.group, n, max_seqs, block_m)
+        slots = max_seqs + 2
+        return BucketEntry(
+            n, max_seqs, block_m, num_tiles,
+            tokens=torch.zeros(3, n, dtype=torch.int64, device=device),
+            rows=torch.full((slots,), self.sentinel_row, dtype=torch.int64, device=device),
+            meta=torch.zeros(2 * slots + 2 * num_tiles, dtype=torch.int32, device=device),
+        )  # fmt: skip
+
+    def bucket(self, num_tokens: int, num_seqs: int = 1) -> int | None:
+        """The bucket a step of num_tokens tokens in num_seqs sequences runs at (None: eager)."""
+        if not self.pad:
+            return None
+        index = bisect.bisect_left(self.sizes, num_tokens)
+        if index == len(self.sizes) or num_seqs > self.entries[self.sizes[index]].max_seqs:
+            return None
+        return self.sizes[index]
+
+    # ------------------------------------------------------------------ layout
+
+    def _layout(self, entry: BucketEntry, seq_lens: list[int], rows: list[int]) -> tuple:
+        return bucket_layout(entry, seq_lens, rows, self.group, self.sentinel_row)
+
+    def _fill(self, entry: BucketEntry, batch: ForwardBatch, rows: list[int]) -> ForwardBatch:
+        """Copy a step's packed batch (its request rows on the host) into the bucket's static
+        inputs; the padded batch."""
+        n, N = batch.input_ids.shape[0], entry.num_tokens
+        tokens = entry.tokens
+        tokens[0, :n].copy_(batch.input_ids)
+        tokens[1, :n].copy_(batch.positions)
+        tokens[2, :n].copy_(batch.out_cache_loc)
+        if n < N:
+            tokens[:2, n:].zero_()
+            tokens[2, n:].fill_(self.sentinel_slot)
+        seq_lens, all_rows, meta = self._layout(entry, list(batch.seq_lens), rows)
+        entry.rows.copy_(torch.tensor(all_rows, dtype=torch.int64))
+        entry.meta.copy_(torch.tensor(meta, dtype=torch.int32))
+        return self._batch(entry, seq_lens)
+
+    def _fill_dummy(self, entry: BucketEntry) -> ForwardBatch:
+        """Capture's inputs: one sequence of N tokens at position 0 in the sentinel row."""
+        entry.tokens[:2].zero_()
+        entry.tokens[2].fill_(self.sentinel_slot)
+        seq_lens, all_rows, meta = self._layout(entry, [entry.num_tokens], [self.sentinel_row])
+        entry.rows.copy_(torch.tensor(all_rows, dtype=torch.int64))
+        entry.meta.copy_(torch.tensor(meta, dtype=torch.int32))
+        return self._batch(entry, seq_lens)
+
+    def _batch(self, entry: BucketEntry, seq_lens: tuple[int, ...]) -> ForwardBatch:
+        """The padded batch over the static buffers (`seq_lens` is read only by the CPU's
+        reference attention, never inside a graph)."""
+        tiles = VarlenTiles(
+            seq_lens, self.group, entry.block_m, entry.num_tiles, entry.tile_tensors()
+        )
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            bs=entry.num_seq_slots,
+            tokens_per_req=0,
+            input_ids=entry.tokens[0],
+            positions=entry.tokens[1],
+            req_pool_indices=entry.rows,
+            out_cache_loc=entry.tokens[2],
+            kv_len=self.kv_len,
+            seq_lens=seq_lens,
+            tiles=tiles,
+        )
+
+    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        runner = self.runner
+        runner.attn.prepare(batch)
+        return runner.model(batch.input_ids, batch.positions, runner.attn, None)
+
+    # ------------------------------------------------------------------ the step
+
+    def forward(
+        self, batch: ForwardBatch, rows: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The packed forward of `batch` (request rows `rows`, on the host) through its bucket:
+        hidden [n, H] and the auxiliary
+        states (views of the bucket's outputs, valid until the next piecewise forward), or
+        None when the step runs eagerly unpadded."""
+        n = batch.input_ids.shape[0]
+        size = self.bucket(n, len(batch.seq_lens))
+        if size is None:
+            self.stats.unpadded += self.pad
+            return None
+        entry = self.entries[size]
+        padded = self._fill(entry, batch, rows)
+        if self.use_graphs:
+            if not entry.captured:
+                if not self.lazy:
+                    raise SpeculantError(
+                        f"no piecewise graph was captured for {size} tokens (captured: "
+                        f"{self.capture_order}); call Engine.capture_graphs()"
+                    )
+                self._capture_lazily(entry)
+                padded = self._fill(entry, batch, rows)  # capture ran on dummy inputs
+            entry.graph.replay()
+            entry.replays += 1
+            self.stats.replays += 1
+            hidden, aux = entry.outputs
+        else:
+            hidden, aux = self._run(padded)
+            self.stats.padded_eager += 1
+        self.stats.by_size[size] = self.stats.by_size.get(size, 0) + 1
+        return hidden[:n], [a[:n] for a in aux]
+
+    # ------------------------------------------------------------------ capture
+
+    def capture_plan(self) -> list[int]:
+        """Buckets to capture at start, largest first (none when lazy)."""
+        return [] if self.lazy else sorted(self.sizes, reverse=True)
+
+    def capture(self) -> None:
+        """Capture every bucket (largest first, one memory pool), or with lazy capture none yet.
+        With several ranks and no graphs (the CPU, --enforce-eager) the same lockstep runs each
+        padded forward once eagerly, so the protocol is exercised there too."""
+        self.use_graphs = self.graphs_possible
+        plan = self.capture_plan()
+        if self.pctx.world_size > 1:
+            check_same_order(self.pctx, plan, "would capture")
+        if not self.use_graphs:
+            if self.pctx.world_size > 1 and self.pad:
+                for n in plan:
+                    self._lockstep_eager(self.entries[n])
+                check_same_order(self.pctx, self.capture_order, "captured")
+            return
+        if not plan:
+            return
+        device = self.runner.device
+        start = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(device)
+        bar = tqdm(plan, disable=self.pctx.rank != 0, desc="capturing piecewise graphs")
+        gc.collect()
+        gc.freeze()
+        try:
+            for n in bar:
+                free = torch.cuda.mem_get_info(device)[0] / 2**30
+                bar.set_description(f"capturing piecewise tokens={n} free={free:.1f} GiB")
+                self._capture_one(self.entries[n])
+        finally:
+            gc.unfreeze()
+        if self.pctx.world_size > 1:
+            check_same_order(self.pctx, self.capture_order, "captured")
+        self.memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
+        self.capture_seconds = time.perf_counter() - start
+        if self.pctx.rank == 0:
+            log.info(
+                "captured %d piecewise graphs (tokens %s) in %.1f s using %.2f GiB",
+                len(plan),
+                sorted(plan),
+                self.capture_seconds,
+                self.memory_bytes / 2**30,
+            )
+
+    def _lockstep_eager(self, entry: BucketEntry) -> None:
+        batch = self._fill_dummy(entry)
+        self.pctx.barrier()
+        self._run(batch)
+        self.pctx.barrier()
+        self.capture_order.append(entry.num_tokens)
+
+    def _capture_lazily(self, entry: BucketEntry) -> None:
+        """A bucket's first use (lazy capture): every TP rank runs the same step, so they all
+        capture it now; the orders so far are checked equal before it replays."""
+        device = self.runner.device
+
+        def reserved() -> int:
+            return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+        start, before = time.perf_counter(), reserved()
+        self._capture_one(entry)
+        if self.pctx.world_size > 1:
+            check_same_order(self.pctx, self.capture_order, "captured")
+        taken = reserved() - before
+        self.memory_bytes += taken
+        self.capture_seconds += time.perf_counter() - start
+        if self.pctx.rank == 0:
+            log.info(
+                "captured the piecewise graph for %d tokens in %.2f s using %.2f GiB",
+                entry.num_tokens,
+                time.perf_counter() - start,
+                taken / 2**30,
+            )
+
+    def _capture_one(self, entry: BucketEntry) -> None:
+        """Warm up (the remaining of WARMUP_RUNS), then capture into the shared pool."""
+        batch = self._fill_dummy(entry)
+        stream = torch.cuda.Stream(self.runner.device)
+        torch.cuda.synchronize()
+        self.pctx.barrier()
+        with torch.cuda.stream(stream):
+            while entry.num_warmups < WARMUP_RUNS:
+                self._run(batch)
+                entry.num_warmups += 1
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                out = self._run(batch)
+        except torch.OutOfMemoryError as exc:
+            raise SpeculantError(
+                f"out of GPU memory capturing the piecewise graph for {entry.num_tokens} "
+                "tokens; lower --max-num-batched-tokens or --kv-cache-memory-fraction, or "
+                "pass --piecewise-sizes with smaller sizes"
+            ) from exc
+        torch.cuda.synchronize()
+        self.pctx.barrier()
+        if self.pool is None:
+            self.pool = graph.pool()
+        entry.graph, entry.outputs, entry.captured = graph, out, True
+        self.capture_order.append(entry.num_tokens)
+
+    def clear(self) -> None:
+        """Release every graph, its output buffers and the pool; padded forwards then run
+        eagerly until `capture` again."""
+        for entry in self.entries.values():
+            entry.graph = entry.outputs = None
+            entry.captured, entry.num_warmups = False, 0
+        self.pool = None
+        self.capture_order.clear()
+        self.memory_bytes = 0
+        self.use_graphs = False

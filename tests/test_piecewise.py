@@ -1,0 +1,463 @@
+"""Graphs of extend steps by padded token count (executor/piecewise.py, [piecewise]) on the CPU:
+the bucket policy, the static layout (padding tokens in the sentinel row, unused tiles empty),
+the static tile table on the Triton kernel (interpreter), eager padding token-equal to unpadded
+steps (plain, EAGLE-3, DFLASH; greedy and seeded sampling), the capture bookkeeping with a
+stand-in graph (lazy = eager capture, order, uncaptured shapes), a capture-order mismatch over
+two gloo ranks, clear and recapture, and `Engine.load_weights`. The `gpu` tests replay real
+graphs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, when first imported
+
+import helpers_ckpt  # noqa: E402
+
+from speculant import Engine, SamplingParams, SpeculantError  # noqa: E402
+from speculant.comm.groups import ParallelContext  # noqa: E402
+from speculant.config import GraphConfig  # noqa: E402
+from speculant.executor.piecewise import (  # noqa: E402
+    DEFAULT_SIZES,
+    BucketEntry,
+    bucket_layout,
+    num_bucket_tiles,
+    piecewise_sizes,
+    tile_block_m,
+)
+from speculant.kernels import runtime  # noqa: E402
+from speculant.kernels.paged_attention import (  # noqa: E402
+    VarlenTiles,
+    paged_attention,
+    varlen_tiles,
+)
+from speculant.launch.cli import build_parser  # noqa: E402
+from speculant.launch.spawn import RankFailure, run_ranks  # noqa: E402
+
+ENGINE = dict(device="cpu", max_num_seqs=8, max_model_len=256, page_size=4)
+BUDGET = 64  # max_num_batched_tokens: long prompts take several chunks, buckets 16, 32, 64
+
+
+def prompts_of(lengths, seed=0, vocab=256):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def mixed_params(n, max_new_tokens=10):
+    """Greedy and seeded sampled requests, alternating."""
+    return [
+        SamplingParams(
+            max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.8 * (i % 2), seed=i
+        )
+        for i in range(n)
+    ]
+
+
+PROMPTS = prompts_of((5, 40, 90, 3, 17, 60, 9))  # chunks of 64 tokens and mixed steps
+JOBS = [PROMPTS, PROMPTS[:1], PROMPTS[4:5]]  # and steps of buckets 16 and 32
+
+
+def run_jobs(eng) -> list[list[int]]:
+    """Every job's tokens, one generate call each (greedy and seeded requests)."""
+    return [o.token_ids for job in JOBS for o in eng.generate(job, mixed_params(len(job)))]
+
+
+def engine(path, **kwargs):
+    options = dict(ENGINE, max_num_batched_tokens=BUDGET)
+    options.update(kwargs)
+    return Engine(path, **options)
+
+
+# ------------------------------------------------------------------------------ sizes and layout
+
+
+@pytest.mark.parametrize(
+    "cfg, budget, expected",
+    [
+        (GraphConfig(), 8192, list(DEFAULT_SIZES)),
+        (GraphConfig(), 2048, [16, 32, 64, 128, 256, 512, 1024, 2048]),
+        (GraphConfig(), 3000, [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]),
+        (GraphConfig(), 10, [10]),
+        (GraphConfig(piecewise_sizes=[64, 16, 16]), 2048, [16, 64]),
+        (GraphConfig(piecewise_sizes=[16, 5000]), 2048, [16, 2048]),
+        (GraphConfig(piecewise_sizes=[]), 2048, []),
+    ],
+)
+def test_piecewise_size_policy(cfg, budget, expected):
+    assert piecewise_sizes(cfg, budget) == expected
+
+
+def test_cli_piecewise_flags():
+    args = build_parser().parse_args(["generate", "--piecewise-sizes", "none"])
+    assert args.piecewise_sizes == [] and args.piecewise_capture == "eager"
+    args = build_parser().parse_args(
+        ["generate", "--piecewise-sizes", "32,16", "--piecewise-capture", "lazy"]
+    )
+    assert args.piecewise_sizes == [32, 16] and args.piecewise_capture == "lazy"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--piecewise-sizes", "0,16"])
+
+
+def test_bad_capture_mode_is_a_clear_error(llama_dir):
+    with pytest.raises(SpeculantError, match=r"piecewise capture 'later'.*eager or lazy"):
+        engine(llama_dir, piecewise_capture="later")
+
+
+def make_entry(num_tokens, max_seqs, group, device="cpu"):
+    block_m = tile_block_m(group, num_tokens)
+    num_tiles = num_bucket_tiles(group, num_tokens, max_seqs, block_m)
+    return BucketEntry(
+        num_tokens, max_seqs, block_m, num_tiles,
+        tokens=torch.zeros(3, num_tokens, dtype=torch.int64, device=device),
+        rows=torch.zeros(max_seqs + 2, dtype=torch.int64, device=device),
+        meta=torch.zeros(2 * (max_seqs + 2) + 2 * num_tiles, dtype=torch.int32, device=device),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "lens, group",
+    [([4] * 8, 4), ([1] * 16, 1), ([4, 4, 13, 1], 2), ([64], 8), ([7, 30], 4), ([3], 16)],
+)
+def test_bucket_layout_covers_each_query_row_once(lens, group):
+    """Every (token, head) query row of the step and of the padding is in exactly one tile of
+    its own sequence, the padding sequence sits in the sentinel row, and the tiles left over
+    name the empty last sequence slot (length 0)."""
+    N, max_seqs, sentinel = 64, 16, 99
+    entry = make_entry(N, max_seqs, group)
+    rows = list(range(len(lens)))
+    seq_lens, all_rows, meta = bucket_layout(entry, lens, rows, group, sentinel)
+    slots, t = entry.num_seq_slots, entry.num_tiles
+    starts, lengths = meta[:slots], meta[slots : 2 * slots]
+    tile_seq, tile_m0 = meta[2 * slots : 2 * slots + t], meta[2 * slots + t :]
+    pad = N - sum(lens)
+    assert seq_lens == tuple(lens) + ((pad,) if pad else ())
+    assert all_rows[: len(lens)] == rows and set(all_rows[len(lens) :]) == {sentinel}
+    assert lengths[slots - 1] == 0 and sum(lengths) == N
+    covered = {}
+    for seq, m0 in zip(tile_seq, tile_m0, strict=True):
+        for m in range(m0, m0 + entry.block_m):
+            if m < group * lengths[seq]:
+                key = (starts[seq] + m // group, m % group)
+                covered[key] = covered.get(key, 0) + 1
+    assert covered == {(tok, h): 1 for tok in range(N) for h in range(group)}
+    used = [seq for seq in tile_seq if seq != slots - 1]
+    assert tile_seq[len(used) :] == [slots - 1] * (t - len(used))
+
+
+def test_bucket_tiles_suffice_for_the_worst_layout():
+    """The most tiles a bucket can need: every sequence one token past a tile boundary."""
+    for group in (1, 2, 4, 8):
+        for N in (16, 64, 256):
+            max_seqs = min(N, 12)
+            entry = make_entry(N, max_seqs, group)
+            per = max(1, entry.block_m // group + 1)
+            lens = [min(per, N // max_seqs)] * max_seqs
+            lens[-1] += N - sum(lens) - 1  # one padding token
+            bucket_layout(entry, lens, list(range(max_seqs)), group, 0)  # asserts it fits
+
+
+@pytest.mark.needs("triton")
+@pytest.mark.skipif(
+    runtime.HAS_TRITON and not runtime.INTERPRET and not torch.cuda.is_available(),
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before triton's import) or CUDA",
+)
+def test_static_tile_table_matches_the_eager_one_on_the_kernel():
+    """The Triton kernel over a bucket's static layout (padded tokens, worst-case tile table,
+    the max kv_len) gives the step's rows the eager varlen output, and finite padding rows."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, page, rows_n, pages_per_row = 4, 2, 16, 4, 6, 16
+    group = heads // kv_heads
+    num_slots = (rows_n * pages_per_row + 1) * page
+    k_pool = torch.randn(num_slots, kv_heads, d, generator=gen).to(device)
+    v_pool = torch.randn(num_slots, kv_heads, d, generator=gen).to(device)
+    req_to_page = torch.zeros(rows_n + 1, pages_per_row, dtype=torch.int32)
+    req_to_page[:rows_n] = 1 + torch.arange(rows_n * pages_per_row).view(rows_n, -1)
+    req_to_page = req_to_page.to(device)
+    lens, starts_at, rows = [4, 4, 13, 1], [9, 20, 0, 33], [3, 0, 5, 1]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts_at, lens, strict=True)])
+    n, N = sum(lens), 32
+    q = torch.randn(n, heads, d, generator=gen).to(device)
+    kv_len = 48
+    eager = paged_attention(
+        q, k_pool, v_pool, req_to_page, torch.tensor(rows, device=device), positions.to(device),
+        page, kv_len, 0, varlen=varlen_tiles(lens, group, torch.device(device)),
+    )  # fmt: skip
+    entry = make_entry(N, max_seqs=8, group=group, device=device)
+    seq_lens, all_rows, meta = bucket_layout(entry, lens, rows, group, rows_n)
+    entry.rows.copy_(torch.tensor(all_rows))
+    entry.meta.copy_(torch.tensor(meta, dtype=torch.int32))
+    tiles = VarlenTiles(seq_lens, group, entry.block_m, entry.num_tiles, entry.tile_tensors())
+    q_pad = torch.cat([q, torch.zeros(N - n, heads, d, device=device)])
+    pos_pad = torch.cat([positions, torch.zeros(N - n, dtype=torch.int64)]).to(device)
+    static = paged_attention(
+        q_pad, k_pool, v_pool, req_to_page, entry.rows, pos_pad, page,
+        pages_per_row * page, 0, varlen=tiles,
+    )  # fmt: skip
+    torch.testing.assert_close(static[:n], eager, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(static).all()
+
+
+# ------------------------------------------------------------------------------ eager padding
+
+
+def drafter_options(kind, llama_dir, tmp_path):
+    if kind == "eagle3":
+        from helpers_eagle import write_random_eagle3
+
+        write_random_eagle3(tmp_path, llama_dir, draft_vocab=200, seed=2)
+        return dict(algo="eagle3", draft=str(tmp_path), num_draft_tokens=3)
+    if kind == "dflash":
+        from helpers_dflash import write_random_dflash
+
+        write_random_dflash(tmp_path, llama_dir, block_size=4, target_layer_ids=[1, 0], seed=3)
+        return dict(algo="dflash", draft=str(tmp_path))
+    return {}
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "dflash"])
+def test_eager_padding_is_token_equal_to_unpadded_steps(llama_dir, tmp_path, kind):
+    """Prefill and mixed steps padded to their bucket (padding in the sentinel row) give the
+    unpadded run's tokens, greedy and seeded-sampled; padded tokens wrote only the dummy
+    page 0 and the sentinel row stays zero."""
+    spec = drafter_options(kind, llama_dir, tmp_path)
+    plain = engine(llama_dir, piecewise_sizes=[], **spec)
+    padded = engine(llama_dir, eager_padding=True, **spec)
+    assert padded.piecewise.sizes == [16, 32, 64] and padded.piecewise.pad
+    assert run_jobs(padded) == run_jobs(plain)
+    stats = padded.piecewise.stats
+    assert stats.padded_eager == padded.extend_steps and set(stats.by_size) == {16, 32, 64}
+    assert plain.piecewise.stats.padded_eager == 0
+    page, kv = plain.kv.page_size, padded.kv
+    for k_ref, k_pad in zip(plain.kv.k + plain.kv.v, kv.k + kv.v, strict=True):
+        torch.testing.assert_close(k_pad[page:], k_ref[page:], rtol=1e-5, atol=1e-5)
+    assert int(kv.cache_lens[kv.sentinel_row]) == 0 and not kv.req_to_page[kv.sentinel_row].any()
+
+
+def test_eager_padding_on_the_triton_backend(llama_dir):
+    """The Triton backend's padded batches carry the static tile table (its CPU fallback reads
+    the padded sequence lengths): still token-equal."""
+    params = mixed_params(len(PROMPTS))
+    ref = engine(llama_dir, piecewise_sizes=[], attention_backend="triton").generate(
+        PROMPTS, params
+    )
+    padded = engine(llama_dir, eager_padding=True, attention_backend="triton")
+    out = padded.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert padded.piecewise.stats.padded_eager > 0
+
+
+def test_steps_past_the_largest_bucket_run_unpadded(llama_dir):
+    padded = engine(llama_dir, eager_padding=True, piecewise_sizes=[16])
+    assert padded.piecewise.sizes == [16]
+    out = padded.generate(PROMPTS[:3], mixed_params(3))
+    ref = engine(llama_dir, piecewise_sizes=[]).generate(PROMPTS[:3], mixed_params(3))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert padded.piecewise.stats.unpadded > 0 and padded.piecewise.stats.padded_eager > 0
+
+
+# ------------------------------------------------------------------ capture (stand-in graph)
+
+
+class StandInGraph:
+    """A CPU stand-in for a captured graph: replay re-runs the forward reading only the entry's
+    static buffers (the CPU attention's host sequence lengths are read back from them) and
+    writes the captured output buffers, as a replay does."""
+
+    def __init__(self, pw, entry, outputs):
+        self.pw, self.entry, self.outputs = pw, entry, outputs
+
+    def replay(self):
+        slots = self.entry.num_seq_slots
+        lens = self.entry.meta[slots : 2 * slots].tolist()
+        batch = self.pw._batch(self.entry, tuple(n for n in lens if n))
+        hidden, aux = self.pw._run(batch)
+        self.outputs[0].copy_(hidden)
+        for dst, src in zip(self.outputs[1], aux, strict=True):
+            dst.copy_(src)
+
+
+def stand_in_graphs(eng, log):
+    """Turn the engine's piecewise runner to graph mode with stand-in graphs."""
+    pw = eng.piecewise
+
+    def capture_one(entry):
+        batch = pw._fill_dummy(entry)
+        while entry.num_warmups < 2:
+            pw._run(batch)
+            entry.num_warmups += 1
+        out = pw._run(batch)
+        entry.graph, entry.outputs, entry.captured = StandInGraph(pw, entry, out), out, True
+        pw.capture_order.append(entry.num_tokens)
+        log.append(entry.num_tokens)
+
+    pw._capture_one = capture_one
+    pw.graphs_possible = pw.pad = True
+    pw.capture = lambda: capture_with_stand_ins(pw)  # what Engine.capture_graphs calls
+    return pw
+
+
+def capture_with_stand_ins(pw):
+    """`PiecewiseRunner.capture`'s graph branch without CUDA (its order and bookkeeping)."""
+    pw.use_graphs = True
+    for n in pw.capture_plan():
+        pw._capture_one(pw.entries[n])
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_lazy_and_eager_capture_give_equal_tokens(llama_dir, tmp_path, kind):
+    """Capture at start (largest first) or on each bucket's first use: the same tokens as
+    unpadded eager steps; every entry warmed up twice, captured once, replayed after."""
+    spec = drafter_options(kind, llama_dir, tmp_path)
+    ref = run_jobs(engine(llama_dir, piecewise_sizes=[], **spec))
+    results = {}
+    for mode in ("eager", "lazy"):
+        eng, log = engine(llama_dir, piecewise_capture=mode, **spec), []
+        pw = stand_in_graphs(eng, log)
+        capture_with_stand_ins(pw)
+        assert log == ([64, 32, 16] if mode == "eager" else [])
+        out = run_jobs(eng)
+        assert out == ref, mode
+        assert sorted(log) == [16, 32, 64] and pw.capture_order == log
+        assert all(e.captured and e.num_warmups == 2 for e in pw.entries.values())
+        assert pw.stats.replays == eng.extend_steps and pw.stats.padded_eager == 0
+        results[mode] = out
+    assert results["eager"] == results["lazy"]
+
+
+def test_a_shape_must_be_captured_before_it_replays(llama_dir):
+    eng = engine(llama_dir)
+    pw = stand_in_graphs(eng, [])
+    pw.use_graphs = True  # eager capture mode, nothing captured
+    with pytest.raises(SpeculantError, match=r"no piecewise graph was captured for 16 tokens"):
+        eng.generate(PROMPTS[:1], mixed_params(1))
+
+
+def test_clear_graphs_releases_every_entry_and_capture_graphs_recaptures(llama_dir):
+    eng, log = engine(llama_dir), []
+    pw = stand_in_graphs(eng, log)
+    capture_with_stand_ins(pw)
+    first = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
+    memory = eng.clear_graphs()
+    assert memory == {"reserved_before": 0, "reserved_after": 0}  # the CPU
+    assert not pw.use_graphs and pw.capture_order == [] and pw.pool is None
+    entries = pw.entries.values()
+    assert all(e.graph is None and e.outputs is None and not e.captured for e in entries)
+    assert eng.graphs.graphs == {} and not eng.graphs.use_graphs
+    after_clear = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))  # eagerly, padded
+    assert [o.token_ids for o in after_clear] == [o.token_ids for o in first]
+    eng.capture_graphs()
+    assert pw.capture_order == [64, 32, 16]
+    again = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
+
+# ------------------------------------------------------------------------------ load_weights
+
+
+def test_load_weights_then_generate_equals_a_fresh_engine(llama_dir, tiny_tokenizer_dir, tmp_path):
+    other = helpers_ckpt.save_hf_model(
+        tmp_path / "other", "llama", seed=7, rope_scaling=helpers_ckpt.LLAMA3_ROPE,
+        legacy_config=True, tokenizer_dir=tiny_tokenizer_dir,
+    )  # fmt: skip
+    params = mixed_params(len(PROMPTS))
+    eng = engine(llama_dir, eager_padding=True)
+    before = eng.generate(PROMPTS, params)
+    eng.load_weights(str(other))
+    after = eng.generate(PROMPTS, params)
+    fresh = engine(other, eager_padding=True).generate(PROMPTS, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in fresh]
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+
+
+def test_load_weights_of_another_shape_is_a_clear_error(llama_dir, qwen2_dir):
+    eng = engine(llama_dir)
+    with pytest.raises(SpeculantError):
+        eng.load_weights(str(qwen2_dir))
+
+
+# ------------------------------------------------------------------------------ two gloo ranks
+
+COLLECTIVE_TIMEOUT_S = 60
+LAUNCH_TIMEOUT_S = 150
+
+
+def build_engine_in_rank(sizes_by_rank) -> None:
+    pctx = ParallelContext.from_env(2, 1, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    target = os.environ["SPECULANT_TEST_TARGET"]
+    eng = engine(
+        target, pctx=pctx, eager_padding=True, piecewise_sizes=sizes_by_rank[pctx.rank]
+    )
+    assert eng.piecewise.capture_order == [64, 32, 16]  # the lockstep ran every bucket
+
+
+def test_ranks_with_different_piecewise_sizes_fail_with_a_clear_error(llama_dir, monkeypatch):
+    monkeypatch.setenv("SPECULANT_TEST_TARGET", str(llama_dir))
+    with pytest.raises(RankFailure, match=r"rank 1 would capture piecewise graphs .* but rank 0"):
+        run_ranks(build_engine_in_rank, 2, ([None, [16, 32]],), timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def test_ranks_with_equal_piecewise_sizes_capture_in_lockstep(llama_dir, monkeypatch):
+    monkeypatch.setenv("SPECULANT_TEST_TARGET", str(llama_dir))
+    run_ranks(build_engine_in_rank, 2, ([None, None],), timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def test_capture_order_check_names_the_rank(monkeypatch):
+    from speculant.executor import piecewise
+
+    class TwoRanks:
+        def all_gather_object(self, obj):
+            return [obj, [*obj, 8]]
+
+    with pytest.raises(SpeculantError, match=r"rank 1 captured piecewise graphs .*\[64, 8\]"):
+        piecewise.check_same_order(TwoRanks(), [64], "captured")
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+def gpu_engine(path, **kwargs):
+    return Engine(
+        path, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, page_size=16,
+        max_num_batched_tokens=BUDGET, attention_backend="triton", **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_gpu_piecewise_graphs_equal_eager_tokens(llama_dir, mode):
+    params = mixed_params(len(PROMPTS))
+    ref = gpu_engine(llama_dir, piecewise_sizes=[]).generate(PROMPTS, params)
+    eng = gpu_engine(llama_dir, piecewise_capture=mode)
+    out = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    pw = eng.piecewise
+    assert pw.use_graphs and pw.stats.replays == eng.extend_steps > 0
+    assert sorted(pw.capture_order) == [16, 32, 64] if mode == "eager" else pw.capture_order
+
+
+@pytest.mark.gpu
+def test_gpu_clear_graphs_frees_memory_and_load_weights_recaptures(
+    llama_dir, tiny_tokenizer_dir, tmp_path
+):
+    eng = gpu_engine(llama_dir)
+    before = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
+    memory = eng.clear_graphs()
+    assert memory["reserved_after"] < memory["reserved_before"]
+    eng.capture_graphs()
+    assert eng.piecewise.capture_order == [64, 32, 16]
+    again = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
+    assert [o.token_ids for o in again] == [o.token_ids for o in before]
+    other = helpers_ckpt.save_hf_model(
+        tmp_path / "other", "llama", seed=7, rope_scaling=helpers_ckpt.LLAMA3_ROPE,
+        legacy_config=True, tokenizer_dir=tiny_tokenizer_dir,
+    )  # fmt: skip
+    eng.load_weights(str(other))
+    fresh = gpu_engine(other).generate(PROMPTS, mixed_params(len(PROMPTS)))
+    after = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
+    assert [o.token_ids for o in after] == [o.token_ids for o in fresh]
