@@ -225,6 +225,15 @@ def test_dflash2_greedy_equals_plain(plain, llama_dir, dflash2_dir, k, padding):
     assert_lossless(spec, plain, prompts, k)
 
 
+@pytest.mark.needs("triton")
+def test_dflash2_greedy_equals_plain_triton_backend(plain, llama_dir, dflash2_dir):
+    """The triton attention backend (on the CPU: the kernels' torch references or Triton's
+    interpreter) runs the block attention through the paged pool; still lossless."""
+    spec = engine(llama_dir, algo="dflash", draft=str(dflash2_dir), num_draft_tokens=3,
+                  eager_padding=True, attention_backend="triton")  # fmt: skip
+    assert_lossless(spec, plain, prompts_of((3, 17, 9), seed=4), 3)
+
+
 def test_dflash2_published_bare_codebook_names_load(tmp_path, llama_dir, plain):
     """Published checkpoints name the codebooks without `.weight` (the reference's from_pretrained
     maps them); they load to the same drafter."""
