@@ -7,9 +7,9 @@
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_piecewise.py 2>&1 \
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_piecewise.py 2>&1 \
     | tail -25 | tee "$OUT/pytest_piecewise_gpu.log"
-(cd benchmarks && timeout 300 python3 piecewise_gpu.py --json "$OUT/piecewise.json" 2>&1 \
+(cd benchmarks && timeout 240 python3 piecewise_gpu.py --json "$OUT/piecewise.json" --iters 10 2>&1 \
     | grep -v "it/s\]" > "$OUT/piecewise.log")
 echo "piecewise_gpu.py exit: $?"
 grep -E "^(startup|prefill|mixed|generate|clear)|Error|error" "$OUT/piecewise.log" | cut -c1-600 | head -40
