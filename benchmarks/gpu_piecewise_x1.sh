@@ -9,7 +9,8 @@ source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_piecewise.py 2>&1 \
     | tail -25 | tee "$OUT/pytest_piecewise_gpu.log"
-(cd benchmarks && timeout 240 python3 piecewise_gpu.py --json "$OUT/piecewise.json" --iters 10 2>&1 \
-    | grep -v "it/s\]" > "$OUT/piecewise.log")
+(cd benchmarks && timeout 240 python3 piecewise_gpu.py --json "$OUT/piecewise.json" --iters 10 \
+    > "$OUT/piecewise_raw.log" 2>&1)
 echo "piecewise_gpu.py exit: $?"
+grep -v "it/s\]" "$OUT/piecewise_raw.log" > "$OUT/piecewise.log" && rm "$OUT/piecewise_raw.log"
 grep -E "^(startup|prefill|mixed|generate|clear)|Error|error" "$OUT/piecewise.log" | cut -c1-600 | head -40
