@@ -441,6 +441,7 @@ class SpecConfig:
     algo: str | None = None
     draft: str | None = None
     num_draft_tokens: int | None = None
+    speculation: str = "fixed"  # fixed: k drafts every step; auto: 0 or k per step (speculation.py)
 
 
 @dataclass

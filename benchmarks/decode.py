@@ -195,7 +195,7 @@ def plain_stage(target, backend, args, report_models: dict, kv_bytes_per_token: 
         for bs in sizes:
             rows = live_rows(engine, bs, shape["vocab_size"], context, gen)
             step = lambda b=bs: engine.runner.decode_step(b, "greedy")  # noqa: E731
-            graph = engine.graphs.graphs[("greedy", bs)]
+            graph = engine.graphs.graph("greedy", bs)
             entry = {"graph_ms": time_ms(graph.replay, args.iters), "eager_ms": time_ms(step, 10)}
             if bs == max(sizes) and context == max(args.contexts):
                 try:

@@ -177,7 +177,7 @@ def step_times(engine: Engine, vocab: int, context: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     for bs in (1, 16, 64):
         rows = live_rows(engine, bs, vocab, context, gen)
-        graph = engine.graphs.graphs[("greedy", bs)]
+        graph = engine.graphs.graph("greedy", bs)
         out[bs] = {
             "graph_ms": time_ms(graph.replay, 50),
             "eager_ms": time_ms(lambda b=bs: engine.runner.decode_step(b, "greedy"), 10),

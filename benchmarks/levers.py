@@ -65,7 +65,7 @@ def step_variant(target, vocab, blas, min_keys, pdl, prefetch, gemv_rows) -> dic
                     max_model_len=1024, capture_sizes=[1], attention_backend="triton")  # fmt: skip
     try:
         rows = live_rows(engine, 1, vocab, 512, torch.Generator().manual_seed(1))
-        graph = engine.graphs.graphs[("greedy", 1)]
+        graph = engine.graphs.graph("greedy", 1)
         ms = time_ms(graph.replay, 100)
         prof = kernel_profile(graph.replay, steps=5, top=12)
         for row in rows:

@@ -174,7 +174,7 @@ def run_cases(
 def time_step(engine: Engine, bs: int, iters: int) -> float:
     """Median ms of one decode step of bs live rows: the graph replay when captured (CUDA
     events), else the eager step (wall clock, CPU)."""
-    key = ("greedy", bs)
+    key = engine.graphs.key("greedy", bs)
     if key in engine.graphs.graphs:
         fn = engine.graphs.graphs[key].replay
     else:

@@ -100,7 +100,7 @@ def timings(engine: Engine, vocab: int, context: int, k: int, batch_sizes=(1, 16
     runner = engine.runner
     for bs in batch_sizes:
         rows = live_rows(engine, bs, vocab, context, gen)
-        whole = engine.graphs.graphs[("greedy", bs)]
+        whole = engine.graphs.graph("greedy", bs)
         verify_only = capture(lambda b=bs: runner.verify_step(b, "greedy"))
         entry = {"step_ms": time_ms(whole.replay, 30), "verify_ms": time_ms(verify_only.replay, 30)}
         entry["draft_ms"] = entry["step_ms"] - entry["verify_ms"]

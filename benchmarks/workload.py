@@ -38,6 +38,7 @@ CONFIGS = {  # name: extra CLI flags
     "seqs256": ["--max-num-seqs", "256"],
     "seqs512": ["--max-num-seqs", "512"],
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
+    "eagle3_auto": ["--algo", "eagle3", "--num-draft-tokens", "3", "--speculation", "auto"],
     "eager": ["--enforce-eager"],
     "nopiecewise": ["--piecewise-sizes", "none"],  # extend steps eager, decode graphs kept
     "lazypiecewise": ["--piecewise-capture", "lazy"],
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(f"baseline_{n}", args.tree) for n in args.baseline_configs.split(",")] + runs
     for name, tree in runs:
         flags = list(CONFIGS[name.removeprefix("baseline_")])
-        if name.endswith("eagle3"):
+        if "eagle3" in name:
             flags += ["--draft", head]
         result = run_config(name, flags, target, job, args, tree)
         report["runs"].append(result)

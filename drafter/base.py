@@ -82,9 +82,13 @@ class Drafter(ABC):
         )
 
     @abstractmethod
-    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
-        """Catch up on the newly verified tokens and propose the next k drafts (capturable for
-        decode batches)."""
+    def propose(
+        self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
+        """Catch up on the newly verified tokens and propose the next `num_drafts` drafts, k or
+        0 (capturable for decode batches). With 0 the drafter only brings its state up to date
+        on the batch's positions (a plain step of adaptive speculation), so that a later step
+        can draft from them."""
 
     # ------------------------------------------------------------------ shared by chain drafters
 
@@ -123,6 +127,11 @@ class Drafter(ABC):
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         drawn = self.to_target_ids(sample_from(q, uniform(sampling.seed, positions, STREAM_DRAFT)))
         return torch.where(sampling.is_greedy, greedy, drawn), self.probs_to_target(q)
+
+    @staticmethod
+    def no_drafts(batch: ForwardBatch) -> Proposal:
+        """The proposal of a step that drafts nothing: [bs, 0] tokens."""
+        return Proposal(batch.input_ids.new_empty((batch.bs, 0)), None)
 
     @staticmethod
     def proposal(drafts: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:

@@ -302,6 +302,13 @@ class DFlashAttention(nn.Module):
         out = attn.forward(self.layer_id, q, k_block, v[n_context:], k_context, v[:n_context])
         return self.o_proj(out.reshape(-1, self.num_heads * d))
 
+    def context_key_values(self, context, rope_context) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context rows' keys (normed, rotated) and values, as `forward` writes them."""
+        _, k, v = self.qkv_proj.split(self.qkv_proj(context))
+        k = RotaryEmbedding.apply(self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)),
+                                  rope_context)  # fmt: skip
+        return k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+
 
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, pctx: ParallelContext):
@@ -353,6 +360,16 @@ class DFlashModel(nn.Module):
         for layer in self.layers:
             h = layer(context, rope_context, h, rope_block, attn)
         return self.norm(h)
+
+    def write_context(self, features, positions, k_pools, v_pools, slots) -> None:
+        """Every layer's context K/V of `features` at `positions` (their slots), as the block
+        forward writes them, without the block (a step that drafts nothing)."""
+        context = self.hidden_norm(self.fc(features))
+        rope = self.rotary.lookup(positions, context.dtype)
+        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools, strict=True):
+            k, v = layer.self_attn.context_key_values(context, rope)
+            k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
 
 
 def published_keys(cfg: DFlashConfig) -> list[str]:
@@ -441,8 +458,17 @@ class DFlashDrafter(Drafter):
         )
         self.offsets = torch.arange(num_draft_tokens + 1, device=kv.cache_lens.device)
 
-    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+    def propose(
+        self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
         batch, bs, cfg = inputs.batch, inputs.batch.bs, self.model.config
+        features = torch.cat(
+            [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources], dim=-1
+        )
+        if num_drafts == 0:  # the context K/V of the batch's positions, no block forward
+            self.model.write_context(features, batch.positions, self.k_pools, self.v_pools,
+                                     batch.out_cache_loc)  # fmt: skip
+            return self.no_drafts(batch)
         newest = inputs.next_tokens.reshape(-1)[inputs.last_flat].clamp(min=0)
         block_start = batch.positions[inputs.last_flat] + 1
         block_ids = torch.cat([newest[:, None], self.mask.expand(bs, -1)], dim=1)
@@ -454,10 +480,7 @@ class DFlashDrafter(Drafter):
         if cfg.input_embedding_scale != 1.0:
             embeds = embeds * cfg.input_embedding_scale
         hidden = self.model(
-            torch.cat(
-                [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources],
-                dim=-1,
-            ),
+            features,
             batch.positions,
             embeds,
             block_positions.reshape(-1),

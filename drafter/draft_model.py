@@ -42,14 +42,18 @@ class DraftModelDrafter(Drafter):
         )
         self.lm = draft_lm
 
-    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+    def propose(
+        self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
         batch = inputs.batch
         self.attn.prepare(batch, shared_slots=inputs.target_slots)
         self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
+        if num_drafts == 0:
+            return self.no_drafts(batch)
         token = inputs.next_tokens.reshape(-1)[inputs.last_flat]
         position = batch.positions[inputs.last_flat] + 1
         drafts, probs = [], []
-        for _ in range(self.k):
+        for _ in range(num_drafts):
             one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
             self.attn.prepare(one, shared_slots=inputs.target_slots)
             hidden, _ = self.lm(token, position, self.attn)

@@ -367,6 +367,20 @@ class Eagle3Head(nn.Module):
             h = layer(rope, h, attn)
         return self.norm(h, attn.ops) if self.config.norm_output else h
 
+    def write_kv(
+        self, embeds: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, pools, slots, ops
+    ) -> None:
+        """A one-layer head's K/V at `positions` (slots) from embeds and aux states, without the
+        attention, MLP and logits a draft needs: what a step that does not draft must still
+        write so that a later one can (a query at p reads keys <= p)."""
+        layer = self.layers[0]
+        normed = layer.hidden_norm(self.fc(self._normed_aux(aux, ops)), ops)
+        x = torch.cat([layer.input_layernorm(embeds, ops), normed], dim=-1)
+        k, v = layer.self_attn.key_values(self.rotary.lookup(positions, embeds.dtype), x)
+        (k_pool,), (v_pool,) = pools
+        k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+
     def _normed_aux(self, aux: torch.Tensor, ops) -> torch.Tensor:
         """The EAGLE-3.1 norms before fc: one over the concatenation, or one per aux state."""
         if self.input_norm is not None:

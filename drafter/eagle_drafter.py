@@ -41,24 +41,30 @@ class Eagle3Drafter(Drafter):
     def probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
         return self.head.draft_probs_to_target(probs)
 
-    def propose(self, inputs: DraftInputs, sampling: SamplingInfo, variant: str) -> Proposal:
+    def propose(
+        self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
         batch = inputs.batch
         tokens = inputs.next_tokens.clamp(min=0).reshape(-1)
+        embeds = self.head.embed(tokens, self.target)
+        aux = torch.cat(inputs.aux, dim=-1)
+        if num_drafts == 0 and self.head.num_layers == 1:  # K/V only: no attention, MLP, logits
+            pools = (self.k_pools, self.v_pools)
+            self.head.write_kv(embeds, aux, batch.positions, pools, batch.out_cache_loc,
+                               self.attn.ops)  # fmt: skip
+            return self.no_drafts(batch)
         self.attn.prepare(batch, shared_slots=inputs.target_slots)
-        hidden = self.head(
-            self.head.embed(tokens, self.target),
-            torch.cat(inputs.aux, dim=-1),
-            batch.positions,
-            self.attn,
-        )
+        hidden = self.head(embeds, aux, batch.positions, self.attn)
+        if num_drafts == 0:
+            return self.no_drafts(batch)
         hidden = hidden[inputs.last_flat]
         position = batch.positions[inputs.last_flat]
         drafts, probs = [], []
-        for step in range(self.k):
+        for step in range(num_drafts):
             token, q = self.pick(self.head.logits(hidden), sampling, position + 2, variant)
             drafts.append(token)
             probs.append(q)
-            if step == self.k - 1:
+            if step == num_drafts - 1:
                 break
             position = position + 1
             one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)

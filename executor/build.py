@@ -122,7 +122,7 @@ def engine_config(target: str, **options) -> EngineConfig:
                 "piecewise_capture",
             },
         ),
-        "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens"}),
+        "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens", "speculation"}),
         "parallel": (ParallelConfig, {"tp", "dp"}),
         "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
     }
@@ -149,6 +149,8 @@ def check_spec(spec: SpecConfig) -> None:
     newest token, else DEFAULT_DRAFT_TOKENS; an explicit 0 is plain decoding (the drafter is not
     loaded). Explicit --algo / --num-draft-tokens win."""
     k = spec.num_draft_tokens
+    if spec.speculation not in ("auto", "fixed"):
+        raise SpeculantError(f"speculation={spec.speculation!r} must be 'auto' or 'fixed'")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise SpeculantError(f"num_draft_tokens={k!r} must be an integer >= 0 (0 = plain decoding)")
     fmt = None

@@ -1,13 +1,15 @@
-"""The graph wrapper: one CUDA graph per (sampler variant, padded batch size) for the whole decode
-step, replayed for every batch up to the largest captured size (docs/ARCHITECTURE.md, "Graphs").
-Without CUDA, or with --enforce-eager, the same step runs eagerly; `eager_padding` pads eager
-batches exactly as replay would, so padding is testable on the CPU."""
+"""The graph wrapper: one CUDA graph per (sampler variant, padded batch size, draft shape) for
+the whole decode step, replayed for every batch up to the largest captured size
+(docs/ARCHITECTURE.md, "Graphs"). Without CUDA, or with --enforce-eager, the same step runs
+eagerly; `eager_padding` pads eager batches exactly as replay would, so padding is testable on
+the CPU."""
 
 from __future__ import annotations
 
 import bisect
 import gc
 import logging
+import time
 from typing import Protocol
 
 import torch
@@ -17,6 +19,8 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import GraphConfig
 from speculant.errors import SpeculantError
 from speculant.executor.model_runner import ModelRunner, StepOutput
+from speculant.executor.sampling import GREEDY
+from speculant.executor.speculation import DraftShape
 from speculant.executor.step_plan import DPStepSizes
 
 log = logging.getLogger("speculant")
@@ -27,6 +31,7 @@ DEFAULT_SIZES = (
 )
 NO_PADDING_SIZES = list(range(1, 33)) + [64, 96, 128, 160]
 WARMUP_RUNS = 3
+GraphKey = tuple[str, int, DraftShape]  # (sampler variant, padded batch size, draft shape)
 
 
 def capture_sizes(cfg: GraphConfig, max_num_seqs: int, dp: int = 1) -> list[int]:
@@ -83,30 +88,39 @@ class GraphRunner:
         variants: tuple[str, ...],
         pctx: ParallelContext,
         plans_dispatch: bool = False,
+        shapes: list[DraftShape] | None = None,
     ):
         """`plans_dispatch`: the model's forwards hold collectives planned from every rank's
-        sizes (a MoE target), which its graphs bake in."""
+        sizes (a MoE target), which its graphs bake in. `shapes`: the draft shapes steps take
+        (executor/speculation.py; default (k, k) only)."""
         self.runner, self.cfg, self.pctx = runner, cfg, pctx
         self.sizes = capture_sizes(cfg, max_num_seqs, pctx.dp_size)
         self.variants = variants
+        self.shapes = list(shapes or [runner.full_shape()])
         self.use_graphs = not cfg.enforce_eager and runner.device.type == "cuda"
         self.pad = self.use_graphs or cfg.eager_padding
         self.hooks: list[ReplayHook] = []
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[str, int], StepOutput] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, StepOutput] = {}
         self.graph_memory_bytes = 0
-        self.capture_order: list[tuple[str, int]] = []  # (variant, bs) as captured, in order
+        self.capture_order: list[GraphKey] = []  # (variant, bs, shape) as captured, in order
         # a MoE target's graphs bake in every rank's sizes (its dispatches); a dense one's do not
         self.plans_dispatch = plans_dispatch
-        self.captured_sizes: dict[tuple[str, int], DPStepSizes | None] = {}  # baked into graphs
+        self.captured_sizes: dict[GraphKey, DPStepSizes | None] = {}  # baked into graphs
         self.num_replays = 0  # CUDA graph replays
         self.num_stand_ins = 0  # eager steps at a captured size standing in for a replay
 
-    def capture_plan(self) -> list[tuple[str, int]]:
-        """Every (variant, bs) to capture, in capture order: per variant, largest size first."""
-        return [(v, bs) for v in self.variants for bs in sorted(self.sizes, reverse=True)]
+    def capture_plan(self) -> list[GraphKey]:
+        """Every (variant, bs, shape) to capture, in capture order: per variant and shape,
+        largest size first."""
+        return [
+            (v, bs, shape)
+            for v in self.variants
+            for shape in self.shapes
+            for bs in sorted(self.sizes, reverse=True)
+        ]
 
-    def check_same_plan(self, plan: list[tuple[str, int]]) -> None:
+    def check_same_plan(self, plan: list[GraphKey]) -> None:
         """Every rank must capture the same list in the same order (the graphs hold collectives
         that must line up); a mismatch is an error on every rank instead of a hang."""
         plans = self.pctx.all_gather_object(plan)
@@ -116,6 +130,13 @@ class GraphRunner:
                     f"rank {rank} would capture graphs {other} but rank 0 {plans[0]}; give "
                     "every rank the same --max-num-seqs, --capture-sizes and --dp"
                 )
+
+    def key(self, variant: str, bs: int, shape: DraftShape | None = None) -> GraphKey:
+        return (variant, bs, shape or self.runner.full_shape())
+
+    def graph(self, variant: str, bs: int, shape: DraftShape | None = None):
+        """The captured graph of (variant, bs, shape (default (k, k)))."""
+        return self.graphs[self.key(variant, bs, shape)]
 
     def padded_bs(self, bs: int) -> int:
         """The size a batch of bs runs at: the smallest captured size >= bs (exact sizes only with
@@ -135,24 +156,28 @@ class GraphRunner:
         variant: str,
         allow_graph: bool = True,
         sizes: DPStepSizes | None = None,
+        shape: DraftShape | None = None,
     ) -> StepOutput:
         """Run the step for the first padded_bs rows of the input buffers (already filled);
         `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform).
         `sizes`: every rank's forward this step (the step plan's; a MoE target's dispatch plan,
-        which a replayed graph must have been captured with)."""
-        key = (variant, padded_bs)
+        which a replayed graph must have been captured with). `shape`: drafts verified and
+        proposed (default (k, k))."""
+        shape = shape or self.runner.full_shape()
+        key = (variant, padded_bs, shape)
         checked = allow_graph and self.pad and key in self.captured_sizes
         if checked:
             self._check_baked_sizes(key, sizes)  # a replay, or eager padding standing in for one
         if not allow_graph or not self.will_replay(padded_bs):
             self.num_stand_ins += checked
             tokens = None if sizes is None else sizes.tokens_per_rank
-            return self.runner.decode_step(padded_bs, variant, tokens).narrow(bs)
+            return self.runner.decode_step(padded_bs, variant, tokens, shape).narrow(bs)
         if key not in self.graphs:
-            captured = sorted({v for v, _ in self.graphs})
+            variants = sorted({v for v, _, _ in self.graphs})
+            shapes = sorted({tuple(s) for _, _, s in self.graphs})
             raise SpeculantError(
-                f"no CUDA graph was captured for sampler variant {variant!r}; "
-                f"captured variants: {captured}"
+                f"no CUDA graph was captured for sampler variant {variant!r} and draft shape "
+                f"{tuple(shape)}; captured variants: {variants}, draft shapes: {shapes}"
             )
         for hook in self.hooks:
             hook.replay()
@@ -160,7 +185,30 @@ class GraphRunner:
         self.num_replays += 1
         return self.outputs[key].narrow(bs)
 
-    def _check_baked_sizes(self, key: tuple[str, int], sizes: DPStepSizes | None) -> None:
+    def measure_costs(self, repeats: int = 5) -> dict[tuple[DraftShape, int], float]:
+        """Seconds of one decode step per (shape, size) on this machine, for adaptive
+        speculation: every captured graph replayed (greedy rows on the sentinel row), or on the
+        CPU the eager step at the smallest and largest size. Every rank runs the same list
+        (the steps hold collectives)."""
+        sizes = self.sizes if self.use_graphs else sorted({self.sizes[0], self.sizes[-1]})
+        runner, table = self.runner, {}
+        for shape in self.shapes:
+            for bs in sizes:
+                runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
+                dummies = dp_capture_dummies(bs, shape.tokens_per_req, self.pctx.world_size)
+                timings = []
+                for _ in range(repeats + 1):  # the first run is a warm-up
+                    if self.use_graphs:
+                        torch.cuda.synchronize(runner.device)
+                    start = time.perf_counter()
+                    self.run(bs, bs, GREEDY, True, dummies, shape)
+                    if self.use_graphs:
+                        torch.cuda.synchronize(runner.device)
+                    timings.append(time.perf_counter() - start)
+                table[(shape, bs)] = sorted(timings[1:])[repeats // 2]  # the median
+        return table
+
+    def _check_baked_sizes(self, key: GraphKey, sizes: DPStepSizes | None) -> None:
         """A MoE target's replayed graph runs with the per-rank sizes it was captured with (its
         collectives' shapes): they must be this step's, or the ranks would exchange mismatched
         buffers. A dense target's graphs hold no cross-DP collective: any sizes do."""
@@ -172,11 +220,12 @@ class GraphRunner:
                 "and every DP rank must run the step's uniform size"
             )
 
-    def _capture_sizes(self, variant: str, bs: int) -> DPStepSizes:
+    def _capture_sizes(self, key: GraphKey) -> DPStepSizes:
         """Every rank captures size bs: uniform dummy token counts and batch sizes, recorded as
         what the graph bakes in."""
-        sizes = dp_capture_dummies(bs, self.runner.tokens_per_req, self.pctx.world_size)
-        self.captured_sizes[(variant, bs)] = sizes
+        _, bs, shape = key
+        sizes = dp_capture_dummies(bs, shape.tokens_per_req, self.pctx.world_size)
+        self.captured_sizes[key] = sizes
         return sizes
 
     def capture(self) -> None:
@@ -188,8 +237,8 @@ class GraphRunner:
             self.check_same_plan(items)
         if not self.use_graphs:
             if self.pctx.world_size > 1:
-                for variant, bs in items:
-                    self._lockstep_eager(variant, bs)
+                for key in items:
+                    self._lockstep_eager(key)
             return
         device = self.runner.device
         reserved_before = torch.cuda.memory_reserved(device)
@@ -198,20 +247,25 @@ class GraphRunner:
         gc.collect()
         gc.freeze()
         try:
-            for variant, bs in bar:
+            for key in bar:
+                variant, bs, shape = key
                 free = torch.cuda.mem_get_info(device)[0] / 2**30
-                bar.set_description(f"capturing bs={bs} variant={variant} free={free:.1f} GiB")
-                pool = self._capture_one(variant, bs, stream, pool)
-                self.capture_order.append((variant, bs))
+                bar.set_description(
+                    f"capturing bs={bs} variant={variant} drafts={shape.verify}/{shape.draft} "
+                    f"free={free:.1f} GiB"
+                )
+                pool = self._capture_one(key, stream, pool)
+                self.capture_order.append(key)
         finally:
             gc.unfreeze()
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         if self.pctx.rank == 0:
             log.info(
-                "captured %d graphs (sizes %s, variants %s) using %.2f GiB",
+                "captured %d graphs (sizes %s, variants %s, draft shapes %s) using %.2f GiB",
                 len(items),
                 self.sizes,
                 list(self.variants),
+                [tuple(s) for s in self.shapes],
                 self.graph_memory_bytes / 2**30,
             )
 
@@ -225,24 +279,26 @@ class GraphRunner:
         self.graph_memory_bytes = 0
         self.use_graphs = False
 
-    def _lockstep_eager(self, variant: str, bs: int) -> None:
+    def _lockstep_eager(self, key: GraphKey) -> None:
         """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
+        variant, bs, shape = key
         self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)
-        sizes = self._capture_sizes(variant, bs)
+        sizes = self._capture_sizes(key)
         self.pctx.barrier()
-        self.runner.decode_step(bs, variant, sizes.tokens_per_rank)
+        self.runner.decode_step(bs, variant, sizes.tokens_per_rank, shape)
         self.pctx.barrier()
-        self.capture_order.append((variant, bs))
+        self.capture_order.append(key)
 
-    def _capture_one(self, variant: str, bs: int, stream, pool):
+    def _capture_one(self, key: GraphKey, stream, pool):
         runner = self.runner
+        variant, bs, shape = key
         runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
-        tokens = self._capture_sizes(variant, bs).tokens_per_rank
+        tokens = self._capture_sizes(key).tokens_per_rank
         torch.cuda.synchronize()
         self.pctx.barrier()
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                runner.decode_step(bs, variant, tokens)
+                runner.decode_step(bs, variant, tokens, shape)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         for hook in self.hooks:
@@ -251,7 +307,7 @@ class GraphRunner:
             with torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
-                out = runner.decode_step(bs, variant, tokens)
+                out = runner.decode_step(bs, variant, tokens, shape)
         except torch.OutOfMemoryError as exc:
             raise SpeculantError(
                 f"out of GPU memory capturing the CUDA graph for batch size {bs}; "
@@ -259,6 +315,6 @@ class GraphRunner:
             ) from exc
         torch.cuda.synchronize()
         self.pctx.barrier()
-        self.graphs[(variant, bs)] = graph
-        self.outputs[(variant, bs)] = out
+        self.graphs[key] = graph
+        self.outputs[key] = out
         return graph.pool()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from speculant.comm.groups import ParallelContext
 from speculant.executor.cuda_graph import GraphRunner, dp_can_use_graph, dp_graph_batch_size
 from speculant.executor.request import Request
+from speculant.executor.speculation import DraftShape
 from speculant.executor.step_plan import DPStepSizes, StepPlan
 
 IDLE, DECODE, EXTEND = 0, 1, 2  # what a DP rank runs in a step, as exchanged
@@ -74,7 +75,9 @@ class DPCoordinator:
 
     def agree(self, plan: StepPlan, has_work: bool) -> StepPlan:
         """Complete this rank's scheduled `plan` (in place, and returned)."""
-        T = self.tokens_per_req
+        if plan.shape is None:  # no draft shape chosen: every step at (k, k)
+            k = self.tokens_per_req - 1
+            plan.shape, plan.tokens_per_req = DraftShape(k, k), k + 1
         mode = DECODE if plan.is_pure_decode else EXTEND if plan.requests else IDLE
         rows = len(plan.decode) if mode == DECODE else len(plan.requests)
         if self.pctx.dp_size == 1:
@@ -85,10 +88,12 @@ class DPCoordinator:
                 self._record(plan, [self._own_forward(plan, mode, plan.num_tokens, rows)])
             self.last = plan
             return plan
-        ranks = self.pctx.all_gather_dp([mode, plan.num_tokens, rows, int(has_work)])
+        chunk_tokens = plan.num_tokens - len(plan.decode) * plan.tokens_per_req
+        exchanged = [mode, chunk_tokens, len(plan.decode), rows, int(has_work), *plan.shape]
+        gathered = self.pctx.all_gather_dp(exchanged)
         self.exchanges += 1
         self.last = plan
-        if not any(work for *_, work in ranks):
+        if not any(work for _, _, _, _, work, _, _ in gathered):
             plan.all_idle = True
             return plan
         if not self.collectives_across_dp:  # dense: each rank its own step (case 2)
@@ -96,6 +101,14 @@ class DPCoordinator:
                 self._pad_own(plan)
                 self.decode_sizes.append(plan.padded_bs)
             return plan  # no forward needs the others' sizes
+        # one draft shape for every rank (their forwards' sizes depend on it): the fewest drafts
+        # proposed, and verified (a rank's rows may hold none)
+        busy = [g for g in gathered if g[0] != IDLE] or gathered
+        plan.shape = DraftShape(min(g[5] for g in busy), min(g[6] for g in busy))
+        if plan.shape.draft == 0:
+            plan.shape = DraftShape(0, 0)
+        T = plan.tokens_per_req = plan.shape.tokens_per_req
+        ranks = [(m, chunks + decode * T, r, work) for m, chunks, decode, r, work, _, _ in gathered]
         decode_tokens = [tokens if m == DECODE else 0 for m, tokens, *_ in ranks]
         global_bs = dp_graph_batch_size(decode_tokens, T)
         uniform = dp_can_use_graph(
@@ -111,7 +124,7 @@ class DPCoordinator:
             return self._record(plan, [(size * T, size)] * len(ranks))
         # Another rank extends, or the batch is above the captured sizes: every rank runs its
         # own step eagerly, an idle one a one-row dummy decode step (case 3).
-        forwards = [self._forward(m, tokens, r) for m, tokens, r, _ in ranks]
+        forwards = [self._forward(m, tokens, r, T) for m, tokens, r, _ in ranks]
         if mode == DECODE:
             plan.padded_bs = len(plan.decode)
         elif mode == IDLE:
@@ -125,13 +138,13 @@ class DPCoordinator:
 
     def _own_forward(self, plan: StepPlan, mode: int, tokens: int, rows: int) -> tuple[int, int]:
         if mode == DECODE:
-            return plan.padded_bs * self.tokens_per_req, plan.padded_bs
+            return plan.padded_bs * plan.tokens_per_req, plan.padded_bs
         return tokens, rows
 
-    def _forward(self, mode: int, tokens: int, rows: int) -> tuple[int, int]:
-        """(tokens, rows) of a DP rank's eager forward in case 3."""
+    def _forward(self, mode: int, tokens: int, rows: int, T: int) -> tuple[int, int]:
+        """(tokens, rows) of a DP rank's eager forward in case 3 (a dummy one: T tokens)."""
         if mode == IDLE:
-            return self.tokens_per_req, 1
+            return T, 1
         return tokens, rows
 
     def _record(self, plan: StepPlan, forwards: list[tuple[int, int]]) -> StepPlan:

@@ -38,6 +38,13 @@ from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
+from speculant.executor.speculation import (
+    DraftLengthChooser,
+    DraftShape,
+    StepCosts,
+    shapes_for,
+    step_shape,
+)
 from speculant.executor.step_plan import DPStepSizes, StepPlan
 from speculant.models.loader import iter_safetensors, load_weights, resolve_dtype
 
@@ -56,6 +63,7 @@ class LaunchedStep:
     results: PendingResults | ReadResults
     start: float  # perf_counter at launch
     sizes: DPStepSizes | None = None
+    shape: DraftShape | None = None  # drafts it verifies and proposes
 
 
 @dataclass
@@ -147,14 +155,20 @@ class Engine:
         # one rank only: several ranks agree on every step's batch before it runs
         self.overlap = cfg.overlap and self.pctx.world_size == 1
         self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
+        k, speculation = cfg.spec.num_draft_tokens, cfg.spec.speculation
         self.graphs = GraphRunner(
-            self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe
-        )
+            self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe,
+            shapes_for(k, speculation),
+        )  # fmt: skip
         self.graphs.hooks.extend(self.model.replay_hooks())  # DeepEP's mode reset
         decode_start = time.perf_counter()
         self.graphs.capture()
         self.decode_capture_seconds = time.perf_counter() - decode_start
         self._decode_graphs = self.graphs.use_graphs  # restored by capture_graphs after clear
+        costs = None
+        if speculation == "auto" and k > 0:  # every rank the same table: the same decisions
+            costs = StepCosts.averaged(self.pctx.all_gather_object(self.graphs.measure_costs()))
+        self.chooser = DraftLengthChooser(k, speculation, costs)
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
             self.attention_backend, mc.is_moe,
@@ -227,7 +241,6 @@ class Engine:
             if isinstance(value, PoolAttention) and value not in found:
                 found.append(value)
         return found
-
 
     def _compiles_at_first_use(self) -> bool:
         """Triton compiles a kernel variant the first time it runs (a second or more each);
@@ -421,6 +434,7 @@ class Engine:
             "num_prompt_tokens": len(request.prompt_ids),
             "num_output_tokens": len(request.output_ids),
             "num_verify_steps": steps,
+            "num_plain_steps": request.num_plain_steps,  # decode steps that verified no draft
             "decode_time_s": round(request.decode_seconds, 6),
             "num_preemptions": request.num_preemptions,
             "accept_len": request.emitted_in_verify / steps if steps else None,
@@ -500,7 +514,7 @@ class Engine:
             if launched is not None:
                 self._read(launched)
             finished = self._finish_done()
-        plan = self.scheduler.schedule()
+        plan = self._choose_shape(self.scheduler.schedule())
         plan = self.dp.agree(plan, self.scheduler.has_unfinished())
         self.num_steps += 1
         self.decode_rows += len(plan.decode)
@@ -515,21 +529,38 @@ class Engine:
             self.prefill_tokens += sum(len(c.tokens) for c in plan.chunks)
         elif plan.dummy:  # idle under DP with a MoE target: a dummy batch keeps ranks aligned
             self.runner.buffers.fill([], [], [], [], [], [], plan.padded_bs, self.kv.sentinel_row)
-            self.graphs.run(0, plan.padded_bs, GREEDY, plan.use_graph, plan.sizes)
+            self.graphs.run(0, plan.padded_bs, GREEDY, plan.use_graph, plan.sizes, plan.shape)
         return finished + self._finish_done()
+
+    def _choose_shape(self, plan: StepPlan) -> StepPlan:
+        """The step's drafts (executor/speculation.py): how many it proposes (the chooser's
+        decision for its batch), and how many it verifies (k when every decode row holds k
+        and it drafts again, else none: a plain step). Under DP with a MoE target the DP
+        exchange then settles one shape for every rank."""
+        k = self.chooser.k
+        bs = len(plan.decode) + sum(c.last for c in plan.chunks)
+        drafts = self.chooser.choose([r.index for r in plan.requests], bs) if bs else k
+        held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
+        plan.shape = step_shape(drafts, held, k)
+        plan.tokens_per_req = plan.shape.tokens_per_req
+        return plan
 
     def _finish_done(self) -> list[Request]:
         finished = [r for r in self.scheduler.running if r.finish_reason is not None]
         for request in finished:
             self.scheduler.finish(request)
+            self.chooser.forget(request.index)
         return finished
 
     def _run_ahead(self, launched: LaunchedStep) -> list[Request]:
         """Launch the next decode step of the same batch from the input ids the step in flight
         writes on the device, then read that one back; a request that ended in it is dropped
         from the step ahead (its wasted rows stay within its KV pages)."""
+        k = self.chooser.k
+        drafts = self.chooser.choose([r.index for r in launched.requests], len(launched.requests))
+        shape = step_shape(drafts, launched.shape.draft, k)  # what the step in flight proposes
         plan = StepPlan(
-            decode=launched.requests, tokens_per_req=self.tokens_per_req,
+            decode=launched.requests, tokens_per_req=shape.tokens_per_req, shape=shape,
             padded_bs=launched.padded_bs, use_graph=True, sizes=launched.sizes,
         )  # fmt: skip
         ahead = self._launch(plan, fill=False)
@@ -574,8 +605,10 @@ class Engine:
     def _extend(self, plan: StepPlan) -> None:
         """One eager forward over the plan's verify rows and prefill chunks, then each request's
         tokens, drafts and progress applied."""
+        width = plan.shape.tokens_per_req  # a verify row's tokens
         seqs = [
-            SeqInput(r.row, r.num_tokens - 1, r.next_input, verify=True) for r in plan.decode
+            SeqInput(r.row, r.num_tokens - 1, r.next_input[:width], verify=True)
+            for r in plan.decode
         ] + [
             SeqInput(
                 c.request.row, c.start, c.tokens, successor=c.successor,
@@ -588,11 +621,11 @@ class Engine:
         info = self._sampling_info(requests)
         start = time.perf_counter()
         tokens = None if plan.sizes is None else plan.sizes.tokens_per_rank
-        host = self.runner.extend(seqs, info, variant, tokens).to_host()  # one sync
+        host = self.runner.extend(seqs, info, variant, tokens, plan.shape).to_host()  # one sync
         seconds = time.perf_counter() - start
-        T = self.tokens_per_req
+        T = self.tokens_per_req  # the width of every sequence's emitted tokens
         for request, row in zip(plan.decode, host, strict=False):
-            self._apply_verify(request, row, seconds)
+            self._apply_verify(request, row, seconds, plan.shape.verify, T)
         for chunk, row in zip(plan.chunks, host[len(plan.decode) :], strict=True):
             request = chunk.request
             request.num_computed = chunk.start + len(chunk.tokens)
@@ -629,11 +662,13 @@ class Engine:
             )
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
-        out = self.graphs.run(len(requests), padded_bs, variant, plan.use_graph, plan.sizes)
+        out = self.graphs.run(
+            len(requests), padded_bs, variant, plan.use_graph, plan.sizes, plan.shape
+        )
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         # synchronous steps read back at once; overlapped ones start a copy and read it later
         results = self.readback.start(packed) if self.overlap else ReadResults(packed.tolist())
-        return LaunchedStep(list(requests), padded_bs, results, start, plan.sizes)
+        return LaunchedStep(list(requests), padded_bs, results, start, plan.sizes, plan.shape)
 
     def _read(self, launched: LaunchedStep) -> None:
         """Wait for a launched step's results and apply them to its requests (those that ended
@@ -642,18 +677,27 @@ class Engine:
         seconds = time.perf_counter() - launched.start
         for request, row in zip(launched.requests, host, strict=True):
             if request.finish_reason is None:
-                self._apply_verify(request, row, seconds)
+                shape = launched.shape
+                self._apply_verify(request, row, seconds, shape.verify, shape.tokens_per_req)
 
-    def _apply_verify(self, request: Request, row: list[int], seconds: float) -> None:
-        """One verify row's result (tokens T, drafts k, accept_len) applied to its request."""
+    def _apply_verify(
+        self, request: Request, row: list[int], seconds: float, verified: int, width: int
+    ) -> None:
+        """One verify row's result (`width` token slots, then the drafts proposed, then
+        accept_len) applied to its request; `verified`: the drafts it checked (0: a plain
+        step, which counts as no verify step)."""
         request.decode_seconds += seconds
         emitted = row[: row[-1]]
         before = len(request.output_ids)
         request.append(emitted)
-        # acceptance counts what the request keeps: not drafts accepted past its length limit or
-        # after a stop token (the z-lab reference's definition)
-        request.record_verify(len(request.output_ids) - before)
-        request.next_input = [emitted[-1]] + row[self.tokens_per_req : -1]
+        if verified:
+            # acceptance counts what the request keeps: not drafts accepted past its length
+            # limit or after a stop token (the z-lab reference's definition)
+            request.record_verify(len(request.output_ids) - before)
+            self.chooser.observe(request.index, verified, row[-1] - 1)
+        else:
+            request.num_plain_steps += 1
+        request.next_input = [emitted[-1]] + row[width:-1]
 
     def stats(self) -> dict:
         """Scheduler figures of the run so far (steps, preemptions, mean decode batch)."""
@@ -666,6 +710,7 @@ class Engine:
             "decode_s": round(self.step_seconds["decode"], 2),
             "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,
+            **({"drafts_chosen": self.chooser.summary()} if self.chooser.adaptive else {}),
             **(
                 {"peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)}
                 if self.device.startswith("cuda")

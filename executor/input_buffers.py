@@ -55,8 +55,9 @@ class InputBuffers:
         ints = [*rows, *[sentinel_row] * pad, *[0] * rest]
         ints += [*top_k, *[0] * (pad + rest)]
         ints += [*seed, *[0] * (pad + rest)]
-        for ids in input_ids:
-            ints += ids
+        for ids in input_ids:  # a row holding fewer drafts than T - 1 (adaptive): zeros after
+            ints += ids[:T]
+            ints += [0] * (T - len(ids))
         ints += [0] * (T * (pad + rest))
         floats = [*temperature, *[0.0] * (pad + rest), *top_p, *[1.0] * (pad + rest)]
         return ints, floats

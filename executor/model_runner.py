@@ -15,6 +15,7 @@ from speculant.executor.forward_batch import ForwardBatch, ForwardMode, Sampling
 from speculant.executor.input_buffers import InputBuffers
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.sampling import GREEDY, sample
+from speculant.executor.speculation import DraftShape
 from speculant.executor.verify import verify
 
 
@@ -72,35 +73,52 @@ class ModelRunner:
         self.offsets = torch.arange(self.tokens_per_req, device=self.device)
         self.piecewise = None  # the engine's PiecewiseRunner: extend forwards by token count
 
+    def full_shape(self) -> DraftShape:
+        return DraftShape(self.k, self.k)
+
     @torch.inference_mode()
     def decode_step(
-        self, bs: int, variant: str, tokens_per_rank: list[int] | None = None
+        self,
+        bs: int,
+        variant: str,
+        tokens_per_rank: list[int] | None = None,
+        shape: DraftShape | None = None,
     ) -> StepOutput:
-        """Verify (or plainly decode) the bs rows of the input buffers, then draft the next k
+        """Verify (or plainly decode) the bs rows of the input buffers, then draft the next
         tokens; reads only static buffers and device state, so it is graph-capturable.
-        `tokens_per_rank`: every rank's target tokens this step (a MoE target's dispatch plan)."""
-        inputs, accept_len = self.verify_step(bs, variant, tokens_per_rank)
-        drafts = self._propose(inputs, variant)
+        `tokens_per_rank`: every rank's target tokens this step (a MoE target's dispatch plan).
+        `shape`: drafts verified and proposed (executor/speculation.py; default (k, k))."""
+        shape = shape or self.full_shape()
+        inputs, accept_len = self.verify_step(bs, variant, tokens_per_rank, shape.verify)
+        drafts = self._propose(inputs, variant, shape.draft)
         if self.writes_next_inputs:
             # the next step's input ids (last emitted token, then the drafts), for a step
             # launched before the host has read this one back (overlap)
             last = inputs.next_tokens.gather(1, (accept_len - 1).unsqueeze(1))
-            self.buffers.input_ids[:bs].copy_(torch.cat([last, drafts.to(last.dtype)], dim=1))
+            next_ids = torch.cat([last, drafts.to(last.dtype)], dim=1)
+            self.buffers.input_ids[:bs, : 1 + shape.draft].copy_(next_ids)
         return StepOutput.of(inputs.next_tokens, accept_len, drafts)
 
     def verify_step(
-        self, bs: int, variant: str, tokens_per_rank: list[int] | None = None
+        self,
+        bs: int,
+        variant: str,
+        tokens_per_rank: list[int] | None = None,
+        num_verify: int | None = None,
     ) -> tuple[DraftInputs, torch.Tensor]:
-        """The target half of the step: forward over T tokens per row, verify, grow the valid
-        cache lengths. Returns what the drafter needs and accept_len [bs]."""
-        buf, kv, T = self.buffers, self.kv, self.tokens_per_req
+        """The target half of the step: forward over T = num_verify + 1 tokens per row (default
+        k + 1), verify, grow the valid cache lengths. Returns what the drafter needs and
+        accept_len [bs]."""
+        buf, kv = self.buffers, self.kv
+        num_verify = self.k if num_verify is None else num_verify
+        T = num_verify + 1
         rows = buf.req_pool_indices[:bs]
-        positions = kv.cache_lens[rows].unsqueeze(1) + self.offsets  # [bs, T]
+        positions = kv.cache_lens[rows].unsqueeze(1) + self.offsets[:T]  # [bs, T]
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             bs=bs,
             tokens_per_req=T,
-            input_ids=buf.input_ids[:bs].reshape(-1),
+            input_ids=buf.input_ids[:bs, :T].reshape(-1),
             positions=positions.reshape(-1),
             req_pool_indices=rows,
             out_cache_loc=kv.slots(rows, positions).reshape(-1),
@@ -111,10 +129,10 @@ class ModelRunner:
         self.attn.prepare(batch)
         hidden, aux = self.model(batch.input_ids, batch.positions, self.attn, tokens_per_rank)
         logits = self.model.compute_logits(hidden).view(bs, T, -1)
-        sampled_drafts = self.drafter is not None and variant != GREEDY
-        q = self.draft_probs[rows] if sampled_drafts else None
+        sampled_drafts = self.drafter is not None and variant != GREEDY and num_verify > 0
+        q = self.draft_probs[rows, :num_verify] if sampled_drafts else None
         tokens, accept_len = verify(
-            logits, buf.input_ids[:bs, 1:], q, batch.sampling, positions, variant
+            logits, buf.input_ids[:bs, 1:T], q, batch.sampling, positions, variant
         )
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
@@ -122,13 +140,15 @@ class ModelRunner:
         inputs = DraftInputs(batch, hidden, aux, tokens, last_flat, self.attn.kv_slots)
         return inputs, accept_len
 
-    def _propose(self, inputs: DraftInputs, variant: str) -> torch.Tensor:
-        """The drafter's next k tokens per row ([bs, 0] without a drafter); records q."""
+    def _propose(self, inputs: DraftInputs, variant: str, num_drafts: int) -> torch.Tensor:
+        """The drafter's next `num_drafts` tokens per row ([bs, 0] without a drafter); records
+        q. With 0 the drafter still catches up on the batch's positions."""
         if self.drafter is None:
             return inputs.next_tokens.new_empty((inputs.batch.bs, 0))
-        proposal = self.drafter.propose(inputs, inputs.batch.sampling, variant)
+        proposal = self.drafter.propose(inputs, inputs.batch.sampling, variant, num_drafts)
         if proposal.probs is not None:
-            self.draft_probs.index_copy_(0, inputs.batch.req_pool_indices, proposal.probs)
+            rows = inputs.batch.req_pool_indices
+            self.draft_probs[:, :num_drafts].index_copy_(0, rows, proposal.probs)
         return proposal.tokens
 
     @torch.inference_mode()
@@ -191,13 +211,17 @@ class ModelRunner:
         sampling: SamplingInfo,
         variant: str,
         tokens_per_rank: list[int] | None = None,
+        shape: DraftShape | None = None,
     ) -> ExtendOutput:
         """One eager target forward over packed sequences (see `SeqInput`: verify rows of k + 1
         tokens first, then prefill chunks), each attending to its cached prefix and itself;
         verify rows are verified, chunks that end a context sample (or take) their next token,
         the cache lengths grow, and the drafter catches up on every position and drafts after
-        every sequence. `sampling` has one row per sequence."""
-        kv, device, T = self.kv, self.device, self.tokens_per_req
+        every sequence. `sampling` has one row per sequence. `shape`: drafts each verify row holds
+        (its tokens: shape.verify + 1) and drafts proposed after every sequence (default k, k)."""
+        kv, device = self.kv, self.device
+        shape = shape or self.full_shape()
+        T = shape.verify + 1  # verify row width
         num_verify = sum(s.verify for s in seqs)
         hidden, aux, batch = self.forward_packed(seqs, sampling, tokens_per_rank)
         pos_t, ids_t, rows = batch.positions, batch.input_ids, batch.req_pool_indices
@@ -218,16 +242,17 @@ class ModelRunner:
         next_tokens = torch.tensor(following, dtype=torch.int64).to(device)
         last = torch.tensor(last_flat, dtype=torch.int64, device=device)
         accept_len = torch.zeros(len(seqs), dtype=torch.int64, device=device)
-        emitted = torch.full((len(seqs), T), -1, dtype=torch.int64, device=device)
+        emitted = torch.full((len(seqs), self.tokens_per_req), -1, dtype=torch.int64, device=device)
         if num_verify:
             v_rows, v_info = rows[:num_verify], sampling.take(slice(0, num_verify))
             v_pos = pos_t[: num_verify * T].view(num_verify, T)
             drafts = ids_t[: num_verify * T].view(num_verify, T)[:, 1:]
-            q = self.draft_probs[v_rows] if self.drafter is not None and variant != GREEDY else None
+            sampled_drafts = self.drafter is not None and variant != GREEDY and shape.verify
+            q = self.draft_probs[v_rows, : shape.verify] if sampled_drafts else None
             tokens, v_accept = verify(
                 logits[: num_verify * T].view(num_verify, T, -1), drafts, q, v_info, v_pos, variant
             )
-            emitted[:num_verify] = tokens
+            emitted[:num_verify, :T] = tokens
             accept_len[:num_verify] = v_accept
             next_tokens[: num_verify * T] = tokens.reshape(-1)
             last[:num_verify] += v_accept - T  # the last accepted input, not the last input
@@ -244,7 +269,7 @@ class ModelRunner:
             ends = [s.start + len(s.tokens) for s in seqs[num_verify:]]
             kv.cache_lens[c_rows] = torch.tensor(ends, dtype=torch.int64, device=device)
         inputs = DraftInputs(batch, hidden, aux, next_tokens, last, self.attn.kv_slots)
-        drafts = self._propose(inputs, variant)
+        drafts = self._propose(inputs, variant, shape.draft)
         return ExtendOutput(emitted, accept_len, drafts)
 
     def prefill(
@@ -284,7 +309,7 @@ class ExtendOutput:
     """Per sequence: tokens emitted (verified, or the sampled first token; -1 after), how many,
     and the next step's drafts."""
 
-    tokens: torch.Tensor  # [bs, T]
+    tokens: torch.Tensor  # [bs, k + 1]
     accept_len: torch.Tensor  # [bs]
     drafts: torch.Tensor  # [bs, k]
 

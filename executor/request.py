@@ -103,6 +103,7 @@ class Request:
     next_input: list[int] = field(default_factory=list)  # last token, then the drafts
     finish_reason: str | None = None
     num_verify_steps: int = 0
+    num_plain_steps: int = 0  # decode steps without drafts to verify (adaptive speculation)
     emitted_in_verify: int = 0
     decode_seconds: float = 0.0  # wall time of the decode steps (verify + draft) it took part in
     accepted_per_position: list[int] = field(default_factory=list)

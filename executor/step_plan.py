@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from speculant.executor.request import Request
+from speculant.executor.speculation import DraftShape
 
 
 class DPStepSizes(NamedTuple):
@@ -41,7 +42,8 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    tokens_per_req: int = 1
+    tokens_per_req: int = 1  # a decode row's tokens: shape.verify + 1 once the shape is set
+    shape: DraftShape | None = None  # drafts verified and proposed (the engine's choice)
     padded_bs: int = 0  # rows the decode step runs (live, then sentinel rows); 0: no decode graph
     use_graph: bool = False
     dummy: bool = False  # this rank has no work but runs a padded dummy step for its DP peers

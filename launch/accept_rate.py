@@ -57,6 +57,8 @@ class AcceptReport:
     lossless: bool | None  # greedy only: speculative output == plain output for every prompt
     mismatched_prompts: list[int] = field(default_factory=list)
     num_verify_steps: int = 0
+    num_plain_steps: int = 0  # request decode steps that verified no draft (--speculation auto)
+    speculation: str = "fixed"
     output_tokens: int = 0
     seconds: float = 0.0
     date: str = ""
@@ -287,6 +289,13 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
         "parameters, at most the cores free)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--speculation",
+        choices=["fixed", "auto"],
+        default="fixed",
+        help="fixed (the gate: every step drafts K) or auto (steps draft K or none; the report "
+        "counts the plain steps) (default: %(default)s)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--dist-timeout", type=int, default=300, metavar="S", help="collective timeout")
@@ -481,6 +490,7 @@ def measure_in_rank(
         algo=args.algo,
         draft=job.draft,
         num_draft_tokens=args.num_draft_tokens,
+        speculation=getattr(args, "speculation", "fixed"),
         **common,
     )
     start = time.perf_counter()
@@ -538,6 +548,8 @@ def report_accept(
         lossless=lossless,
         mismatched_prompts=mismatched,
         num_verify_steps=steps,
+        num_plain_steps=sum((o.stats or {}).get("num_plain_steps", 0) for o in outputs),
+        speculation=getattr(args, "speculation", "fixed"),
         output_tokens=sum(len(o.token_ids) for o in outputs),
         seconds=seconds,
         date=time.strftime("%Y-%m-%d"),
@@ -553,6 +565,8 @@ def report_accept(
         f"algo={report.algo} k={report.num_draft_tokens} prompts={report.num_prompts} "
         f"accept_len={length:.3f} per_position="
         + ",".join(f"{r:.2f}" for r in per_position)
+        + f" speculation={report.speculation} verify_steps={steps} "
+        f"plain_steps={report.num_plain_steps}"
         + (f" lossless={lossless}" if lossless is not None else "")
     )
     print(summary, file=stderr)

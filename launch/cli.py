@@ -223,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
         "0: plain decoding)",
     )
     spec.add_argument(
+        "--speculation",
+        choices=["fixed", "auto"],
+        default="fixed",
+        help="fixed: every step drafts K tokens; auto: each step drafts K or none, whichever "
+        "this machine's measured step times and the live acceptance make faster (default: "
+        "%(default)s)",
+    )
+    spec.add_argument(
         "--capture-sizes",
         type=_capture_sizes,
         metavar="1,2,4,8",
@@ -524,6 +532,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         draft=args.draft,
         algo=args.algo,
         num_draft_tokens=args.num_draft_tokens,
+        speculation=args.speculation,
         capture_sizes=args.capture_sizes,
         max_capture_size=args.max_capture_size,
         disable_graph_padding=args.disable_graph_padding,
@@ -557,6 +566,10 @@ def summary_line(outputs: list, seconds: float) -> str:
         line += f" accept_len={accept_len:.2f}"
         if per_position:
             line += " per_position=" + ",".join(f"{r:.2f}" for r in per_position)
+    plain_steps = sum(out.stats.get("num_plain_steps", 0) for out in outputs)
+    if plain_steps:  # --speculation auto: how often rows drafted k and how often none
+        verify_steps = sum(out.stats.get("num_verify_steps", 0) for out in outputs)
+        line += f" drafted_rows={verify_steps} plain_rows={plain_steps}"
     return line
 
 

@@ -58,6 +58,15 @@ class Attention(nn.Module):
         out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
+    def key_values(self, rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's rotated keys and values of x [N, kv_heads, d] each, without attending
+        (a drafter catching its KV up on positions it does not draft from)."""
+        _, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return RotaryEmbedding.apply(k, rope), v.reshape(-1, self.num_kv_heads, self.head_dim)
+
     def _forward_rope_in_backend(self, rope, q, k, v, attn) -> torch.Tensor:
         """The backend rotates q and k as it writes the KV cache (one fused kernel)."""
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -278,8 +278,8 @@ def test_overlap_announces_each_steps_sizes_to_the_graphs(llama_dir):
                     eager_padding=True, overlap=True)  # fmt: skip
     graphs = engine.graphs
     graphs.plans_dispatch = True  # check the sizes as a MoE target's graphs need them checked
-    for variant, bs in graphs.capture_plan():
-        graphs.captured_sizes[(variant, bs)] = dp_capture_dummies(bs, engine.tokens_per_req, 1)
+    for key in graphs.capture_plan():
+        graphs.captured_sizes[key] = dp_capture_dummies(key[1], engine.tokens_per_req, 1)
     prompts = random_prompts(engine.model_config.vocab_size, (5, 8, 3), seed=14)
     engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert engine.steps_ahead > 0 and graphs.num_stand_ins >= 19

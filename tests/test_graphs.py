@@ -76,7 +76,9 @@ def test_eager_padding_leaves_live_requests_untouched(llama_dir, bs):
     plain, padded = make_engine(llama_dir), make_engine(llama_dir, eager_padding=True)
     calls = []
     original = padded.runner.decode_step
-    padded.runner.decode_step = lambda b, v, t=None: calls.append(b) or original(b, v, t)
+    padded.runner.decode_step = lambda b, v, t=None, s=None: (
+        calls.append(b) or original(b, v, t, s)
+    )
     ref = plain.generate(prompts, params)
     out = padded.generate(prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
@@ -180,8 +182,8 @@ def fake_captured(engine, log, variants):
     )
     for variant in variants:
         for bs in graphs.sizes:
-            graphs.graphs[(variant, bs)] = RecordingGraph(log)
-            graphs.outputs[(variant, bs)] = out
+            graphs.graphs[graphs.key(variant, bs)] = RecordingGraph(log)
+            graphs.outputs[graphs.key(variant, bs)] = out
     return graphs
 
 

@@ -39,6 +39,7 @@ from speculant.config import GraphConfig, ModelConfig, MoeConfig
 from speculant.executor.attention import TorchPagedAttention
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.model_runner import StepOutput
+from speculant.executor.speculation import DraftShape
 from speculant.models.loader import build_causal_lm, iter_safetensors, load_weights
 from speculant.models.qwen3_moe import (
     DENSE_EXPERT_ROWS,
@@ -571,11 +572,15 @@ def test_deepep_adapter_sets_low_latency_and_cleans_before_every_replay():
     class NoRunner:
         device = torch.device("cpu")
 
+        def full_shape(self):
+            return DraftShape(0, 0)
+
     single = ParallelContext.single()
     graphs = GraphRunner(NoRunner(), GraphConfig(capture_sizes=[1]), 4, ("greedy",), single)
     graphs.use_graphs = True  # RecordingGraph stands in for a captured CUDA graph
-    graphs.graphs[("greedy", 1)] = RecordingGraph()
-    graphs.outputs[("greedy", 1)] = StepOutput(torch.zeros(1, 1), torch.ones(1), torch.zeros(1, 0))
+    graphs.graphs[graphs.key("greedy", 1)] = RecordingGraph()
+    output = StepOutput(torch.zeros(1, 1), torch.ones(1), torch.zeros(1, 0))
+    graphs.outputs[graphs.key("greedy", 1)] = output
     graphs.hooks.append(adapter)
 
     ep.set_mode(DispatchMode.NORMAL)  # a prefill ran in normal mode before capture
@@ -652,8 +657,9 @@ def test_engine_wires_the_dispatchers_replay_hooks_into_its_graph_runner(moe_dir
             calls.append(("replay", dispatcher.ep.mode))
 
     graphs.use_graphs = graphs.pad = True  # RecordingGraph stands in for a captured graph
-    graphs.graphs[("greedy", 1)] = RecordingGraph()
-    graphs.outputs[("greedy", 1)] = StepOutput(torch.zeros(1, 1), torch.ones(1), torch.zeros(1, 0))
+    graphs.graphs[graphs.key("greedy", 1)] = RecordingGraph()
+    output = StepOutput(torch.zeros(1, 1), torch.ones(1), torch.zeros(1, 0))
+    graphs.outputs[graphs.key("greedy", 1)] = output
     dispatcher.ep.set_mode(DispatchMode.NORMAL)  # a prefill ran in normal mode
     calls.clear()
     graphs.run(1, 1, "greedy")

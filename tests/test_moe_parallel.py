@@ -32,6 +32,7 @@ from speculant.config import GraphConfig
 from speculant.executor.cuda_graph import DPStepSizes, GraphRunner, dp_capture_dummies
 from speculant.executor.dp import DECODE, EXTEND, IDLE, DPCoordinator
 from speculant.executor.model_runner import StepOutput
+from speculant.executor.speculation import DraftShape
 from speculant.executor.step_plan import Chunk, StepPlan
 from speculant.launch.cli import build_parser
 from speculant.launch.spawn import run_ranks
@@ -422,11 +423,16 @@ def scheduled(mode: int, tokens: int, rows: int, tokens_per_req: int) -> StepPla
 
 
 def plans_of(table, tp=1, moe=True, tokens_per_req=4):
-    """Every DP rank's plan from one exchanged table of (mode, tokens, rows, has_work)."""
-    plans = []
+    """Every DP rank's plan from one exchanged table of (mode, tokens, rows, has_work), each
+    drafting k = tokens_per_req - 1 (as DPCoordinator exchanges it: mode, chunk tokens, decode
+    rows, rows, has_work, drafts verified, drafts proposed)."""
+    plans, k = [], tokens_per_req - 1
+    exchanged = [
+        [m, 0 if m == DECODE else t, r if m == DECODE else 0, r, w, k, k] for m, t, r, w in table
+    ]
     for dp_rank, (mode, tokens, rows, has_work) in enumerate(table):
         pctx = ParallelContext(tp_size=tp, dp_size=len(table), dp_rank=dp_rank)
-        pctx.all_gather_dp = lambda row: [list(r) for r in table]
+        pctx.all_gather_dp = lambda row: [list(r) for r in exchanged]
         coordinator = DPCoordinator(pctx, FakeGraphs(), tokens_per_req, moe)
         plan = scheduled(mode, tokens, rows, tokens_per_req)
         plans.append(coordinator.agree(plan, bool(has_work)))
@@ -480,9 +486,12 @@ def test_replay_with_sizes_other_than_captured_is_an_error():
         class model:  # noqa: N801 - what GraphRunner reads of the model
             config = None
 
-        def decode_step(self, bs, variant, tokens_per_rank=None):
+        def decode_step(self, bs, variant, tokens_per_rank=None, shape=None):
             steps.append(bs)
             return output
+
+        def full_shape(self):
+            return DraftShape(0, 0)
 
     graphs = GraphRunner(
         FakeRunner(), GraphConfig(capture_sizes=[2]), 4, ("greedy",), ParallelContext()
@@ -494,9 +503,9 @@ def test_replay_with_sizes_other_than_captured_is_an_error():
         def replay(self):
             replays.append(1)
 
-    graphs.graphs[("greedy", 2)] = Graph()
-    graphs.outputs[("greedy", 2)] = output
-    graphs.captured_sizes[("greedy", 2)] = dp_capture_dummies(2, 1, 2)
+    graphs.graphs[graphs.key("greedy", 2)] = Graph()
+    graphs.outputs[graphs.key("greedy", 2)] = output
+    graphs.captured_sizes[graphs.key("greedy", 2)] = dp_capture_dummies(2, 1, 2)
     graphs.run(1, 2, "greedy", sizes=dp_capture_dummies(2, 1, 2))
     assert graphs.num_replays == len(replays) == 1 and graphs.num_stand_ins == 0
     with pytest.raises(RuntimeError, match=r"captured with per-rank sizes .* dp_capture_dummies"):

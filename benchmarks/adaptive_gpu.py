@@ -1,0 +1,185 @@
+"""[adaptive] on one GPU: output tokens/s of plain decoding, fixed-k speculation and
+`--speculation auto`, measured in the same run.
+
+1. `8b`: the Llama-3.1-8B shape (dummy bf16 weights) with a dummy EAGLE-3 head (k = 3) that
+   accepts nothing, at bs 1 and bs 64 (prompts of 512 random tokens, 128 new tokens each).
+   The bar: auto >= 0.97x plain at both sizes.
+2. `bundled`: the bundled target with its trained EAGLE-3 (k 4), DFLASH (k 7) and draft LM
+   (k 4), greedy on the held-out prompts at bs 1, 8, 32 and 64 (128 new tokens). The bar: auto
+   >= max(plain, fixed) - 3% at every size.
+
+Each generate is timed REPEATS times (median); greedy outputs of auto and fixed are checked
+equal to plain. Every row is wrapped: a failure is recorded and the rest still runs.
+
+    python benchmarks/adaptive_gpu.py --json OUT.json [--parts 8b,bundled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graphs import SHAPES, write_config  # noqa: E402
+from spec_step import write_head  # noqa: E402
+
+from speculant import Engine, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+REPEATS = 3
+BUNDLED = {  # name -> (algo, folder, k)
+    "eagle3": ("eagle3", "eagle3", 4),
+    "dflash": ("dflash", "dflash", 7),
+    "draft-lm": ("draft-model", "draft_lm", 4),
+}
+
+
+def timed_generate(engine: Engine, prompts, params) -> tuple[float, list[list[int]], dict]:
+    """Median output tokens/s over REPEATS generates (after one warm-up), the tokens, stats."""
+    engine.generate(prompts[:1], params)
+    rates, outs = [], None
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+    stats = {
+        "plain_rows": sum(o.stats.get("num_plain_steps", 0) for o in outs),
+        "verify_rows": sum(o.stats.get("num_verify_steps", 0) for o in outs),
+    }
+    return statistics.median(rates), [o.token_ids for o in outs], stats
+
+
+def free(engine) -> None:
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def part_8b(report: dict) -> None:
+    shape = SHAPES["llama8b"]
+    target, head = write_config(shape), write_head(shape)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 30000, (512,), generator=gen).tolist() for _ in range(64)]
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=64,
+                  max_model_len=1024, capture_sizes=[1, 64])  # fmt: skip
+    runs = {
+        "plain": {},
+        "fixed": dict(algo="eagle3", draft=head, num_draft_tokens=3, speculation="fixed"),
+        "auto": dict(algo="eagle3", draft=head, num_draft_tokens=3, speculation="auto"),
+    }
+    rows = report.setdefault("8b", {})
+    for name, options in runs.items():
+        try:
+            started = time.perf_counter()
+            engine = Engine(target, **common, **options)
+            row = {"startup_s": round(time.perf_counter() - started, 1)}
+            if engine.chooser.costs is not None:
+                row["costs_ms"] = {
+                    f"{tuple(s)}@{bs}": round(t * 1e3, 3)
+                    for (s, bs), t in engine.chooser.costs.table.items()
+                }
+            for bs in (1, 64):
+                rate, tokens, stats = timed_generate(engine, prompts[:bs], params)
+                row[f"bs{bs}"] = {"tok_s": round(rate, 1), **stats}
+                row[f"bs{bs}"]["tokens"] = tokens
+            rows[name] = row
+            free(engine)
+        except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    for bs in (1, 64):
+        key = f"bs{bs}"
+        try:
+            plain = rows["plain"][key]
+            for name in ("fixed", "auto"):
+                row = rows[name][key]
+                row["vs_plain"] = round(row["tok_s"] / plain["tok_s"], 3)
+                row["equal_to_plain"] = row.pop("tokens") == plain["tokens"]
+        except KeyError:
+            pass
+    for name in runs:
+        for bs in (1, 64):
+            rows.get(name, {}).get(f"bs{bs}", {}).pop("tokens", None)
+
+
+def part_bundled(report: dict) -> None:
+    assets = ROOT / "assets"
+    lines = (assets / "prompts" / "heldout_prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    while len(prompts) < 64:
+        prompts = prompts + prompts
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=64)
+    sizes = (1, 8, 32, 64)
+    rows = report.setdefault("bundled", {})
+    configs = [("plain", {})]
+    for name, (algo, folder, k) in BUNDLED.items():
+        for mode in ("fixed", "auto"):
+            options = dict(algo=algo, draft=str(assets / folder), num_draft_tokens=k,
+                           speculation=mode)  # fmt: skip
+            configs.append((f"{name} {mode}", options))
+    plain_tokens = {}
+    for name, options in configs:
+        try:
+            engine = Engine(str(assets / "target"), **common, **options)
+            row = {}
+            for bs in sizes:
+                rate, tokens, stats = timed_generate(engine, prompts[:bs], params)
+                row[bs] = {"tok_s": round(rate, 1), **stats}
+                if name == "plain":
+                    plain_tokens[bs] = tokens
+                else:
+                    row[bs]["equal_to_plain"] = tokens == plain_tokens.get(bs)
+            rows[name] = row
+            free(engine)
+        except Exception as exc:  # noqa: BLE001
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    verdict = {}
+    for name in BUNDLED:
+        for bs in sizes:
+            try:
+                best = max(rows["plain"][bs]["tok_s"], rows[f"{name} fixed"][bs]["tok_s"])
+                auto = rows[f"{name} auto"][bs]["tok_s"]
+                verdict[f"{name}@{bs}"] = {"auto_vs_best": round(auto / best, 3),
+                                           "meets_bar": auto >= 0.97 * best}  # fmt: skip
+            except (KeyError, TypeError):
+                verdict[f"{name}@{bs}"] = "missing"
+    report["bundled_verdict"] = verdict
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--parts", default="8b,bundled")
+    args = parser.parse_args()
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(["python"] + sys.argv),
+    }
+    for part in args.parts.split(","):
+        {"8b": part_8b, "bundled": part_bundled}[part](report)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+
+    def no_traces(value):
+        if isinstance(value, dict):
+            return {k: no_traces(v) for k, v in value.items() if k != "trace"}
+        return value
+
+    print(json.dumps(no_traces(report), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

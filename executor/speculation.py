@@ -1,0 +1,193 @@
+"""How many drafts each step proposes (`--speculation auto|fixed`).
+
+A step's `DraftShape` is (drafts it verifies, drafts it proposes). Fixed speculation runs every
+step at (k, k). Adaptive speculation picks, each step, the number of drafts to propose, 0 or k,
+that maximises expected tokens per second: expected tokens from an exponentially weighted
+per-position acceptance (per request once it has verified a few times, the batch's otherwise),
+step time from `StepCosts`, replay times measured on this machine at start-up. A step after one
+that proposed nothing has nothing to verify, so the shapes are (k, k), (0, k) and (0, 0); a step
+that proposes nothing drops the drafts its rows hold and runs as a plain step (0, 0), in which
+the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
+those positions, the draft model runs its LM over them), so a later step can draft again.
+While plain steps win, a probe (one step that drafts, then one that verifies) refreshes the
+acceptance estimate every `probe_interval` steps, doubling while probes keep losing."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import NamedTuple
+
+FIXED, AUTO = "fixed", "auto"
+PROBE_DRAFTED, PROBE_VERIFYING = "drafted", "verifying"
+MODES = (AUTO, FIXED)
+
+
+class DraftShape(NamedTuple):
+    """A step's drafts: `verify` drafts per row are verified (its rows hold verify + 1 input
+    tokens), `draft` drafts per row are proposed for the next step."""
+
+    verify: int
+    draft: int
+
+    @property
+    def tokens_per_req(self) -> int:
+        return self.verify + 1
+
+
+def shapes_for(k: int, mode: str) -> list[DraftShape]:
+    """The shapes steps can take (graphs are captured for each): (k, k) only when fixed."""
+    if k == 0:
+        return [DraftShape(0, 0)]
+    if mode == FIXED:
+        return [DraftShape(k, k)]
+    return [DraftShape(k, k), DraftShape(0, k), DraftShape(0, 0)]
+
+
+def step_shape(num_drafts: int, held: int, k: int) -> DraftShape:
+    """The shape of a step proposing `num_drafts` whose rows hold at least `held` drafts: it
+    verifies k when every row holds k and the step drafts again, else nothing."""
+    verify = k if num_drafts and held >= k else 0
+    return DraftShape(verify, num_drafts)
+
+
+class StepCosts:
+    """Seconds of one decode step per (shape, padded batch size), measured on this machine; a
+    size between measured ones costs what the next measured size does (it is padded to it on a
+    GPU), one past the largest is scaled linearly."""
+
+    def __init__(self, table: dict[tuple[DraftShape, int], float]):
+        self.table = dict(table)
+        self.sizes: dict[DraftShape, list[int]] = {}
+        for shape, bs in self.table:
+            self.sizes.setdefault(DraftShape(*shape), []).append(bs)
+        for sizes in self.sizes.values():
+            sizes.sort()
+
+    def __call__(self, shape: DraftShape, bs: int) -> float:
+        sizes = self.sizes[shape]
+        index = bisect.bisect_left(sizes, bs)
+        if index < len(sizes):
+            return self.table[(shape, sizes[index])]
+        largest = sizes[-1]
+        return self.table[(shape, largest)] * bs / largest
+
+    @classmethod
+    def averaged(cls, tables: list[dict]) -> StepCosts:
+        """One table from every rank's measurements (the mean), so that every rank, timing its
+        own replays, takes the same decisions."""
+        keys = tables[0].keys()
+        return cls({key: sum(t[key] for t in tables) / len(tables) for key in keys})
+
+
+class AcceptanceEstimate:
+    """Exponentially weighted conditional acceptance of draft position i (given 1..i-1 were
+    accepted), one per position."""
+
+    def __init__(self, k: int, prior: float = 0.5, decay: float = 0.7):
+        self.rates = [prior] * k
+        self.decay = decay
+        self.samples = 0
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """One verify row: `verified` drafts checked, the first `accepted` of them accepted.
+        Positions past the first rejection were not reached and teach nothing."""
+        reached = min(accepted + 1, verified)
+        for i in range(reached):
+            hit = 1.0 if i < accepted else 0.0
+            self.rates[i] = self.decay * self.rates[i] + (1 - self.decay) * hit
+        self.samples += 1
+
+    def expected_tokens(self) -> float:
+        """Tokens one verify row emits on average: 1 + sum over i of P(drafts 1..i accepted)."""
+        total, run = 1.0, 1.0
+        for rate in self.rates:
+            run *= rate
+            total += run
+        return total
+
+
+class DraftLengthChooser:
+    """Decides each step's number of drafts. `fixed`: always k. `auto`: see the module doc."""
+
+    MIN_SAMPLES = 2  # a request's own estimate counts once it has verified this often
+    FIRST_PROBE, LAST_PROBE = 8, 256
+
+    def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
+        self.k, self.mode, self.costs = k, mode, costs
+        self.batch = AcceptanceEstimate(k)
+        self.per_request: dict[int, AcceptanceEstimate] = {}  # by request index
+        self.plain_streak = 0
+        self.probe_interval = self.FIRST_PROBE
+        self.phase: str | None = None  # a probe in progress: PROBE_DRAFTED, then PROBE_VERIFYING
+        self.probe_mark = 0
+        self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == AUTO and self.k > 0 and self.costs is not None
+
+    def observe(self, request_index: int, verified: int, accepted: int) -> None:
+        """A verify row's outcome (accepted drafts before the first rejection, counted before
+        any stop token or length limit cut them)."""
+        if verified == 0 or not self.adaptive:
+            return
+        self.batch.observe(verified, accepted)
+        own = self.per_request.get(request_index)
+        if own is None:
+            own = self.per_request[request_index] = AcceptanceEstimate(self.k)
+            own.rates = list(self.batch.rates)
+        own.observe(verified, accepted)
+
+    def forget(self, request_index: int) -> None:
+        self.per_request.pop(request_index, None)
+
+    def expected_tokens(self, request_indices: list[int]) -> float:
+        total = 0.0
+        for index in request_indices:
+            own = self.per_request.get(index)
+            use = own if own is not None and own.samples >= self.MIN_SAMPLES else self.batch
+            total += use.expected_tokens()
+        return total
+
+    def prefers_drafting(self, request_indices: list[int], bs: int) -> bool:
+        """Expected tokens per second of speculative steps (k, k) against plain steps (0, 0) at
+        this batch size."""
+        bs = max(bs, 1)
+        spec = self.expected_tokens(request_indices) / self.costs(DraftShape(self.k, self.k), bs)
+        plain = len(request_indices) / self.costs(DraftShape(0, 0), bs)
+        return spec > plain
+
+    def choose(self, request_indices: list[int], bs: int) -> int:
+        """Drafts the step proposes (0 or k) for a batch of these requests run at size bs."""
+        drafts = self._choose(request_indices, bs)
+        self.chosen[drafts] += 1
+        return drafts
+
+    def _choose(self, request_indices: list[int], bs: int) -> int:
+        if not self.adaptive:
+            return self.k
+        if self.phase == PROBE_DRAFTED:  # the probe's drafts must be verified once
+            self.phase, self.probe_mark = PROBE_VERIFYING, self.batch.samples
+            return self.k
+        if self.phase == PROBE_VERIFYING and self.batch.samples == self.probe_mark:
+            return 0  # its outcome is not read back yet (a step launched ahead)
+        if not request_indices:
+            return 0
+        prefer = self.prefers_drafting(request_indices, bs)
+        if self.phase == PROBE_VERIFYING:
+            self.phase = None
+            if not prefer:  # the probe lost: wait longer before the next one
+                self.probe_interval = min(2 * self.probe_interval, self.LAST_PROBE)
+        if prefer:
+            self.plain_streak, self.probe_interval = 0, self.FIRST_PROBE
+            return self.k
+        self.plain_streak += 1
+        if self.plain_streak >= self.probe_interval:
+            self.plain_streak, self.phase = 0, PROBE_DRAFTED
+            return self.k
+        return 0
+
+    def summary(self) -> dict[int, int]:
+        """Steps by drafts proposed."""
+        return dict(sorted(self.chosen.items()))

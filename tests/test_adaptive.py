@@ -1,0 +1,374 @@
+"""Adaptive speculation (`--speculation auto`, executor/speculation.py): a step drafts k or no
+tokens. Forced switching patterns keep greedy output equal to plain decoding and seeded sampling
+reproducible and distributed as the target's, for EAGLE-3, DFLASH and the draft model, in mixed
+and chunked steps, with overlap, and under TP=2 and DP=2; the drafter's state after steps that
+did not draft equals what drafting every step leaves; the chooser's decisions follow synthetic
+cost tables and acceptance streams."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from speculant import Engine, SamplingParams, bundled
+from speculant.executor.speculation import (
+    AUTO,
+    FIXED,
+    DraftLengthChooser,
+    DraftShape,
+    StepCosts,
+    shapes_for,
+    step_shape,
+)
+from speculant.launch.spawn import run_ranks
+
+TARGET = bundled("target")
+DRAFTERS = {
+    "eagle3": dict(algo="eagle3", draft=str(bundled("eagle3")), num_draft_tokens=3),
+    "dflash": dict(algo="dflash", draft=str(bundled("dflash")), num_draft_tokens=3),
+    "draft-model": dict(algo="draft-model", draft=str(bundled("draft_lm")), num_draft_tokens=3),
+}
+ENGINE = dict(device="cpu", max_num_seqs=8, max_model_len=256, page_size=4)
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+LAUNCH_TIMEOUT_S = 150
+
+
+def prompts_of(lengths, seed, vocab):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+class ForcedChooser(DraftLengthChooser):
+    """Drafts per step from a fixed pattern (or a seeded random choice), whatever the costs."""
+
+    def __init__(self, k: int, pattern: list[int] | None = None, seed: int = 0):
+        super().__init__(k, AUTO, StepCosts({(DraftShape(k, k), 1): 1.0}))
+        self.pattern, self.rng, self.steps = pattern, random.Random(seed), 0
+
+    def _choose(self, request_indices, bs):
+        self.steps += 1
+        if self.pattern is None:
+            return self.rng.choice([0, self.k])
+        return self.pattern[(self.steps - 1) % len(self.pattern)]
+
+
+def forced_engine(drafter: str, pattern, **options) -> Engine:
+    engine = Engine(TARGET, **{**ENGINE, **options}, **DRAFTERS[drafter], speculation=AUTO)
+    engine.chooser = ForcedChooser(engine.chooser.k, pattern)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return Engine(TARGET, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain):
+    return prompts_of((5, 23, 1, 40, 12), seed=3, vocab=plain.model_config.vocab_size)
+
+
+PATTERNS = {"alternating": [3, 3, 0], "mostly-plain": [0, 0, 0, 3, 3], "random": None}
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_forced_switching_greedy_equals_plain(plain, prompts, drafter, pattern):
+    engine = forced_engine(drafter, PATTERNS[pattern], eager_padding=True)
+    ours = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    shapes = engine.chooser.summary()
+    assert shapes.get(0) and shapes.get(3), shapes  # both lengths ran
+    assert sum(o.stats["num_verify_steps"] for o in ours) > 0
+    assert len(engine.kv.free_pages) == engine.kv.num_pages - 1
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_forced_switching_in_chunked_preempted_overlapped_jobs(plain, drafter):
+    vocab = plain.model_config.vocab_size
+    prompts = prompts_of((30, 3, 50, 17, 8, 61), seed=9, vocab=vocab)
+    tight = dict(max_num_batched_tokens=24, num_pages=40, overlap=True)
+    engine = forced_engine(drafter, None, **tight)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ours = engine.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
+    stats = engine.stats()
+    assert stats["extend_steps"] > 1 and stats["preemptions"] > 0, stats
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_seeded_switching_is_reproducible_and_batch_invariant_per_pattern(prompts, drafter):
+    params = [
+        SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    runs = [forced_engine(drafter, [0, 3, 3]).generate(prompts, params) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    # k = 0 every step is plain sampling: the same tokens as the plain engine, seed for seed
+    never = forced_engine(drafter, [0]).generate(prompts, params)
+    plain = Engine(TARGET, **ENGINE).generate(prompts, params)
+    assert [o.token_ids for o in never] == [o.token_ids for o in plain]
+
+
+def test_switching_sampled_output_follows_the_target_distribution():
+    """First tokens after a plain step and after a drafting step: the empirical distribution of
+    the token a switching run emits at a fixed position matches the plain run's over seeds."""
+    from scipy.stats import chisquare
+
+    prompt = prompts_of((7,), seed=4, vocab=256)[0]
+    n = 300
+    params = [
+        SamplingParams(max_new_tokens=4, temperature=1.0, seed=1000 + i, ignore_eos=True)
+        for i in range(n)
+    ]
+    switching = forced_engine("eagle3", [0, 3, 3], max_num_seqs=64)
+    plain = Engine(TARGET, **{**ENGINE, "max_num_seqs": 64})
+    ours = [o.token_ids[3] for o in switching.generate([prompt] * n, params)]
+    theirs = [o.token_ids[3] for o in plain.generate([prompt] * n, params)]
+    tokens = sorted(set(ours) | set(theirs))
+    counts = [ours.count(t) for t in tokens]
+    expected = [max(theirs.count(t), 0.5) for t in tokens]
+    scale = sum(counts) / sum(expected)
+    common = [(c, e * scale) for c, e in zip(counts, expected, strict=True) if e * scale >= 5]
+    if len(common) >= 2:
+        c, e = zip(*common, strict=True)
+        e = [x * sum(c) / sum(e) for x in e]
+        assert chisquare(c, e).pvalue > 1e-3
+
+
+def drafter_state_at_finish(engine: Engine, length: int) -> list[torch.Tensor]:
+    """Generate, keeping the drafter's K and V of the request's first `length` positions as
+    they were when it finished (before its pages go back)."""
+    kv, drafter, kept = engine.kv, engine.drafter, []
+    free = kv.free
+
+    def keep_then_free(row: int) -> None:
+        rows = torch.full((1,), row, dtype=torch.long)
+        slots = kv.slots(rows, torch.arange(length)[None]).reshape(-1)
+        kept.extend(pool[slots].clone() for pool in drafter.k_pools + drafter.v_pools)
+        free(row)
+
+    kv.free = keep_then_free
+    return kept
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_drafter_state_after_plain_steps_equals_drafting_every_step(prompts, drafter):
+    """One request, greedy: its drafter K/V over every verified position is the same whether
+    every step drafted or most did not (the plain steps' K/V-only catch-up)."""
+    prompt = prompts[3]
+    length = len(prompt) + GREEDY.max_new_tokens - 8  # verified in both runs
+    states = []
+    for pattern in ([3], [0, 0, 3]):
+        engine = forced_engine(drafter, pattern, max_num_seqs=1)
+        kept = drafter_state_at_finish(engine, length)
+        engine.generate([prompt], GREEDY)
+        if pattern != [3]:
+            assert engine.chooser.summary().get(0)  # plain steps ran
+        states.append(kept)
+    assert states[0] and len(states[0]) == len(states[1])
+    for fixed, switching in zip(*states, strict=True):
+        assert fixed.abs().sum() > 0  # real K/V, not an empty page
+        torch.testing.assert_close(switching, fixed, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_on_the_cpu_measures_costs_and_stays_lossless(plain, prompts):
+    engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
+    table = engine.chooser.costs.table
+    assert {shape for shape, _ in table} == set(shapes_for(3, AUTO))
+    assert all(seconds > 0 for seconds in table.values())
+    ours = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    stats = engine.stats()  # every step that ran a batch chose its drafts
+    assert 0 < sum(stats["drafts_chosen"].values()) <= stats["steps"]
+
+
+def test_fixed_speculation_captures_one_shape_and_drafts_every_step(prompts):
+    engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=FIXED)
+    assert engine.graphs.shapes == [DraftShape(3, 3)]
+    engine.generate(prompts[:2], GREEDY)
+    assert not engine.chooser.adaptive and set(engine.chooser.summary()) == {3}
+
+
+def test_bad_speculation_value_is_one_clear_error():
+    from speculant import SpeculantError
+
+    with pytest.raises(SpeculantError, match=r"speculation='sometimes' must be 'auto' or 'fixed'"):
+        Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation="sometimes")
+
+
+# ------------------------------------------------------------------------------ TP=2 and DP=2
+
+
+def switching_in_rank(tp: int, dp: int, drafter: str, prompts, params) -> dict:
+    from speculant.comm.groups import ParallelContext
+
+    pctx = ParallelContext.from_env(tp, dp, "cpu", timeout_s=60)
+    engine = Engine(str(TARGET), pctx=pctx, **ENGINE, **DRAFTERS[drafter], speculation=AUTO)
+    engine.chooser = ForcedChooser(engine.chooser.k, None, seed=pctx.dp_rank)
+    source = pctx.rank == 0
+    outs = engine.generate(prompts if source else None, params if source else None)
+    pctx.close()
+    return {o.index: o.token_ids for o in outs}
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
+def test_switching_under_tp2_and_dp2_equals_plain(plain, prompts, tp, dp):
+    expected = {o.index: o.token_ids for o in plain.generate(prompts, GREEDY)}
+    for drafter in ("eagle3", "dflash"):
+        ranks = run_ranks(switching_in_rank, tp * dp, (tp, dp, drafter, prompts, GREEDY),
+                          timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
+        assert ranks[0] == expected, drafter
+
+
+# ------------------------------------------------------------------------------ the chooser
+
+
+def costs(plain_s: float, spec_s: float, resume_s: float | None = None, sizes=(1, 64)):
+    """A synthetic table: plain and speculative (k = 3) steps, the cost growing with bs."""
+    table = {}
+    for bs in sizes:
+        scale = 1 + bs / 64
+        table[(DraftShape(0, 0), bs)] = plain_s * scale
+        table[(DraftShape(3, 3), bs)] = spec_s * scale
+        table[(DraftShape(0, 3), bs)] = (resume_s or spec_s) * scale
+    return StepCosts(table)
+
+
+def feed(chooser: DraftLengthChooser, requests: list[int], accepted: int, steps: int) -> list:
+    """Run `steps` decisions; every verify step accepts `accepted` of 3 drafts per request."""
+    chosen, holding = [], 3
+    for _ in range(steps):
+        drafts = chooser.choose(requests, len(requests))
+        shape = step_shape(drafts, holding, 3)
+        for index in requests:
+            chooser.observe(index, shape.verify, min(accepted, shape.verify))
+        holding = shape.draft
+        chosen.append(shape)
+    return chosen
+
+
+def test_chooser_drafts_when_acceptance_pays_for_the_verify():
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chosen = feed(chooser, [0, 1], accepted=2, steps=50)
+    assert all(s == DraftShape(3, 3) for s in chosen[1:])
+
+
+def test_chooser_goes_plain_when_nothing_is_accepted_and_probes_less_and_less():
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chosen = feed(chooser, [0], accepted=0, steps=600)
+    plain = sum(s == DraftShape(0, 0) for s in chosen)
+    assert plain / len(chosen) > 0.97
+    probes = [i for i, s in enumerate(chosen) if s == DraftShape(0, 3)]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backing off
+    assert all(chosen[i + 1] == DraftShape(3, 3) for i in probes)  # a probe is verified
+
+
+def test_chooser_returns_to_drafting_when_acceptance_recovers():
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    feed(chooser, [0], accepted=0, steps=40)
+    later = feed(chooser, [0], accepted=3, steps=80)
+    assert later[-20:] == [DraftShape(3, 3)] * 20
+
+
+def test_chooser_weighs_batch_size_through_the_cost_table():
+    # verify is cheap at bs 1 and expensive at bs 64 (the measured H200 shape of the problem)
+    table = {
+        (DraftShape(0, 0), 1): 1.0, (DraftShape(3, 3), 1): 1.1, (DraftShape(0, 3), 1): 1.1,
+        (DraftShape(0, 0), 64): 2.0, (DraftShape(3, 3), 64): 5.0, (DraftShape(0, 3), 64): 2.2,
+    }  # fmt: skip
+    chooser = DraftLengthChooser(3, AUTO, StepCosts(table))
+    for index in range(64):
+        for _ in range(5):
+            chooser.observe(index, 3, 1)  # about 2 tokens per verify step
+    assert chooser.prefers_drafting([0], 1)
+    assert not chooser.prefers_drafting(list(range(64)), 64)
+
+
+def test_chooser_uses_each_requests_own_acceptance():
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.5))
+    for _ in range(6):
+        chooser.observe(0, 3, 3)  # request 0 accepts everything
+        chooser.observe(1, 3, 0)  # request 1 nothing
+    assert chooser.expected_tokens([0]) > 3.0 > 1.5 > chooser.expected_tokens([1])
+    assert chooser.prefers_drafting([0], 1) and not chooser.prefers_drafting([1], 1)
+
+
+def test_step_costs_pad_up_and_extrapolate_and_average_over_ranks():
+    shape = DraftShape(0, 0)
+    table = StepCosts({(shape, 8): 2.0, (shape, 16): 3.0})
+    assert table(shape, 1) == 2.0 and table(shape, 9) == 3.0 and table(shape, 32) == 6.0
+    both = StepCosts.averaged([{(shape, 8): 1.0}, {(shape, 8): 3.0}])
+    assert both(shape, 8) == 2.0
+
+
+def test_shapes_and_step_shape():
+    assert shapes_for(0, AUTO) == [DraftShape(0, 0)]
+    assert shapes_for(3, FIXED) == [DraftShape(3, 3)]
+    assert set(shapes_for(3, AUTO)) == {DraftShape(3, 3), DraftShape(0, 3), DraftShape(0, 0)}
+    assert step_shape(3, 3, 3) == DraftShape(3, 3)
+    assert step_shape(3, 0, 3) == DraftShape(0, 3)  # nothing held: draft, verify nothing
+    assert step_shape(0, 3, 3) == DraftShape(0, 0)  # held drafts are dropped
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_gpu_graphs_of_every_shape_replay_and_switching_equals_plain(drafter):
+    """With CUDA graphs (all three shapes captured), forced switching and auto both equal plain
+    greedy, every decode step replays a graph, and seeded sampling repeats itself."""
+    options = dict(device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256)
+    plain = Engine(TARGET, **options)
+    prompts = prompts_of((5, 23, 1, 40, 12, 7, 30, 2), seed=8, vocab=plain.model_config.vocab_size)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    forced = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO)
+    assert len(forced.graphs.graphs) == 3 * 2 * len(forced.graphs.sizes)
+    forced.chooser = ForcedChooser(forced.chooser.k, None, seed=1)
+    assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
+    assert forced.graphs.num_replays > 0
+    auto = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO)
+    assert [o.token_ids for o in auto.generate(prompts, GREEDY)] == expected
+    sampled = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True)
+               for i in range(len(prompts))]  # fmt: skip
+    runs = []
+    for _ in range(2):
+        forced.chooser = ForcedChooser(forced.chooser.k, [3, 3, 0])
+        runs.append([o.token_ids for o in forced.generate(prompts, sampled)])
+    assert runs[0] == runs[1]
+
+
+def test_moe_dp_ranks_agree_on_the_fewest_drafts():
+    """Under DP with a MoE target every rank runs one shape: the fewest drafts any busy rank
+    chose, and its forwards are sized with that shape's tokens per row."""
+    from speculant.comm.groups import ParallelContext
+    from speculant.config import GraphConfig
+    from speculant.executor.dp import DECODE, IDLE, DPCoordinator
+    from speculant.executor.step_plan import StepPlan
+
+    class Graphs:
+        sizes, cfg = [1, 2, 4], GraphConfig()
+
+        def padded_bs(self, bs):
+            return next(s for s in self.sizes if s >= bs)
+
+    # rank 0 decodes 3 rows and drafts; rank 1 decodes 2 rows and chose none; rank 2 is idle
+    exchanged = [
+        [DECODE, 0, 3, 3, 1, 3, 3],
+        [DECODE, 0, 2, 2, 1, 0, 0],
+        [IDLE, 0, 0, 0, 0, 3, 3],
+    ]
+    plans = []
+    for dp_rank, (mode, _, rows, *_rest) in enumerate(exchanged):
+        pctx = ParallelContext(tp_size=1, dp_size=3, dp_rank=dp_rank)
+        pctx.all_gather_dp = lambda row: [list(r) for r in exchanged]
+        own = DraftShape(*exchanged[dp_rank][5:])
+        plan = StepPlan(decode=[object()] * rows, tokens_per_req=own.tokens_per_req, shape=own)
+        plans.append(DPCoordinator(pctx, Graphs(), 4, True).agree(plan, mode != IDLE))
+    assert all(p.shape == DraftShape(0, 0) and p.tokens_per_req == 1 for p in plans)
+    assert all(p.padded_bs == 4 and p.use_graph for p in plans)
+    assert all(p.sizes.tokens_per_rank == [4, 4, 4] for p in plans)  # 4 rows x 1 token
