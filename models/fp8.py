@@ -1,7 +1,8 @@
 """FP8 linear weights as published (config.QuantConfig): the e4m3 weight and its scales on a
 tensor-parallel linear layer of models/layers.py, how the scales shard with the weight, and the
 torch reference forward (dequantise to the activation dtype, then F.linear); on the Triton
-backend the forward runs kernels/fp8.py's kernels instead."""
+backend the forward runs kernels/fp8.py's kernels instead. Qwen3-MoE experts (Fp8Experts) load
+the published per-expert block-scaled layout and dequantise in their forward."""
 
 from __future__ import annotations
 
@@ -215,12 +216,99 @@ def is_ignored(hf_name: str, ignore: tuple[str, ...]) -> bool:
     return False
 
 
+class Fp8Experts:
+    """The FP8 state of a Qwen3-MoE `Experts` module (`experts.fp8`): e4m3 gate_up_proj
+    [E_local, 2I, H] and down_proj [E_local, H, I] and their block scales, loaded from the
+    published per-expert `experts.{j}.{gate,up,down}_proj.weight` + `weight_scale_inv` (block
+    128x128 only): gate_up_proj_<scale> [E_local, 2 ceil(I/128), ceil(H/128)] (gate's blocks
+    first) and down_proj_<scale> [E_local, ceil(H/128), ceil(I/128)]. The forward dequantises
+    the local experts to the activation dtype and runs the float expert paths."""
+
+    def __init__(self, quant: QuantConfig, experts: nn.Module, name: str):
+        if quant.strategy != "block":
+            raise SpeculantError(
+                f"{name}: FP8 experts need block-wise scales (quant_method fp8 with "
+                f"weight_block_size [128, 128]); got weight strategy {quant.strategy!r}"
+            )
+        self.quant, self.name = quant, name
+        self.scale_names = tuple(f"{p}_{quant.scale_name}" for p in ("gate_up_proj", "down_proj"))
+
+    def convert(self, experts: nn.Module) -> None:
+        inter = experts.intermediate
+        for proj, scale_name in zip(("gate_up_proj", "down_proj"), self.scale_names, strict=True):
+            old = getattr(experts, proj)
+            weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), False)
+            weight.weight_loader, weight.shard_ids = old.weight_loader, old.shard_ids
+            setattr(experts, proj, weight)
+            local, rows, cols = old.shape
+            row_blocks = 2 * _blocks(inter) if proj == "gate_up_proj" else _blocks(rows)
+            scale = _scale_param(local, row_blocks, _blocks(cols), device=old.device, kind="block")
+            scale.weight_loader, scale.shard_ids = self._load_scale(experts), old.shard_ids
+            experts.register_parameter(scale_name, scale)
+        experts.fp8 = self
+
+    @staticmethod
+    def _load_scale(experts: nn.Module):
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+            if shard is None:  # a fused [E, ...] tensor
+                full = (experts.num_experts, *param.shape[1:])
+                if tuple(loaded.shape) != full:
+                    raise ValueError(f"expected shape {full}, got {tuple(loaded.shape)}")
+                param.data.copy_(loaded.narrow(0, experts.first, experts.num_local))
+                return
+            expert, part = shard
+            if not experts.first <= expert < experts.first + experts.num_local:
+                return
+            dst = param.data[expert - experts.first]
+            if part is not None:
+                rows = dst.shape[0] // 2
+                dst = dst.narrow(0, part * rows, rows)
+            if dst.shape != loaded.shape:
+                raise ValueError(f"expected shape {tuple(dst.shape)}, got {tuple(loaded.shape)}")
+            dst.copy_(loaded)
+
+        return load
+
+    def dequantize(self, experts: nn.Module, dtype: torch.dtype):
+        """(gate_up_proj, down_proj) as `dtype`, multiplied in float32 (float64 if asked)."""
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        inter = experts.intermediate
+        out = []
+        for proj, scale_name in zip(("gate_up_proj", "down_proj"), self.scale_names, strict=True):
+            weight, scale = getattr(experts, proj), getattr(experts, scale_name)
+            rows, cols = weight.shape[1:]
+            if proj == "gate_up_proj":  # each part's blocks start at its first row
+                parts = scale.chunk(2, dim=1)
+                full = torch.cat([p.repeat_interleave(BLOCK, 1)[:, :inter] for p in parts], 1)
+            else:
+                full = scale.repeat_interleave(BLOCK, 1)[:, :rows]
+            full = full.repeat_interleave(BLOCK, 2)[:, :, :cols]
+            out.append((weight.to(wide) * full.to(wide)).to(dtype))
+        return out[0], out[1]
+
+    @torch.no_grad()
+    def init_dummy(self, experts: nn.Module, gen: torch.Generator) -> None:
+        """Random e4m3 weights and block scales with the dense dummy init's spread."""
+        for proj, scale_name in zip(("gate_up_proj", "down_proj"), self.scale_names, strict=True):
+            weight = getattr(experts, proj)
+            values = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+            values.normal_(0.0, DUMMY_RANGE, generator=gen).clamp_(-448.0, 448.0)
+            weight.copy_(values.to(FP8))
+            scale = getattr(experts, scale_name)
+            scale.uniform_(0.5, 1.5, generator=gen).mul_(weight.shape[-1] ** -0.5 / DUMMY_RANGE)
+
+
 def quantize_linears(model: nn.Module, quant: QuantConfig) -> int:
     """Give every linear layer of `model` that `quant` does not ignore its FP8 weight and
     scales (the loader then fills them); returns how many layers were converted. A merged
     projection whose parts are ignored only in part cannot be one FP8 matrix: an error."""
     converted = 0
     for name, module in list(model.named_modules()):
+        if hasattr(module, "gate_up_proj") and hasattr(module, "intermediate"):  # MoE experts
+            if not is_ignored(name, quant.ignore):
+                Fp8Experts(quant, module, name).convert(module)
+                converted += 1
+            continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         ignored = [is_ignored(hf_name, quant.ignore) for hf_name in hf_module_names(name)]

@@ -33,7 +33,9 @@ STACKED_PARAMS = (
 )
 # Per-expert HF tensors (`mlp.experts.7.up_proj.weight`) -> the fused expert parameter and the
 # shard (expert, part); transformers-5 style fused tensors (`mlp.experts.gate_up_proj`) load whole.
-EXPERT_PARAM = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PARAM = re.compile(
+    r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv|_scale)?)$"
+)  # FP8 experts (models/fp8.py) add `weight_scale_inv` -> `gate_up_proj_weight_scale_inv`
 EXPERT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 IGNORED = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|\.masked_bias$")
 
@@ -137,7 +139,9 @@ def load_weights(
         expert = EXPERT_PARAM.search(name)
         if expert:
             fused, part = EXPERT_FUSED.get(expert[2], ("down_proj", None))
-            name, shard = f"{name[: expert.start()]}.experts.{fused}", (int(expert[1]), part)
+            suffix = "" if expert[3] == "weight" else f"_{expert[3]}"
+            name = f"{name[: expert.start()]}.experts.{fused}{suffix}"
+            shard = (int(expert[1]), part)
         else:
             for hf_part, our_part, shard_id in STACKED_PARAMS:
                 if hf_part in name:
@@ -187,7 +191,7 @@ def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, so
     raise SpeculantError(
         f"tensor {hf_name!r} in {source} is {tensor.dtype}, but its module loads unquantized: "
         "FP8 loads in a target's decoder linear layers when config.json has its "
-        "quantization_config (not in embeddings, lm_head, experts or drafters); use bf16 weights"
+        "quantization_config (not in embeddings, lm_head, routers or drafters); use bf16 weights"
     )
 
 
@@ -234,13 +238,16 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             module.fp8.init_dummy(module, gen)
 
 
-def build_fp8_causal_lm(cfg: ModelConfig, max_positions: int, pctx: ParallelContext) -> CausalLM:
-    """A dense CausalLM whose linear layers hold FP8 weights and scales, built on the meta
-    device first so that no float copy of the linear weights is ever allocated; the rotary
-    tables are then rebuilt and every other parameter allocated on the ambient device."""
+def build_fp8_causal_lm(
+    cfg: ModelConfig, max_positions: int, pctx: ParallelContext, make: Callable | None = None
+) -> CausalLM:
+    """A CausalLM (or `make()`'s model: Qwen3-MoE) whose linear layers and experts hold FP8
+    weights and scales, built on the meta device first so that no float copy of those weights
+    is ever allocated; the rotary tables are then rebuilt and every other parameter allocated on
+    the ambient device."""
     device = torch.get_default_device()
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions, pctx)
+        model = make() if make is not None else CausalLM(cfg, max_positions, pctx)
         quantize_linears(model, cfg.quantization)
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
@@ -268,11 +275,6 @@ def build_causal_lm(
     default_device_and_dtype): a dense CausalLM, or Qwen3MoeForCausalLM with its experts split
     over all ranks and the dispatcher `moe` names (`decode_tokens`: max_bs * (k + 1)). A
     `quantization_config` gives its linear layers FP8 weights and scales (models/fp8.py)."""
-    if cfg.quantization is not None and cfg.is_moe:
-        raise SpeculantError(
-            f"FP8 checkpoints of {cfg.architecture} are not supported yet (FP8 experts are "
-            "pending, issue 24); use the bf16 checkpoint"
-        )
     if not cfg.is_moe:
         if moe is not None and (moe.backend != "auto" or moe.max_tokens_per_rank is not None):
             raise SpeculantError(
@@ -284,4 +286,7 @@ def build_causal_lm(
         return CausalLM(cfg, max_positions, pctx)
     device = torch.get_default_device()
     dispatcher = make_dispatcher(cfg, pctx, moe or MoeConfig(), decode_tokens, device)
+    if cfg.quantization is not None:
+        make = lambda: Qwen3MoeForCausalLM(cfg, max_positions, pctx, dispatcher)  # noqa: E731
+        return build_fp8_causal_lm(cfg, max_positions, pctx, make)
     return Qwen3MoeForCausalLM(cfg, max_positions, pctx, dispatcher)

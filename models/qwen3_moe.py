@@ -73,6 +73,14 @@ class Experts(nn.Module):
         self.down_proj.shard_ids = tuple((e, None) for e in local)
         self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self._load
 
+    fp8 = None  # an fp8.Fp8Experts once fp8.quantize_linears gives the experts e4m3 weights
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) in `dtype`: FP8 experts dequantised (models/fp8.py)."""
+        if self.fp8 is not None:
+            return self.fp8.dequantize(self, dtype)
+        return self.gate_up_proj, self.down_proj
+
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
         """shard None: a fused [E, ...] tensor; (expert, part): one expert's gate (0), up (1) or
         down (None) matrix, ignored when the expert lives on another rank."""
@@ -99,10 +107,11 @@ class Experts(nn.Module):
         x = tokens.hidden
         if dense is None:
             dense = is_capturing() or x.shape[0] * x.shape[1] <= DENSE_EXPERT_ROWS
+        gate_up_proj, down_proj = self.weights(x.dtype)
         if dense or not x.numel() or not self._grouped_without_sync(x):
-            gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-            return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
-        return self._grouped(tokens)
+            gate, up = torch.bmm(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+            return torch.bmm(F.silu(gate) * up, down_proj.transpose(1, 2))
+        return self._grouped(tokens, gate_up_proj, down_proj)
 
     def _grouped_without_sync(self, x: torch.Tensor) -> bool:
         """torch._grouped_mm reads its offsets on the device only in its CUDA kernels (bfloat16,
@@ -121,7 +130,9 @@ class Experts(nn.Module):
             and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
         )
 
-    def _grouped(self, tokens: ExpertTokens) -> torch.Tensor:
+    def _grouped(
+        self, tokens: ExpertTokens, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    ) -> torch.Tensor:
         """Packs the valid rows expert after expert (row s of the pack is row s - start[e] of the
         expert e whose segment holds s, found on the device), runs both projections as grouped
         matmuls over the segments and scatters the results back. The pack holds
@@ -141,10 +152,10 @@ class Experts(nn.Module):
         source = torch.where(real, source, rows)  # row `rows`: a dropped one, in and out
         flat = x.reshape(rows, width)
         picked = flat.index_select(0, source.clamp_max(rows - 1))
-        gate, up = torch._grouped_mm(picked, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(
+        gate, up = torch._grouped_mm(picked, gate_up_proj.transpose(1, 2), offs=ends).chunk(
             2, dim=-1
         )
-        down = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        down = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=ends)
         out = x.new_empty(rows + 1, width)
         out.index_copy_(0, source, down)
         return out[:rows].view(num_local, capacity, width)
