@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_piecewise_sizes,
         metavar="16,32,...",
         help="token counts to capture graphs of prefill and mixed steps for (default: 16, 32, "
-        "..., 8192, at most --max-num-batched-tokens; none: run them eagerly)",
+        "64, 96, ... 2048, at most --max-num-batched-tokens; larger steps run eagerly, their "
+        "launches hidden by their compute; none: run them all eagerly)",
     )
     spec.add_argument(
         "--piecewise-capture",

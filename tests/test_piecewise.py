@@ -80,8 +80,9 @@ def engine(path, **kwargs):
     "cfg, budget, expected",
     [
         (GraphConfig(), 8192, list(DEFAULT_SIZES)),
-        (GraphConfig(), 2048, [16, 32, 64, 128, 256, 512, 1024, 2048]),
-        (GraphConfig(), 3000, [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]),
+        (GraphConfig(), 2048, list(DEFAULT_SIZES)),
+        (GraphConfig(), 3000, list(DEFAULT_SIZES)),  # the default stops at 2048 tokens
+        (GraphConfig(), 1000, [s for s in DEFAULT_SIZES if s < 1000] + [1000]),
         (GraphConfig(), 10, [10]),
         (GraphConfig(piecewise_sizes=[64, 16, 16]), 2048, [16, 64]),
         (GraphConfig(piecewise_sizes=[16, 5000]), 2048, [16, 2048]),
