@@ -427,8 +427,9 @@ class GraphConfig:
     disable_padding: bool = False
     enforce_eager: bool = False
     eager_padding: bool = False
-    # extend (prefill / mixed) forwards by padded token count (executor/piecewise.py):
-    # None is the default list, [] none
+    # extend (prefill / mixed) forwards by padded token count (executor/piecewise.py); with
+    # `piecewise` on (or sizes given), None is the default list, [] none
+    piecewise: bool = True
     piecewise_sizes: list[int] | None = None
     piecewise_capture: str = "eager"  # eager: every size at start; lazy: on a size's first use
 

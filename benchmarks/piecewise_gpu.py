@@ -127,7 +127,7 @@ def run(args) -> dict:
     start = time.perf_counter()
     eng = Engine(
         target, device=args.device, dtype="bfloat16", load_format="dummy", max_num_seqs=128,
-        max_model_len=min(4096, shape["max_position_embeddings"]),
+        max_model_len=min(4096, shape["max_position_embeddings"]), piecewise=True,
     )  # fmt: skip
     pw = eng.piecewise
     report["startup"] = {

@@ -102,7 +102,10 @@ def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: 
     if sched:
         for item in sched.group(1).split():
             key, _, value = item.partition("=")
-            result[key] = float(value) if "." in value else int(value)
+            try:
+                result[key] = float(value) if "." in value else int(value)
+            except ValueError:  # drafts_chosen=0:120,3:880
+                result[key] = value
     accept = re.search(r"accept_len=([\d.]+)", err)
     if accept:
         result["accept_len"] = float(accept.group(1))

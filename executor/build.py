@@ -118,6 +118,7 @@ def engine_config(target: str, **options) -> EngineConfig:
                 "enforce_eager",
                 "eager_padding",
                 "disable_graph_padding",
+                "piecewise",
                 "piecewise_sizes",
                 "piecewise_capture",
             },

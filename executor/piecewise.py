@@ -57,8 +57,11 @@ WARMUP_RUNS = 2
 
 def piecewise_sizes(cfg: GraphConfig, max_num_batched_tokens: int) -> list[int]:
     """Token buckets: the configured or default list capped at the token budget (adding the
-    budget itself when the list passes it, so every step of the budget replays); [] for none."""
+    budget itself when the list passes it, so every step of the budget replays); [] for none,
+    and when piecewise graphs are off (`piecewise=False` and no sizes given)."""
     if cfg.piecewise_sizes is not None and not cfg.piecewise_sizes:
+        return []
+    if not cfg.piecewise and cfg.piecewise_sizes is None:
         return []
     sizes = sorted(set(cfg.piecewise_sizes or DEFAULT_SIZES))
     if min(sizes) < 1:

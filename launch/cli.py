@@ -657,7 +657,14 @@ def generate_in_rank(
     seconds = time.perf_counter() - start
     if (pctx is None or pctx.rank == 0) and len(specs) > 1:  # a job: how the scheduler ran it
         stats = engine.stats()
-        print("scheduler: " + " ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+
+        def text(value) -> str:  # a dict (drafts chosen -> steps) as 0:120,3:880
+            if isinstance(value, dict):
+                return ",".join(f"{k}:{v}" for k, v in value.items())
+            return str(value)
+
+        print("scheduler: " + " ".join(f"{k}={text(v)}" for k, v in stats.items()),
+              file=sys.stderr)  # fmt: skip
     if pctx is not None:
         pctx.close()
     return (outputs if pctx is None or pctx.rank == 0 else None), seconds

@@ -68,7 +68,7 @@ def run_jobs(eng) -> list[list[int]]:
 
 
 def engine(path, **kwargs):
-    options = dict(ENGINE, max_num_batched_tokens=BUDGET)
+    options = dict(ENGINE, max_num_batched_tokens=BUDGET, piecewise=True)
     options.update(kwargs)
     return Engine(path, **options)
 
@@ -79,11 +79,12 @@ def engine(path, **kwargs):
 @pytest.mark.parametrize(
     "cfg, budget, expected",
     [
-        (GraphConfig(), 8192, list(DEFAULT_SIZES)),
-        (GraphConfig(), 2048, list(DEFAULT_SIZES)),
-        (GraphConfig(), 3000, list(DEFAULT_SIZES)),  # the default stops at 2048 tokens
-        (GraphConfig(), 1000, [s for s in DEFAULT_SIZES if s < 1000] + [1000]),
-        (GraphConfig(), 10, [10]),
+        (GraphConfig(piecewise=False), 8192, []),  # Engine(..., piecewise=False)
+        (GraphConfig(piecewise=True), 8192, list(DEFAULT_SIZES)),
+        (GraphConfig(piecewise=True), 2048, list(DEFAULT_SIZES)),
+        (GraphConfig(piecewise=True), 3000, list(DEFAULT_SIZES)),  # the default stops at 2048
+        (GraphConfig(piecewise=True), 1000, [s for s in DEFAULT_SIZES if s < 1000] + [1000]),
+        (GraphConfig(piecewise=True), 10, [10]),
         (GraphConfig(piecewise_sizes=[64, 16, 16]), 2048, [16, 64]),
         (GraphConfig(piecewise_sizes=[16, 5000]), 2048, [16, 2048]),
         (GraphConfig(piecewise_sizes=[]), 2048, []),
@@ -94,6 +95,7 @@ def test_piecewise_size_policy(cfg, budget, expected):
 
 
 def test_cli_piecewise_flags():
+    assert GraphConfig().piecewise  # on by default
     args = build_parser().parse_args(["generate", "--piecewise-sizes", "none"])
     assert args.piecewise_sizes == [] and args.piecewise_capture == "eager"
     args = build_parser().parse_args(
@@ -425,7 +427,7 @@ def test_capture_order_check_names_the_rank(monkeypatch):
 def gpu_engine(path, **kwargs):
     return Engine(
         path, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, page_size=16,
-        max_num_batched_tokens=BUDGET, attention_backend="triton", **kwargs,
+        max_num_batched_tokens=BUDGET, attention_backend="triton", piecewise=True, **kwargs,
     )  # fmt: skip
 
 
