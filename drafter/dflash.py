@@ -395,8 +395,20 @@ def load_dflash(
 ) -> DFlashModel:
     """Build the drafter of folder `path` for `target_cfg` and load its published weights
     (`load_format="dummy"`: random weights, no weight files needed)."""
-    check_load_format(load_format)
     cfg = DFlashConfig.from_dir(path, target_cfg)
+    return build_block_drafter(
+        DFlashModel, cfg, published_keys(cfg), "a DFLASH drafter", path, device, dtype, pctx,
+        max_positions, load_format, seed,
+    )  # fmt: skip
+
+
+def build_block_drafter(
+    model_class, cfg, keys, what, path, device, dtype, pctx, max_positions, load_format, seed,
+    rename=None,
+):  # fmt: skip
+    """A DFLASH-family model of `cfg` (DFLASH, DFlash2) with its weights: random ones for
+    `load_format="dummy"`, else the folder's, `rename`d, all of `keys` required."""
+    check_load_format(load_format)
     if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
         raise SpeculantError(
             f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "
@@ -404,10 +416,16 @@ def load_dflash(
             "windowed attention is not supported; lower --max-model-len"
         )
     with default_device_and_dtype(device, dtype):
-        model = DFlashModel(cfg, max_positions, pctx)
+        model = model_class(cfg, max_positions, pctx)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return model.eval()
+    weights, source = read_head_weights(path)
+    if rename is not None:
+        weights = rename(weights)
+    require_tensors(weights, keys, source, "drafter", what)
+    load_weights(model, iter(weights.items()), source)
+    return model.eval()
     weights, source = read_head_weights(path)
     require_tensors(weights, published_keys(cfg), source, "drafter", "a DFLASH drafter")
     load_weights(model, iter(weights.items()), source)

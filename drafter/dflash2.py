@@ -38,23 +38,17 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, config_dict, config_int, read_hf_config
 from speculant.drafter.base import Proposal
-from speculant.drafter.checkpoint import read_head_weights, require_tensors
 from speculant.drafter.dflash import (
     DFlashConfig,
     DFlashDrafter,
     DFlashLayer,
     DFlashModel,
+    build_block_drafter,
     published_keys,
 )
 from speculant.drafter.eagle import ReplicatedLinear, _copy_whole
 from speculant.errors import SpeculantError
 from speculant.executor.sampling import GREEDY, STREAM_DRAFT, filtered_probs, sample_from, uniform
-from speculant.models.loader import (
-    check_load_format,
-    default_device_and_dtype,
-    init_dummy_weights,
-    load_weights,
-)
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
@@ -211,24 +205,11 @@ def load_dflash2(
 ) -> DFlash2Model:
     """Build the DFlash2 drafter of folder `path` for `target_cfg` and load its weights
     (`load_format="dummy"`: random weights, only config.json needed)."""
-    check_load_format(load_format)
     cfg = DFlash2Config.from_dir(path, target_cfg)
-    if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
-        raise SpeculantError(
-            f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "
-            f"{max_positions} positions a request may reach (--max-model-len + 2 x (k + 1)), and "
-            "windowed attention is not supported; lower --max-model-len"
-        )
-    with default_device_and_dtype(device, dtype):
-        model = DFlash2Model(cfg, max_positions, pctx)
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-        return model.eval()
-    weights, source = read_head_weights(path)
-    weights = _with_weight_suffix(weights)
-    require_tensors(weights, dflash2_keys(cfg), source, "drafter", "a DFlash2 drafter")
-    load_weights(model, iter(weights.items()), source)
-    return model.eval()
+    return build_block_drafter(
+        DFlash2Model, cfg, dflash2_keys(cfg), "a DFlash2 drafter", path, device, dtype, pctx,
+        max_positions, load_format, seed, rename=_with_weight_suffix,
+    )  # fmt: skip
 
 
 class DFlash2Drafter(DFlashDrafter):
