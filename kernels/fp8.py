@@ -45,16 +45,23 @@ E4M3_MAX = 448.0
 BLOCK = 128  # rows and columns of one scale block
 MODES = ("block", "row")
 
-# M thresholds (set from benchmarks/fp8_gpu.py's sweep on one H200)
-FMA_MAX_M = 4
+# The defaults below are the `applied` settings measured by benchmarks/fp8_gpu.py on one H200
+# (2026-12-01, Llama-3.1-8B shapes; see benchmarks/results/fp8_2026-12-01.md, which also says
+# why the per-M table is noisy and one path per M is a stopgap).
+# M thresholds: used only when PATH_TABLE is None
+FMA_MAX_M = 2
 SKINNY_MAX_M = 64
 PREFILL_GEMM = "dequant"  # dequant | w8a8 | w8a16
-# or a measured table instead of the thresholds: ((max M, path), ...) by increasing M
-PATH_TABLE: tuple[tuple[int, str], ...] | None = None
+# a measured table instead of the thresholds: ((max M, path), ...) by increasing M; an M above
+# the last bound takes the last path
+PATH_TABLE: tuple[tuple[int, str], ...] | None = (
+    (1, "fma"), (2, "fma"), (4, "dot"), (8, "dot"), (16, "w8a8"), (32, "dot"), (64, "dot"),
+    (256, "dequant"), (2048, "dequant"),
+)  # fmt: skip
 # (BLOCK_N, BLOCK_K, num_warps) of the FMA kernel; BLOCK_N divides 128 (one scale row block)
 FMA_CONFIG = (16, 512, 4)
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages) of the skinny dot kernel; BLOCK_K is 128
-DOT_CONFIG = (64, 64, 4, 4)
+DOT_CONFIG = (64, 64, 4, 2)
 GEMM_CONFIG = (128, 128, 8, 3)  # the same for the w8a16 / w8a8 GEMMs (BLOCK_N, BLOCK_M, ...)
 # Split-K for the dot kernel: split while the grid has fewer programs than this (the H200 has
 # 132 SMs), up to MAX_SPLIT_K ways.
