@@ -8,5 +8,5 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 (cd benchmarks && timeout 200 python3 fp8_gpu.py --budget-s 165 --json "$OUT/fp8_gpu.json" 2>&1 \
     | grep -v "it/s\]" | tee "$OUT/fp8_gpu.log" | tail -30)
-timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_kernels.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_kernels.py \
     tests/test_fp8.py 2>&1 | tail -15 | tee "$OUT/pytest_fp8_gpu.log"

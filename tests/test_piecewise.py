@@ -242,6 +242,7 @@ def test_eager_padding_is_token_equal_to_unpadded_steps(llama_dir, tmp_path, kin
     assert int(kv.cache_lens[kv.sentinel_row]) == 0 and not kv.req_to_page[kv.sentinel_row].any()
 
 
+@pytest.mark.needs("triton")
 def test_eager_padding_on_the_triton_backend(llama_dir):
     """The Triton backend's padded batches carry the static tile table (its CPU fallback reads
     the padded sequence lengths): still token-equal."""
