@@ -4,10 +4,18 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at its first import whether kernels run in its interpreter: set it here, before
+# any test module (or the package under test) can import it, so the CPU kernel tests run whatever
+# the collection order (a module importing the engine imports triton).
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # tests/ has no __init__.py; make `import helpers_ckpt` work whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
