@@ -537,10 +537,12 @@ class Engine:
         decision for its batch), and how many it verifies (k when every decode row holds k
         and it drafts again, else none: a plain step). Under DP with a MoE target the DP
         exchange then settles one shape for every rank."""
-        k = self.chooser.k
+        k, adaptive = self.chooser.k, self.chooser.adaptive
         bs = len(plan.decode) + sum(c.last for c in plan.chunks)
-        drafts = self.chooser.choose([r.index for r in plan.requests], bs) if bs else k
-        held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
+        # fixed speculation: k drafts every step, every row holds k (no per-row work per step)
+        indices = [r.index for r in plan.requests] if adaptive else []
+        drafts = self.chooser.choose(indices, bs) if bs else k
+        held = min((len(r.next_input) - 1 for r in plan.decode), default=k) if adaptive else k
         plan.shape = step_shape(drafts, held, k)
         plan.tokens_per_req = plan.shape.tokens_per_req
         return plan
