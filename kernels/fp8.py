@@ -6,7 +6,14 @@ ceil(K/128)] tensor (the published `weight_scale_inv` layout of one matrix). `ro
 per output row, a float32 [N] vector (per-channel scales, and per-tensor scales expanded over
 their rows).
 
-Kernels, picked by the row count M of x (`plan`):
+Paths, picked by `route`: the tuned table's row for this GPU, shape (N, K) and M
+(kernels/fp8_tuned.json, written by benchmarks/fp8_sweep.py; fp8_table.py), else by M alone
+(`choice`: PATH_TABLE or the thresholds below):
+- `_splitk_kernel` (`splitk`, a few rows): a grid of N tiles x K splits, each program loading
+  one whole [BLOCK_N, BLOCK_K] W tile before its first use (before waiting on the previous
+  kernel under PDL); the splits' float32 partials summed in split order, by the tile's last
+  program (per-tile counter) or by `_sum_splits_kernel`: deterministic either way.
+- `scaled_mm` (CUDA only): cuBLASLt's block-wise FP8 GEMM through torch._scaled_mm.
 - `_fma_kernel` (M <= FMA_MAX_M, decode at small batch): each program owns BLOCK_N output rows
   for every row of x and streams its slice of W once, converting e4m3 to float32 in registers
   and multiplying x (not W) by the block scale of each column; float32 multiply-adds, one
@@ -30,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from speculant.kernels import fp8_table
 from speculant.kernels.runtime import (
     INTERPRET,
     pdl_enter,
@@ -63,10 +71,17 @@ FMA_CONFIG = (16, 512, 4)
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages) of the skinny dot kernel; BLOCK_K is 128
 DOT_CONFIG = (64, 64, 4, 2)
 GEMM_CONFIG = (128, 128, 8, 3)  # the same for the w8a16 / w8a8 GEMMs (BLOCK_N, BLOCK_M, ...)
+# the tuned per-shape table (kernels/fp8_tuned.json, see fp8_table.py), consulted before
+# PATH_TABLE; benchmarks replace it
+TUNED: dict = fp8_table.load()
+# the probe's layout for torch._scaled_mm block-wise scales (see scaled_mm); unmeasured guess
+SCALED_MM_CONFIG = {"api": "v1", "scale_a": "col", "scale_b": "t"}
 # Split-K for the dot kernel: split while the grid has fewer programs than this (the H200 has
 # 132 SMs), up to MAX_SPLIT_K ways.
 MIN_PROGRAMS = 264
 MAX_SPLIT_K = 8
+# (BLOCK_N, BLOCK_K, num_warps, reduce) of the split-K GEMV (M <= 8); not yet measured
+SPLITK_CONFIG = (16, 1024, 4, "atomic")
 
 
 def next_power_of_2(n: int) -> int:
@@ -180,7 +195,7 @@ def _dequant_kernel(
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, BLOCK_K: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_sg, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Row m, 128-column group g of x -> e4m3 q and its scale amax / 448 (at least 1e-10)."""
     m, g = tl.program_id(0), tl.program_id(1)
@@ -190,7 +205,7 @@ def _act_quant_kernel(
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10 * 448.0) / 448.0
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + m * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + m * stride_s + g, scale)
+    tl.store(s_ptr + m * stride_s + g * stride_sg, scale)
 
 
 @triton.jit
@@ -231,6 +246,80 @@ def _w8a8_kernel(
         acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
     y_ptrs = y_ptr + ms[:, None] * stride_y + rows[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _splitk_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_y,
+    stride_s, SPLITS, SPLIT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] tile of W per program, loaded whole before the wait for the
+    previous kernel; rows of x times their block scales, float32 sums. SPLITS == 1: y directly;
+    else partials to ws [SPLITS, M, N], and with REDUCE the last program of an N tile (per-tile
+    counter) sums them in split order, writes y and resets its counter. SPLIT: SPLITS > 1 (SPLITS
+itself is no constexpr, so that one compile serves every K)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < N
+    col_ok = cols < K
+    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if BLOCK_SCALE:  # BLOCK_N divides 128: one scale row block per program
+        s = tl.load(s_ptr + (pid_n * BLOCK_N // 128) * stride_s + cols // 128, mask=col_ok)
+    else:
+        s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    w = w.to(tl.float32)
+    pdl_enter(PDL)  # weights and scales above are no earlier kernel's output
+    for m in tl.static_range(BLOCK_M):
+        x = tl.load(x_ptr + m * stride_x + cols, mask=col_ok & (m < M), other=0.0)
+        x = x.to(tl.float32)
+        if BLOCK_SCALE:
+            part = tl.sum(w * (x * s)[None, :], axis=1)
+        else:
+            part = tl.sum(w * x[None, :], axis=1) * s
+        if not SPLIT:
+            tl.store(y_ptr + m * stride_y + rows, part.to(y_ptr.dtype.element_ty),
+                     mask=row_ok & (m < M))  # fmt: skip
+        else:
+            tl.store(ws_ptr + (pid_k * M + m) * N + rows, part, mask=row_ok & (m < M))
+    if SPLIT and REDUCE:
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            ms = tl.arange(0, BLOCK_M)
+            ok = (ms < M)[:, None] & row_ok[None, :]
+            offs = ms[:, None] * N + rows[None, :]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            split = 0
+            while split < SPLITS:  # split order: the same bits whoever comes last
+                acc += tl.load(ws_ptr + split * M * N + offs, mask=ok, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                split += 1
+            y_ptrs = y_ptr + ms[:, None] * stride_y + rows[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # clean for the next launch or replay
+
+
+@triton.jit
+def _sum_splits_kernel(
+    ws_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    """y = the sum of ws [SPLITS, M, N] in split order, cast to y's dtype (y contiguous)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    pdl_enter(PDL)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    split = 0
+    while split < SPLITS:  # a while loop: the interpreter takes no tensor range bounds
+        acc += tl.load(ws_ptr + split * MN + offs, mask=ok, other=0.0)
+        split += 1
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -298,6 +387,51 @@ def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
     return out if split == 1 else out.sum(0).to(x2.dtype)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MAX_TILES = 1 << 16  # N tiles one split-K launch may count (N <= 524288 at BLOCK_N 8)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The per-N-tile arrival counters of `_splitk_kernel` on `device`: zeros, and every launch
+    leaves them zero (launches on one stream take turns; concurrent streams would need their
+    own)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K FP8 GEMV: run it once outside graph capture first")
+        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+def splitk_gemv(x2, weight, scale, mode, config=None):
+    """y [M, N] = x2 [M, K] W^T through `_splitk_kernel` (M <= 8): a grid of N tiles x K
+    splits; config (BLOCK_N, BLOCK_K, num_warps, reduce) with reduce "atomic" (the last
+    program of a tile sums the splits) or "kernel" (`_sum_splits_kernel` does)."""
+    block_n, block_k, warps, reduce = config or SPLITK_CONFIG
+    m, k = x2.shape
+    n = weight.shape[0]
+    if mode == "block" and 128 % block_n:
+        raise ValueError(f"split-K BLOCK_N {block_n} must divide 128")
+    grid_n, splits = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    atomic = reduce == "atomic" and grid_n <= MAX_TILES
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    ws = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
+    counters = _counters(x2.device) if atomic and splits > 1 else ws
+    pdl = pdl_mode(x2)
+    _splitk_kernel[(grid_n, splits)](
+        x2, weight, scale, y, ws, counters, m, n, k, x2.stride(0), weight.stride(0),
+        y.stride(0), scale.stride(0), splits, SPLIT=splits > 1, BLOCK_SCALE=mode == "block",
+        BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=atomic,
+        EVEN=n % block_n == 0 and k % block_k == 0, num_warps=warps, **pdl_options(pdl),
+    )  # fmt: skip
+    if splits > 1 and not atomic:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            ws, y, m * n, splits, BLOCK=block, num_warps=4, **pdl_options(pdl)
+        )
+    return y
+
+
 def dequantize(weight, scale, mode, dtype=torch.bfloat16):
     """W [N, K] in `dtype`: e4m3 times its scales (float32 product), by `_dequant_kernel`."""
     n, k = weight.shape
@@ -310,16 +444,21 @@ def dequantize(weight, scale, mode, dtype=torch.bfloat16):
     return out
 
 
-def quantize_activations(x2):
-    """(e4m3 [M, K], float32 scales [M, ceil(K/128)]): per token, per 128 columns."""
+def quantize_activations(x2, column_major: bool = False):
+    """(e4m3 [M, K], float32 scales [M, ceil(K/128)]): per token, per 128 columns; the
+    scales stored column-major (strides (1, M)) with `column_major`, as cuBLASLt takes them."""
     m, k = x2.shape
     groups = triton.cdiv(k, BLOCK)
     q = torch.empty((m, k), dtype=FP8, device=x2.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    if column_major:
+        s = torch.empty((groups, m), dtype=torch.float32, device=x2.device).t()
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
     if m:
         _act_quant_kernel[(m, groups)](
-            x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), BLOCK_K=BLOCK, num_warps=1
-        )
+            x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK_K=BLOCK,
+            num_warps=1,
+        )  # fmt: skip
     return q, s
 
 
@@ -339,6 +478,24 @@ def w8a8_gemm(x2, weight, scale, mode, config=None, quantized=None):
         BLOCK_N=block_n, BLOCK_K=BLOCK, DOT_F32=INTERPRET, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
+
+
+def scaled_mm(x2, weight, scale, config):
+    """y [M, N] = x2 W^T by cuBLASLt's block-wise FP8 GEMM (torch._scaled_mm, 1x128 activation
+    groups x 128x128 weight blocks; CUDA only): x2 quantised as quantize_activations does.
+    config: the layout benchmarks/fp8_sweep.py's probe found to work, {"api": "v1" (
+    torch._scaled_mm) | "v2" (F.scaled_mm), "scale_a": "col" | "row", "scale_b": "t" (the
+    [K/128, N/128] transposed view of the block scales) | "t_contig"}."""
+    q, a_s = quantize_activations(x2, column_major=config["scale_a"] == "col")
+    b_s = scale.t() if config["scale_b"] == "t" else scale.t().contiguous()
+    if config["api"] == "v2":
+        from torch.nn.functional import ScalingType
+
+        return F.scaled_mm(
+            q, weight.t(), a_s, ScalingType.BlockWise1x128, b_s, ScalingType.BlockWise128x128,
+            output_dtype=x2.dtype,
+        )  # fmt: skip
+    return torch._scaled_mm(q, weight.t(), scale_a=a_s, scale_b=b_s, out_dtype=x2.dtype)
 
 
 def choice(m: int) -> str:
@@ -366,29 +523,48 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x, weight, scale, mode, bias=None, path: str | None = None):
+def route(x2: torch.Tensor, n: int, k: int, mode: str):
+    """(path, config) for x2 [M, K] times an N x K weight: the tuned table's row for this
+    device and shape (block scales only; fp8_table.py), else (choice(M), None)."""
+    m = x2.shape[0]
+    if TUNED and mode == "block":
+        hit = fp8_table.lookup(TUNED, x2.device, n, k, m)
+        if hit is not None:
+            return hit
+    return choice(m), None
+
+
+def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=None):
     """x [..., K] W^T (+ bias) for an e4m3 W [N, K] with `mode` scales (see the module doc);
-    `path` forces one of choice()'s paths (tests, benchmarks)."""
+    `path` (and its `config`) forces one of the paths (tests, benchmarks), else route()."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
         x2 = x2.contiguous()
     m = x2.shape[0]
-    path = path or choice(m)
+    if path is None:
+        path, config = route(x2, weight.shape[0], k, mode)
     if m == 0:
         y = x2.new_empty((0, weight.shape[0]))
     elif path == "fma":
-        y = fma_gemv(x2, weight, scale, mode)
+        y = fma_gemv(x2, weight, scale, mode, config)
+    elif path == "splitk":
+        y = splitk_gemv(x2, weight, scale, mode, config)
     elif path == "dot":
-        y = dot_gemm(x2, weight, scale, mode)
+        y = dot_gemm(x2, weight, scale, mode, config)
     elif path == "w8a16":
-        y = dot_gemm(x2, weight, scale, mode, GEMM_CONFIG, split_k=1)
+        y = dot_gemm(x2, weight, scale, mode, config or GEMM_CONFIG, split_k=1)
     elif path == "w8a8":
-        y = w8a8_gemm(x2, weight, scale, mode)
+        y = w8a8_gemm(x2, weight, scale, mode, config)
     elif path == "dequant":
         y = F.linear(x2, dequantize(weight, scale, mode, x2.dtype))
+    elif path == "scaled_mm" and mode == "block" and x2.is_cuda:
+        y = scaled_mm(x2, weight, scale, config or SCALED_MM_CONFIG)
     else:
-        raise ValueError(f"FP8 GEMM path {path!r}: use fma, dot, w8a16, w8a8 or dequant")
+        raise ValueError(
+            f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, dequant or (CUDA, "
+            "block scales) scaled_mm"
+        )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 

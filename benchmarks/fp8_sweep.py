@@ -1,0 +1,326 @@
+"""FP8 path sweep per projection shape (issue 24): for every Llama-3.1-8B projection (N x K) and
+M = 1 ... 256, time every kernels/fp8.py path and config as the decode graph runs it, check its
+output against the torch reference, and write the fastest per (N, K, M) as the tuned table
+(kernels/fp8_table.py's format) for this GPU; then, budget permitting, time the 8B graph decode
+step at bs 1 and 64 with that table vs bf16 (benchmarks/fp8_gpu.py's stage).
+
+Times: one CUDA graph of LAUNCHES back-to-back calls rotating over enough weight copies that the
+50 MB L2 cannot hold them, replayed REPLAYS times; us per call = median replay / LAUNCHES.
+GB/s counts the e4m3 weight bytes. A candidate whose relative Frobenius error against the
+float32 reference (W8A8 paths: of the same quantised activations) is >= 1e-2 is rejected.
+Before the sweep, a probe tries the plausible block-wise scale layouts of torch._scaled_mm.
+
+    python benchmarks/fp8_sweep.py [--budget-s 240] [--json OUT/fp8_sweep.json]
+        [--table OUT/fp8_tuned.json] [--skip-decode] [--dry-run]
+
+`--dry-run`: tiny shapes on the CPU through Triton's interpreter (the script's logic and the
+table writing; times meaningless). Install a GPU table: copy the written JSON to
+kernels/fp8_tuned.json (other devices already there are kept in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import
+
+import torch  # noqa: E402
+
+from speculant.kernels import fp8 as kernels  # noqa: E402
+from speculant.kernels import fp8_table  # noqa: E402
+
+SHAPES_8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+SHAPES_DRY = {"a": (256, 384), "b": (200, 320)}
+# in priority order: bs-1 decode, bs-64 decode, EAGLE-3 k=3 verify at bs 1 (4 rows), the rest
+MS = (1, 64, 4, 2, 8, 16, 32, 128, 256)
+MS_DRY = (1, 4, 16)
+LAUNCHES, REPLAYS = 20, 10
+L2_BYTES = 50 * 2**20
+TOL = 1e-2
+SPLITK_MAX_M = 16
+FMA_CONFIGS = [(16, 512, 4), (8, 512, 4), (32, 256, 8)]
+DOT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 4), (128, 64, 8, 3)]
+GEMM_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
+SPLITK_TOP = 3  # configs of the M = 1 sweep kept for larger M
+
+
+def splitk_configs(dry: bool) -> list[tuple]:
+    """(BLOCK_N, BLOCK_K, warps): 4-32 K elements of W per program, 32-128 per thread."""
+    if dry:
+        return [(16, 128, 4), (32, 256, 4)]
+    out = []
+    for block_n in (8, 16, 32, 64):
+        for block_k in (256, 512, 1024, 2048):
+            for warps in (4, 8):
+                per_thread = block_n * block_k // (32 * warps)
+                if 4096 <= block_n * block_k <= 32768 and 32 <= per_thread <= 128:
+                    out.append((block_n, block_k, warps))
+    return out
+
+
+def rand_fp8(n: int, k: int, device: str, gen: torch.Generator):
+    w = (torch.randn(n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(kernels.FP8)
+    scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen, device=device) + 0.5
+    return w, scale / (64 * k**0.5)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def time_us(call, weights: list, cuda: bool) -> float:
+    """us per call of call(weight) as the decode graph runs it (see the module doc)."""
+    for w in weights[: min(len(weights), 2)]:
+        call(w)  # compile, allocate the split-K counters, outside the capture
+    if not cuda:
+        t0 = time.perf_counter()
+        call(weights[0])
+        return (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LAUNCHES):
+            call(weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1e3 / LAUNCHES
+
+
+def probe_scaled_mm(cuda: bool) -> dict:
+    """Which block-wise scale layout of torch._scaled_mm / F.scaled_mm gives x W^T here:
+    {"works": config or None, "tried": {label: error or rel_err}}."""
+    out: dict = {"works": None, "tried": {}}
+    if not cuda:
+        out["tried"]["cpu"] = "no CUDA: scaled_mm is a CUDA path"
+        return out
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w, scale = rand_fp8(512, 1024, "cuda", gen)
+    for m in (64, 1):
+        x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+        ref = kernels.reference_w8a8(x, w, scale, "block")
+        for api in ("v1", "v2"):
+            for scale_a in ("col", "row"):
+                for scale_b in ("t", "t_contig"):
+                    config = {"api": api, "scale_a": scale_a, "scale_b": scale_b}
+                    label = f"M{m}/{api}/{scale_a}/{scale_b}"
+                    try:
+                        err = rel_err(kernels.scaled_mm(x, w, scale, config), ref)
+                        out["tried"][label] = err
+                        if err < TOL and out["works"] is None and m == 64:
+                            out["works"] = config
+                    except Exception as exc:
+                        out["tried"][label] = f"{type(exc).__name__}: {exc}"[:240]
+    if out["works"] is not None:
+        label = "M1/{api}/{scale_a}/{scale_b}".format(**out["works"])
+        out["works_at_m1"] = isinstance(out["tried"].get(label), float)
+    return out
+
+
+def candidates(m: int, splitk: list, scaled_mm: dict | None, dry: bool) -> list[tuple]:
+    """(path, config) pairs to time at M rows."""
+    out: list[tuple] = []
+    if m <= SPLITK_MAX_M:
+        out += [("splitk", c) for c in splitk]
+    if m <= 8:
+        out += [("fma", c) for c in (FMA_CONFIGS[:1] if dry else FMA_CONFIGS)]
+    if m >= 2:
+        out += [("dot", c) for c in (DOT_CONFIGS[:1] if dry else DOT_CONFIGS)]
+    if m >= 8:
+        gemms = GEMM_CONFIGS[:1] if dry else GEMM_CONFIGS
+        out += [("w8a16", c) for c in gemms] + [("w8a8", c) for c in gemms]
+    if m >= 16:
+        out.append(("dequant", None))
+    if scaled_mm is not None:
+        out.append(("scaled_mm", scaled_mm))
+    return out
+
+
+def sweep(args, report: dict, deadline: float) -> dict:
+    """report["kernels"][name/M] = {label: {us, GBps, err} or {error}}; returns the table rows
+    {(N, K): [(M, path, config, us), ...]}."""
+    cuda = not args.dry_run
+    device = "cuda" if cuda else "cpu"
+    shapes = SHAPES_DRY if args.dry_run else SHAPES_8B
+    ms = MS_DRY if args.dry_run else MS
+    gen = torch.Generator(device=device).manual_seed(0)
+    probe = report["scaled_mm_probe"]
+    scaled_config = probe["works"]
+    all_splitk = [c + (r,) for c in splitk_configs(args.dry_run) for r in ("atomic",)]
+    weights, rows = {}, {}
+    for name, (n, k) in shapes.items():
+        w, scale = rand_fp8(n, k, device, gen)
+        copies = max(3, math.ceil(3 * L2_BYTES / w.numel())) if cuda else 1
+        fp8 = [(w, scale)] + [(w.clone(), scale.clone()) for _ in range(copies - 1)]
+        dense = (w.float() * kernels.full_scale(w, scale, "block")).to(torch.bfloat16)
+        bf16 = [dense] + [dense.clone() for _ in range(copies - 1)]
+        weights[name] = (fp8, bf16)
+    best_splitk: dict = {}
+    for m in ms:
+        for name, (n, k) in shapes.items():
+            if time.time() > deadline:
+                report["stopped_at"] = f"{name}/{m}: budget spent"
+                return rows
+            fp8, bf16 = weights[name]
+            w, scale = fp8[0]
+            x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+            ref = kernels.reference_linear(x, w, scale, "block")
+            ref8 = kernels.reference_w8a8(x, w, scale, "block")
+            dense_us = time_us(lambda d, x=x: torch.nn.functional.linear(x, d), bf16, cuda)
+            entry = {"bf16": {"us": dense_us, "GBps": 2 * w.numel() / dense_us / 1e3}}
+            splitk = all_splitk if m == 1 else best_splitk.get(name, all_splitk[:SPLITK_TOP])
+            if m > 1:  # the other reduction of the kept configs
+                splitk = splitk + [c[:3] + ("kernel",) for c in splitk[:2]]
+            for path, config in candidates(m, splitk, scaled_config, args.dry_run):
+                label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
+                want = ref8 if path in ("w8a8", "scaled_mm") else ref
+                entry[label] = measure(path, config, x, fp8, want, cuda)
+            report["kernels"][f"{name}/{m}"] = entry
+            if m == 1:
+                timed = [c for c in all_splitk if "us" in entry.get(f"splitk{list(c)}", {})]
+                timed.sort(key=lambda c: entry[f"splitk{list(c)}"]["us"])
+                best_splitk[name] = timed[:SPLITK_TOP]
+            good = {lab: e for lab, e in entry.items() if lab != "bf16" and "us" in e}
+            if good:
+                label = min(good, key=lambda lab: good[lab]["us"])
+                rows.setdefault((n, k), []).append(
+                    (m, good[label]["path"], good[label]["config"], good[label]["us"])
+                )
+                print(
+                    f"  {name:8s} M={m:4d}: bf16 {entry['bf16']['us']:7.1f} us, best {label} "
+                    f"{good[label]['us']:7.1f} us {good[label]['GBps']:6.0f} GB/s "
+                    f"(err {good[label]['err']:.1e}; {time.time() - report['t0']:.0f} s)",
+                    flush=True,
+                )
+    return rows
+
+
+def measure(path, config, x, fp8: list, ref, cuda: bool) -> dict:
+    """One candidate: its error on the first weight copy, then its time (rejected if wrong)."""
+    try:
+        w, scale = fp8[0]
+        err = rel_err(kernels.linear(x, w, scale, "block", path=path, config=config), ref)
+        out = {"path": path, "config": list(config) if isinstance(config, tuple) else config}
+        out["err"] = err
+        if not err < TOL:
+            return {**out, "error": f"rejected: relative error {err:.2e}"}
+        us = time_us(lambda c: kernels.linear(x, *c, "block", path=path, config=config), fp8, cuda)
+        return {**out, "us": us, "GBps": w.numel() / us / 1e3}
+    except Exception as exc:
+        return {"path": path, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def write_table(rows: dict, device_name: str, path: Path) -> dict:
+    """The tuned table: this device's rows, next to the other devices of kernels/fp8_tuned.json."""
+    doc = {"devices": {}}
+    if fp8_table.TUNED_PATH.exists():
+        doc = json.loads(fp8_table.TUNED_PATH.read_text())
+    doc.setdefault("devices", {})[device_name] = fp8_table.to_json({device_name: rows})[
+        "devices"
+    ].get(device_name, {})
+    doc["comment"] = (
+        "benchmarks/fp8_sweep.py: fastest kernels/fp8.py path per GPU, (N x K) and M (us per "
+        "call in a CUDA graph, weights not L2-resident)"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(format_table(doc))
+    return doc
+
+
+def format_table(doc: dict) -> str:
+    """The table as JSON with one row per line (reviewable diffs)."""
+    lines = ["{", f' "comment": {json.dumps(doc.get("comment", ""))},', ' "devices": {']
+    devices = list(doc["devices"].items())
+    for i, (device, shapes) in enumerate(devices):
+        lines.append(f"  {json.dumps(device)}: {{")
+        for j, (shape, rows) in enumerate(shapes.items()):
+            lines.append(f"   {json.dumps(shape)}: [")
+            lines += [f"    {json.dumps(r)}," for r in rows]
+            lines[-1] = lines[-1].rstrip(",")
+            lines.append("   ]" + ("," if j < len(shapes) - 1 else ""))
+        lines.append("  }" + ("," if i < len(devices) - 1 else ""))
+    return "\n".join(lines + [" }", "}", ""])
+
+
+def decode(args, report: dict, table_path: Path) -> None:
+    """Graph decode step bs 1 and 64: FP8 with the new table, bf16 (fp8_gpu.decode_stage)."""
+    from fp8_gpu import decode_stage, targets
+
+    paths = targets()
+    kernels.TUNED = fp8_table.load(table_path)
+    for kind in ("fp8", "bf16"):
+        t0 = time.time()
+        try:
+            report["decode"][kind] = decode_stage(paths[kind], kind, args)
+        except Exception as exc:
+            report["decode"][kind] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(f"  decode {kind}: {time.time() - t0:.0f} s", flush=True)
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    out_dir = Path(os.environ.get("OUT", "."))
+    parser.add_argument("--json", type=Path, default=out_dir / "fp8_sweep.json")
+    parser.add_argument("--table", type=Path, default=out_dir / "fp8_tuned.json")
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--decode-reserve-s", type=float, default=80.0)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args()
+    t0 = time.time()
+    cuda = not args.dry_run
+    decode_on = cuda and not args.skip_decode
+    device_name = fp8_table.device_name(torch.device("cuda" if cuda else "cpu"))
+    report: dict = {
+        "t0": t0,
+        "gpu": device_name,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(["python"] + sys.argv),
+        "kernels": {},
+        "decode": {},
+    }
+    report["scaled_mm_probe"] = probe_scaled_mm(cuda)
+    print(f"  scaled_mm probe: works = {report['scaled_mm_probe']['works']}", flush=True)
+    deadline = t0 + args.budget_s - (args.decode_reserve_s if decode_on else 0)
+    rows = sweep(args, report, deadline)
+    report["table"] = write_table(rows, device_name, args.table)["devices"][device_name]
+    print(f"  table: {sum(len(r) for r in rows.values())} rows -> {args.table}", flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, default=str))
+    if decode_on:
+        torch.cuda.empty_cache()
+        decode(args, report, args.table)
+        for kind, res in report["decode"].items():
+            steps = {k: v for k, v in res.items() if k.startswith("graph_ms")}
+            print(f"  decode {kind}: {steps or res.get('error')}", flush=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    print(f"  done in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
