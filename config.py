@@ -443,6 +443,9 @@ class SpecConfig:
     draft: str | None = None
     num_draft_tokens: int | None = None
     speculation: str = "fixed"  # fixed: k drafts every step; auto: 0 or k per step (speculation.py)
+    # auto: plain steps record the drafter's inputs and catch it up every this many steps
+    # (executor/catch_up.py); 0 catches up in every plain step
+    catch_up_depth: int = 8
 
 
 @dataclass

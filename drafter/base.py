@@ -46,6 +46,9 @@ class Drafter(ABC):
 
     aux_layer_ids: tuple[int, ...] = ()
     block_attention = False  # DFLASH's block attention instead of causal paged attention
+    # features per position a deferred catch-up records (executor/catch_up.py); None: the
+    # drafter catches up in every plain step instead
+    catch_up_width: int | None = None
 
     def __init__(
         self,
@@ -89,6 +92,18 @@ class Drafter(ABC):
         0 (capturable for decode batches). With 0 the drafter only brings its state up to date
         on the batch's positions (a plain step of adaptive speculation), so that a later step
         can draft from them."""
+
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """What a plain decode step records for a deferred catch-up: a token id [bs] (None when
+        the drafter needs none) and features [bs, catch_up_width] per row."""
+        raise NotImplementedError
+
+    def catch_up(
+        self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, slots
+    ) -> None:
+        """Write the drafter's state at `positions` (their `slots`) from recorded entries, as
+        `propose` with no drafts would have; padded entries point at the dummy page."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ shared by chain drafters
 

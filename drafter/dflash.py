@@ -55,6 +55,7 @@ from speculant.errors import SpeculantError
 from speculant.executor.attention import BlockContextAttention
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
+from speculant.executor.piecewise import drafter_extend, last_position_inputs
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from speculant.models.llama import MLP
 from speculant.models.loader import (
@@ -474,15 +475,33 @@ class DFlashDrafter(Drafter):
         self.mask = torch.full(
             (1, num_draft_tokens), cfg.mask_token_id, device=kv.cache_lens.device
         )
+        self.catch_up_width = len(cfg.target_layer_ids) * target.config.hidden_size
         self.offsets = torch.arange(num_draft_tokens + 1, device=kv.cache_lens.device)
+
+    def features(self, inputs: DraftInputs) -> torch.Tensor:
+        """[N, n * H]: the target layer outputs of every input position, in config order."""
+        return torch.cat(
+            [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources], dim=-1
+        )
+
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[None, torch.Tensor]:
+        return None, self.features(inputs)  # the context K/V need no token
+
+    def catch_up(self, ids, features, positions, slots) -> None:
+        self.model.write_context(features, positions, self.k_pools, self.v_pools, slots)
 
     def propose(
         self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
     ) -> Proposal:
         batch, bs, cfg = inputs.batch, inputs.batch.bs, self.model.config
-        features = torch.cat(
-            [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources], dim=-1
-        )
+        if batch.is_varlen:
+            # EXTEND: the context K/V of all N positions (a function of N only, graphed by
+            # token bucket), then the block from each sequence's last position only
+            drafter_extend(self, inputs)
+            if num_drafts == 0:
+                return self.no_drafts(batch)
+            return self.propose(last_position_inputs(inputs), sampling, variant, num_drafts)
+        features = self.features(inputs)
         if num_drafts == 0:  # the context K/V of the batch's positions, no block forward
             self.model.write_context(features, batch.positions, self.k_pools, self.v_pools,
                                      batch.out_cache_loc)  # fmt: skip

@@ -11,6 +11,7 @@ from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.eagle import Eagle3Head
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
+from speculant.executor.piecewise import drafter_extend, last_position_inputs
 
 
 class Eagle3Drafter(Drafter):
@@ -34,6 +35,16 @@ class Eagle3Drafter(Drafter):
         )
         self.head, self.target = head, target
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
+        if head.num_layers == 1:  # its K/V need only (token, aux): a catch-up can wait
+            self.catch_up_width = len(self.aux_layer_ids) * target.config.hidden_size
+
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs.next_tokens.clamp(min=0).reshape(-1), torch.cat(inputs.aux, dim=-1)
+
+    def catch_up(self, ids, features, positions, slots) -> None:
+        embeds = self.head.embed(ids, self.target)
+        pools = (self.k_pools, self.v_pools)
+        self.head.write_kv(embeds, features, positions, pools, slots, self.attn.ops)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids)
@@ -45,6 +56,13 @@ class Eagle3Drafter(Drafter):
         self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
     ) -> Proposal:
         batch = inputs.batch
+        if batch.is_varlen and self.head.num_layers == 1:
+            # EXTEND: the K/V of all N positions (no attention: a function of N only, graphed
+            # by token bucket), then the layer at each sequence's last position only
+            drafter_extend(self, inputs)
+            if num_drafts == 0:
+                return self.no_drafts(batch)
+            return self.propose(last_position_inputs(inputs), sampling, variant, num_drafts)
         tokens = inputs.next_tokens.clamp(min=0).reshape(-1)
         embeds = self.head.embed(tokens, self.target)
         aux = torch.cat(inputs.aux, dim=-1)

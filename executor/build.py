@@ -123,7 +123,9 @@ def engine_config(target: str, **options) -> EngineConfig:
                 "piecewise_capture",
             },
         ),
-        "spec": (SpecConfig, {"algo", "draft", "num_draft_tokens", "speculation"}),
+        "spec": (
+            SpecConfig, {"algo", "draft", "num_draft_tokens", "speculation", "catch_up_depth"}
+        ),
         "parallel": (ParallelConfig, {"tp", "dp"}),
         "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
     }
@@ -152,6 +154,11 @@ def check_spec(spec: SpecConfig) -> None:
     k = spec.num_draft_tokens
     if spec.speculation not in ("auto", "fixed"):
         raise SpeculantError(f"speculation={spec.speculation!r} must be 'auto' or 'fixed'")
+    depth = spec.catch_up_depth
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= 256:
+        raise SpeculantError(
+            f"catch_up_depth={depth!r} must be an integer in 0..256 (0: catch up every step)"
+        )
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise SpeculantError(f"num_draft_tokens={k!r} must be an integer >= 0 (0 = plain decoding)")
     fmt = None

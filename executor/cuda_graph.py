@@ -20,7 +20,7 @@ from speculant.config import GraphConfig
 from speculant.errors import SpeculantError
 from speculant.executor.model_runner import ModelRunner, StepOutput
 from speculant.executor.sampling import GREEDY
-from speculant.executor.speculation import DraftShape
+from speculant.executor.speculation import PLAIN, DraftShape
 from speculant.executor.step_plan import DPStepSizes
 
 log = logging.getLogger("speculant")
@@ -32,6 +32,8 @@ DEFAULT_SIZES = (
 NO_PADDING_SIZES = list(range(1, 33)) + [64, 96, 128, 160]
 WARMUP_RUNS = 3
 GraphKey = tuple[str, int, DraftShape]  # (sampler variant, padded batch size, draft shape)
+# the pseudo-variant of the deferred drafter catch-up's graphs (executor/catch_up.py), one per size
+CATCH_UP = "catch-up"
 
 
 def capture_sizes(cfg: GraphConfig, max_num_seqs: int, dp: int = 1) -> list[int]:
@@ -109,16 +111,16 @@ class GraphRunner:
         self.captured_sizes: dict[GraphKey, DPStepSizes | None] = {}  # baked into graphs
         self.num_replays = 0  # CUDA graph replays
         self.num_stand_ins = 0  # eager steps at a captured size standing in for a replay
+        self.num_catch_up_replays = 0  # replays of the deferred drafter catch-up
 
     def capture_plan(self) -> list[GraphKey]:
         """Every (variant, bs, shape) to capture, in capture order: per variant and shape,
         largest size first."""
-        return [
-            (v, bs, shape)
-            for v in self.variants
-            for shape in self.shapes
-            for bs in sorted(self.sizes, reverse=True)
-        ]
+        sizes = sorted(self.sizes, reverse=True)
+        plan = [(v, bs, shape) for v in self.variants for shape in self.shapes for bs in sizes]
+        if self.runner.catch_up is not None:
+            plan += [(CATCH_UP, bs, PLAIN) for bs in sizes]
+        return plan
 
     def check_same_plan(self, plan: list[GraphKey]) -> None:
         """Every rank must capture the same list in the same order (the graphs hold collectives
@@ -173,7 +175,7 @@ class GraphRunner:
             tokens = None if sizes is None else sizes.tokens_per_rank
             return self.runner.decode_step(padded_bs, variant, tokens, shape).narrow(bs)
         if key not in self.graphs:
-            variants = sorted({v for v, _, _ in self.graphs})
+            variants = sorted({v for v, _, _ in self.graphs if v != CATCH_UP})
             shapes = sorted({tuple(s) for _, _, s in self.graphs})
             raise SpeculantError(
                 f"no CUDA graph was captured for sampler variant {variant!r} and draft shape "
@@ -185,6 +187,20 @@ class GraphRunner:
         self.num_replays += 1
         return self.outputs[key].narrow(bs)
 
+    def run_catch_up(self, rows: list[int]) -> None:
+        """The deferred drafter catch-up of `rows` (executor/catch_up.py): a graph replay at
+        the padded size when one was captured, else eager (padded as replay would be)."""
+        runner = self.runner
+        padded = self.padded_bs(len(rows))  # rows <= running requests <= the buffer's size
+        filled = rows + [runner.kv.sentinel_row] * (padded - len(rows))
+        runner.catch_up.rows[:padded].copy_(torch.tensor(filled, dtype=torch.int64))
+        key = (CATCH_UP, padded, PLAIN)
+        if self.will_replay(padded) and key in self.graphs:
+            self.graphs[key].replay()
+            self.num_catch_up_replays += 1
+        else:
+            runner.flush_catch_up(padded)
+
     def measure_costs(self, repeats: int = 5) -> dict[tuple[DraftShape, int], float]:
         """Seconds of one decode step per (shape, size) on this machine, for adaptive
         speculation: every captured graph replayed (greedy rows on the sentinel row), or on the
@@ -192,21 +208,33 @@ class GraphRunner:
         (the steps hold collectives)."""
         sizes = self.sizes if self.use_graphs else sorted({self.sizes[0], self.sizes[-1]})
         runner, table = self.runner, {}
+        sentinel = runner.kv.sentinel_row
         for shape in self.shapes:
             for bs in sizes:
-                runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
+                runner.buffers.fill([], [], [], [], [], [], bs, sentinel)
                 dummies = dp_capture_dummies(bs, shape.tokens_per_req, self.pctx.world_size)
-                timings = []
-                for _ in range(repeats + 1):  # the first run is a warm-up
-                    if self.use_graphs:
-                        torch.cuda.synchronize(runner.device)
-                    start = time.perf_counter()
-                    self.run(bs, bs, GREEDY, True, dummies, shape)
-                    if self.use_graphs:
-                        torch.cuda.synchronize(runner.device)
-                    timings.append(time.perf_counter() - start)
-                table[(shape, bs)] = sorted(timings[1:])[repeats // 2]  # the median
+                table[(shape, bs)] = self._median_seconds(
+                    lambda: self.run(bs, bs, GREEDY, True, dummies, shape),
+                    repeats,  # noqa: B023
+                )
+        catch_up = runner.catch_up
+        if catch_up is not None and PLAIN in self.shapes and catch_up.depth:
+            for bs in sizes:  # a plain step's share of the catch-up that follows `depth` of them
+                flush = self._median_seconds(lambda: self.run_catch_up([sentinel] * bs), repeats)  # noqa: B023
+                table[(PLAIN, bs)] += flush / catch_up.depth
         return table
+
+    def _median_seconds(self, fn, repeats: int) -> float:
+        timings = []
+        for _ in range(repeats + 1):  # the first run is a warm-up
+            if self.use_graphs:
+                torch.cuda.synchronize(self.runner.device)
+            start = time.perf_counter()
+            fn()
+            if self.use_graphs:
+                torch.cuda.synchronize(self.runner.device)
+            timings.append(time.perf_counter() - start)
+        return sorted(timings[1:])[repeats // 2]  # the median
 
     def _check_baked_sizes(self, key: GraphKey, sizes: DPStepSizes | None) -> None:
         """A MoE target's replayed graph runs with the per-rank sizes it was captured with (its
@@ -283,22 +311,33 @@ class GraphRunner:
         """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
         variant, bs, shape = key
         self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)
+        if variant == CATCH_UP:
+            self.runner.catch_up.rows.fill_(self.runner.kv.sentinel_row)
         sizes = self._capture_sizes(key)
         self.pctx.barrier()
-        self.runner.decode_step(bs, variant, sizes.tokens_per_rank, shape)
+        self._step_of(key, sizes.tokens_per_rank)()
         self.pctx.barrier()
         self.capture_order.append(key)
+
+    def _step_of(self, key: GraphKey, tokens: list[int] | None):
+        """What the graph of `key` runs: a decode step, or the catch-up of bs rows."""
+        variant, bs, shape = key
+        if variant == CATCH_UP:
+            return lambda: self.runner.flush_catch_up(bs)
+        return lambda: self.runner.decode_step(bs, variant, tokens, shape)
 
     def _capture_one(self, key: GraphKey, stream, pool):
         runner = self.runner
         variant, bs, shape = key
         runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
-        tokens = self._capture_sizes(key).tokens_per_rank
+        step = self._step_of(key, self._capture_sizes(key).tokens_per_rank)
+        if variant == CATCH_UP:
+            runner.catch_up.rows.fill_(runner.kv.sentinel_row)
         torch.cuda.synchronize()
         self.pctx.barrier()
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                runner.decode_step(bs, variant, tokens, shape)
+                step()
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         for hook in self.hooks:
@@ -307,7 +346,7 @@ class GraphRunner:
             with torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
-                out = runner.decode_step(bs, variant, tokens, shape)
+                out = step()
         except torch.OutOfMemoryError as exc:
             raise SpeculantError(
                 f"out of GPU memory capturing the CUDA graph for batch size {bs}; "

@@ -29,6 +29,7 @@ from speculant.executor.build import (
     load_tokenizer,
     resolve_device,
 )
+from speculant.executor.catch_up import CatchUpBuffers, PendingRows
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.dp import DPCoordinator, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
@@ -39,6 +40,7 @@ from speculant.executor.request import Request, RequestOutput, SamplingParams
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.speculation import (
+    PLAIN,
     DraftLengthChooser,
     DraftShape,
     StepCosts,
@@ -152,6 +154,14 @@ class Engine:
             self.drafter,
             self.attention_backend,
         )
+        # adaptive speculation: plain steps record the drafter's inputs, caught up every
+        # catch_up_depth steps and before a step that drafts or extends (executor/catch_up.py)
+        self.pending = None
+        depth = cfg.spec.catch_up_depth
+        defers = self.drafter is not None and self.drafter.catch_up_width is not None
+        if cfg.spec.speculation == "auto" and cfg.spec.num_draft_tokens and depth and defers:
+            self.runner.catch_up = CatchUpBuffers(self.drafter, self.kv, self.max_num_seqs, depth)
+            self.pending = PendingRows(depth)
         # one rank only: several ranks agree on every step's batch before it runs
         self.overlap = cfg.overlap and self.pctx.world_size == 1
         self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
@@ -516,6 +526,7 @@ class Engine:
             finished = self._finish_done()
         plan = self._choose_shape(self.scheduler.schedule())
         plan = self.dp.agree(plan, self.scheduler.has_unfinished())
+        self._settle_catch_up(plan)
         self.num_steps += 1
         self.decode_rows += len(plan.decode)
         start = time.perf_counter()
@@ -547,6 +558,24 @@ class Engine:
         plan.tokens_per_req = plan.shape.tokens_per_req
         return plan
 
+    def _settle_catch_up(self, plan: StepPlan) -> None:
+        """Adaptive speculation's deferred drafter catch-up (executor/catch_up.py): flush the
+        recorded plain steps when `depth` of them wait or the step is not a plain decode step
+        (it drafts, or extends), then note the step if it records."""
+        pending = self.pending
+        if pending is None:
+            return
+        plain = plan.is_pure_decode and plan.shape == PLAIN
+        if pending.due(plain):
+            rows = pending.rows_to_flush({c.request.row for c in plan.chunks})
+            if rows:
+                self.graphs.run_catch_up(rows)
+        if plain:
+            pending.recorded(plan.decode)
+        starting = [c.request.row for c in plan.chunks if c.start == 0]
+        if starting:  # a context starts in these rows: no entries of an earlier owner count
+            self.runner.catch_up.reset(starting)
+
     def _finish_done(self) -> list[Request]:
         finished = [r for r in self.scheduler.running if r.finish_reason is not None]
         for request in finished:
@@ -565,6 +594,7 @@ class Engine:
             decode=launched.requests, tokens_per_req=shape.tokens_per_req, shape=shape,
             padded_bs=launched.padded_bs, use_graph=True, sizes=launched.sizes,
         )  # fmt: skip
+        self._settle_catch_up(plan)
         ahead = self._launch(plan, fill=False)
         self.steps_ahead += 1
         self.num_steps += 1
@@ -713,6 +743,7 @@ class Engine:
             "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,
             **({"drafts_chosen": self.chooser.summary()} if self.chooser.adaptive else {}),
+            **({"catch_ups": self.pending.flushes} if self.pending is not None else {}),
             **(
                 {"peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)}
                 if self.device.startswith("cuda")

@@ -11,6 +11,7 @@ import torch
 
 from speculant.drafter.base import Drafter, DraftInputs, flat_index
 from speculant.executor.attention import paged_attention_backend
+from speculant.executor.catch_up import CatchUpBuffers
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.input_buffers import InputBuffers
 from speculant.executor.kv_cache import PagedKVCache
@@ -72,6 +73,9 @@ class ModelRunner:
         self.buffers = InputBuffers(max_bs, self.tokens_per_req, self.device)
         self.offsets = torch.arange(self.tokens_per_req, device=self.device)
         self.piecewise = None  # the engine's PiecewiseRunner: extend forwards by token count
+        # adaptive speculation's deferred drafter catch-up (executor/catch_up.py), set by the
+        # engine before capture: plain decode steps then record instead of catching up
+        self.catch_up: CatchUpBuffers | None = None
 
     def full_shape(self) -> DraftShape:
         return DraftShape(self.k, self.k)
@@ -145,11 +149,20 @@ class ModelRunner:
         q. With 0 the drafter still catches up on the batch's positions."""
         if self.drafter is None:
             return inputs.next_tokens.new_empty((inputs.batch.bs, 0))
+        batch = inputs.batch
+        if num_drafts == 0 and self.catch_up is not None and batch.mode == ForwardMode.DECODE:
+            self.catch_up.record(batch.req_pool_indices, *self.drafter.catch_up_entry(inputs))
+            return self.drafter.no_drafts(batch).tokens
         proposal = self.drafter.propose(inputs, inputs.batch.sampling, variant, num_drafts)
         if proposal.probs is not None:
             rows = inputs.batch.req_pool_indices
             self.draft_probs[:, :num_drafts].index_copy_(0, rows, proposal.probs)
         return proposal.tokens
+
+    @torch.inference_mode()
+    def flush_catch_up(self, bs: int) -> None:
+        """The deferred catch-up of the rows in `catch_up.rows[:bs]` (graph-capturable)."""
+        self.catch_up.flush(bs)
 
     @torch.inference_mode()
     def forward_packed(

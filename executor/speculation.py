@@ -35,6 +35,9 @@ class DraftShape(NamedTuple):
         return self.verify + 1
 
 
+PLAIN = DraftShape(0, 0)  # a plain step: verifies nothing, drafts nothing
+
+
 def shapes_for(k: int, mode: str) -> list[DraftShape]:
     """The shapes steps can take (graphs are captured for each): (k, k) only when fixed."""
     if k == 0:

@@ -174,6 +174,81 @@ def test_drafter_state_after_plain_steps_equals_drafting_every_step(prompts, dra
         torch.testing.assert_close(switching, fixed, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_deferred_catch_up_leaves_the_state_of_drafting_every_step(prompts, drafter, depth):
+    """Plain steps record the drafter's inputs and a flush writes its K/V `depth` steps later
+    (or before a step that drafts): long plain runs, flushed by depth and by drafting, leave
+    the same K/V as drafting every step, and greedy output equals plain decoding."""
+    prompt, params = prompts[3], SamplingParams(max_new_tokens=60, ignore_eos=True)
+    length = len(prompt) + params.max_new_tokens - 8  # flushed in every run
+    states, tokens = [], []
+    for pattern in ([3], [0] * 10 + [3, 3]):
+        engine = forced_engine(drafter, pattern, max_num_seqs=1, catch_up_depth=depth)
+        kept = drafter_state_at_finish(engine, length)
+        tokens.append(engine.generate([prompt], params)[0].token_ids)
+        states.append(kept)
+    assert engine.runner.catch_up.depth == depth and engine.pending.flushes > 2
+    assert engine.stats()["catch_ups"] == engine.pending.flushes
+    assert tokens[0] == tokens[1]
+    for fixed, switching in zip(*states, strict=True):
+        assert fixed.abs().sum() > 0
+        torch.testing.assert_close(switching, fixed, rtol=1e-5, atol=1e-5)
+
+
+def drafter_state_per_request(engine: Engine, margin: int) -> dict[int, torch.Tensor]:
+    """Generate, keeping per request the drafter's K/V of its positions up to `margin` before
+    its end, as they were when it finished."""
+    kv, drafter, kept = engine.kv, engine.drafter, {}
+    finish = engine.scheduler.finish
+
+    def keep_then_finish(request) -> None:
+        length = len(request.prompt_ids) + len(request.output_ids) - margin
+        slots = kv.slots(torch.full((1,), request.row), torch.arange(length)[None]).reshape(-1)
+        kept[request.index] = torch.cat([pool[slots] for pool in drafter.k_pools])
+        finish(request)
+
+    engine.scheduler.finish = keep_then_finish
+    return kept
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_deferred_catch_up_in_a_job_with_reused_rows_chunks_and_overlap(plain, drafter):
+    """Requests that finish while holding recorded entries, rows reused by new requests,
+    chunked prefill and overlapped steps: every request's drafter K/V at its finish equal the
+    fixed-speculation run's, and greedy output equals plain."""
+    vocab = plain.model_config.vocab_size
+    prompts = prompts_of((30, 3, 21, 17, 8, 26), seed=5, vocab=vocab)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 14, 25, 9, 33, 20)]
+    job = dict(max_num_seqs=2, max_num_batched_tokens=16, overlap=True, catch_up_depth=3)
+    states, outs = [], []
+    for pattern in ([3], [0] * 7 + [3, 3]):
+        engine = forced_engine(drafter, pattern, **job)
+        kept = drafter_state_per_request(engine, margin=10)
+        outs.append([o.token_ids for o in engine.generate(prompts, params)])
+        states.append(kept)
+    assert engine.pending.flushes > 3 and engine.stats()["extend_steps"] > len(prompts)
+    assert outs[0] == outs[1] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert sorted(states[1]) == list(range(len(prompts)))
+    for index, fixed in states[0].items():
+        assert fixed.abs().sum() > 0
+        torch.testing.assert_close(states[1][index], fixed, rtol=1e-4, atol=1e-4)
+
+
+def test_catch_up_is_deferred_only_where_it_can_be(prompts):
+    """EAGLE-3 (one layer) and DFLASH defer; the draft model, fixed speculation and depth 0
+    catch up in every plain step (no buffers); a bad depth is one clear error."""
+    from speculant import SpeculantError
+
+    assert forced_engine("eagle3", [0]).runner.catch_up is not None
+    assert forced_engine("draft-model", [0]).runner.catch_up is None
+    assert forced_engine("eagle3", [0], catch_up_depth=0).runner.catch_up is None
+    fixed = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=FIXED)
+    assert fixed.runner.catch_up is None and fixed.pending is None
+    with pytest.raises(SpeculantError, match=r"catch_up_depth=-1 must be an integer in 0\.\.256"):
+        forced_engine("eagle3", [0], catch_up_depth=-1)
+
+
 def test_auto_on_the_cpu_measures_costs_and_stays_lossless(plain, prompts):
     engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
     table = engine.chooser.costs.table
@@ -327,10 +402,14 @@ def test_gpu_graphs_of_every_shape_replay_and_switching_equals_plain(drafter):
     prompts = prompts_of((5, 23, 1, 40, 12, 7, 30, 2), seed=8, vocab=plain.model_config.vocab_size)
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     forced = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO)
-    assert len(forced.graphs.graphs) == 3 * 2 * len(forced.graphs.sizes)
+    defers = forced.runner.catch_up is not None  # one catch-up graph per size
+    assert len(forced.graphs.graphs) == (3 * 2 + defers) * len(forced.graphs.sizes)
     forced.chooser = ForcedChooser(forced.chooser.k, None, seed=1)
     assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
     assert forced.graphs.num_replays > 0
+    forced.chooser = ForcedChooser(forced.chooser.k, [0] * 11 + [3, 3])  # catch-ups by depth
+    assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
+    assert forced.graphs.num_catch_up_replays > 0 or not defers
     auto = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO)
     assert [o.token_ids for o in auto.generate(prompts, GREEDY)] == expected
     sampled = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True)
