@@ -10,6 +10,7 @@ import bisect
 import gc
 import logging
 import time
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -213,14 +214,12 @@ class GraphRunner:
             for bs in sizes:
                 runner.buffers.fill([], [], [], [], [], [], bs, sentinel)
                 dummies = dp_capture_dummies(bs, shape.tokens_per_req, self.pctx.world_size)
-                table[(shape, bs)] = self._median_seconds(
-                    lambda: self.run(bs, bs, GREEDY, True, dummies, shape),
-                    repeats,  # noqa: B023
-                )
+                step = partial(self.run, bs, bs, GREEDY, True, dummies, shape)
+                table[(shape, bs)] = self._median_seconds(step, repeats)
         catch_up = runner.catch_up
         if catch_up is not None and PLAIN in self.shapes and catch_up.depth:
             for bs in sizes:  # a plain step's share of the catch-up that follows `depth` of them
-                flush = self._median_seconds(lambda: self.run_catch_up([sentinel] * bs), repeats)  # noqa: B023
+                flush = self._median_seconds(partial(self.run_catch_up, [sentinel] * bs), repeats)
                 table[(PLAIN, bs)] += flush / catch_up.depth
         return table
 
