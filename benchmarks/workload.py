@@ -39,6 +39,9 @@ CONFIGS = {  # name: extra CLI flags
     "seqs512": ["--max-num-seqs", "512"],
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
     "eagle3_auto": ["--algo", "eagle3", "--num-draft-tokens", "3", "--speculation", "auto"],
+    # auto with the drafter caught up in every plain step (what the deferred catch-up replaced)
+    "eagle3_auto_d0": ["--algo", "eagle3", "--num-draft-tokens", "3", "--speculation", "auto",
+                       "--catch-up-depth", "0"],  # fmt: skip
     "eager": ["--enforce-eager"],
     "nopiecewise": ["--piecewise-sizes", "none"],  # extend steps eager, decode graphs kept
     "lazypiecewise": ["--piecewise-capture", "lazy"],

@@ -231,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s)",
     )
     spec.add_argument(
+        "--catch-up-depth",
+        type=_nonnegative_int,
+        default=8,
+        metavar="N",
+        help="with --speculation auto: steps that draft nothing record the drafter's inputs "
+        "and catch it up every N such steps, or before one that drafts (0: every step; "
+        "default: %(default)s)",
+    )
+    spec.add_argument(
         "--capture-sizes",
         type=_capture_sizes,
         metavar="1,2,4,8",
@@ -534,6 +543,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         algo=args.algo,
         num_draft_tokens=args.num_draft_tokens,
         speculation=args.speculation,
+        catch_up_depth=args.catch_up_depth,
         capture_sizes=args.capture_sizes,
         max_capture_size=args.max_capture_size,
         disable_graph_padding=args.disable_graph_padding,
