@@ -150,7 +150,7 @@ def candidates(m: int, splitk: list, scaled_mm: dict | None, dry: bool) -> list[
     if m >= 8:
         gemms = GEMM_CONFIGS[:1] if dry else GEMM_CONFIGS
         out += [("w8a16", c) for c in gemms] + [("w8a8", c) for c in gemms]
-    if m >= 16:
+    if m >= 8:
         out.append(("dequant", None))
     if scaled_mm is not None:
         out.append(("scaled_mm", scaled_mm))
@@ -189,8 +189,10 @@ def sweep(args, report: dict, deadline: float) -> dict:
             ref8 = kernels.reference_w8a8(x, w, scale, "block")
             dense_us = time_us(lambda d, x=x: torch.nn.functional.linear(x, d), bf16, cuda)
             entry = {"bf16": {"us": dense_us, "GBps": 2 * w.numel() / dense_us / 1e3}}
-            splitk = all_splitk if m == 1 else best_splitk.get(name, all_splitk[:SPLITK_TOP])
-            if m > 1:  # the other reduction of the kept configs
+            if m == 1:  # every config; the other reduction for a few
+                splitk = all_splitk + [c[:3] + ("kernel",) for c in all_splitk[::7]]
+            else:  # the best at M = 1, both reductions for the two best
+                splitk = best_splitk.get(name, all_splitk[:SPLITK_TOP])
                 splitk = splitk + [c[:3] + ("kernel",) for c in splitk[:2]]
             for path, config in candidates(m, splitk, scaled_config, args.dry_run):
                 label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
@@ -229,6 +231,22 @@ def measure(path, config, x, fp8: list, ref, cuda: bool) -> dict:
         return {**out, "us": us, "GBps": w.numel() / us / 1e3}
     except Exception as exc:
         return {"path": path, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def layer_sums(report: dict, shapes: dict) -> dict:
+    """Per M with every shape measured: one layer's four projections, best FP8 vs bf16 (us)."""
+    sums: dict = {}
+    for m in sorted({int(key.split("/")[1]) for key in report["kernels"]}):
+        entries = [report["kernels"].get(f"{name}/{m}") for name in shapes]
+        if not all(entries):
+            continue
+        best = [min((e["us"] for lab, e in x.items() if lab != "bf16" and "us" in e),
+                    default=math.inf) for x in entries]  # fmt: skip
+        sums[m] = {"fp8_us": sum(best), "bf16_us": sum(x["bf16"]["us"] for x in entries)}
+        print(
+            f"  layer M={m:4d}: fp8 {sums[m]['fp8_us']:7.1f} us, bf16 {sums[m]['bf16_us']:7.1f} us"
+        )
+    return sums
 
 
 def write_table(rows: dict, device_name: str, path: Path) -> dict:
@@ -307,6 +325,7 @@ def main() -> int:
     print(f"  scaled_mm probe: works = {report['scaled_mm_probe']['works']}", flush=True)
     deadline = t0 + args.budget_s - (args.decode_reserve_s if decode_on else 0)
     rows = sweep(args, report, deadline)
+    report["layer_sums"] = layer_sums(report, SHAPES_DRY if args.dry_run else SHAPES_8B)
     report["table"] = write_table(rows, device_name, args.table)["devices"][device_name]
     print(f"  table: {sum(len(r) for r in rows.values())} rows -> {args.table}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,12 @@ conversion misrounds some values (the compiled kernel's codes are checked on the
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +42,7 @@ CPU = pytest.param(
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = [CPU, CUDA]
 TOL = 1e-2
-PATHS = ("fma", "dot", "w8a16", "w8a8", "dequant")
+PATHS = ("fma", "splitk", "dot", "w8a16", "w8a8", "dequant")
 # (M, N, K) per device: partial 128-blocks in both dimensions, and the 8B projections
 SHAPES = {
     "cpu": [(1, 200, 320), (3, 256, 384), (17, 130, 200), (70, 96, 260)],
@@ -75,8 +78,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("path", PATHS)
 def test_kernel_matches_reference(device, mode, path):
     for m, n, k in SHAPES[device]:
-        if device == "cuda" and path == "fma" and m > 16:
-            continue  # the FMA kernel is for a few rows
+        if (device == "cuda" and path == "fma" or path == "splitk") and m > 16:
+            continue  # the FMA and split-K kernels are for a few rows
         gen = generator(path, mode, m, n, k)
         w, scale = random_fp8(gen, n, k, mode, device)
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -124,6 +127,131 @@ def test_split_k_for_small_grids_and_path_choice(monkeypatch):
     assert kernels.choice(kernels.FMA_MAX_M) == "fma"
     assert kernels.choice(kernels.FMA_MAX_M + 1) == kernels.choice(kernels.SKINNY_MAX_M) == "dot"
     assert kernels.choice(kernels.SKINNY_MAX_M + 1) == kernels.PREFILL_GEMM
+
+
+# (M, N, K, BLOCK_N, BLOCK_K): ragged N and K, one split (no workspace), M = 1 ... 8
+SPLITK_CASES = {
+    "cpu": [(1, 200, 320, 16, 128), (3, 136, 384, 8, 256), (8, 64, 1000, 32, 256),
+            (5, 130, 128, 16, 256)],
+    "cuda": [(m, n, k, 16, 1024) for m in (1, 4, 8) for n, k in ((6144, 4096), (4096, 14336))]
+    + [(2, 1000, 328, 32, 256)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", kernels.MODES)
+def test_splitk_gemv_matches_reference_and_repeats_exactly(device, mode):
+    """Both split reductions against the float64 reference; they sum in the same order, so
+    their outputs are equal, and a repeated call (counters reset by the last launch) too."""
+    for m, n, k, block_n, block_k in SPLITK_CASES[device]:
+        gen = generator("splitk", mode, m, n, k)
+        w, scale = random_fp8(gen, n, k, mode, device)
+        x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+        ref = kernels.reference_linear(x, w, scale, mode, dtype=torch.float64)
+        atomic = kernels.splitk_gemv(x, w, scale, mode, (block_n, block_k, 4, "atomic"))
+        err = rel_err(atomic, ref)
+        assert err < TOL, f"{mode} M={m} N={n} K={k}: relative error {err:.2e}"
+        again = kernels.linear(x, w, scale, mode, path="splitk",
+                               config=(block_n, block_k, 4, "atomic"))  # fmt: skip
+        summed = kernels.splitk_gemv(x, w, scale, mode, (block_n, block_k, 4, "kernel"))
+        assert torch.equal(atomic, again) and torch.equal(atomic, summed), (m, n, k)
+    assert not kernels._counters(torch.device(device)).any()
+
+
+def test_tuned_table_lookup_and_fallback(tmp_path, monkeypatch):
+    """A device/shape hit gives the table's path and config (first max_m that holds); a miss
+    (other shape, other device, M above the last row, row scales) falls back to choice(M);
+    scaled_mm is never taken off CUDA."""
+    from speculant.kernels import fp8_table
+
+    doc = {"devices": {"cpu": {"256x384": [
+        {"max_m": 4, "path": "dot", "config": [32, 64, 4, 4], "us": 2.0},
+        {"max_m": 1, "path": "splitk", "config": [16, 128, 4, "atomic"], "us": 1.0},
+        {"max_m": 8, "path": "scaled_mm", "config": {"api": "v1"}, "us": 3.0},
+    ]}, "NVIDIA H200": {"256x384": [{"max_m": 1, "path": "fma", "config": None}]}}}  # fmt: skip
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(doc))
+    table = fp8_table.load(path)
+    cpu = torch.device("cpu")
+    assert fp8_table.lookup(table, cpu, 256, 384, 1) == ("splitk", (16, 128, 4, "atomic"))
+    assert fp8_table.lookup(table, cpu, 256, 384, 3) == ("dot", (32, 64, 4, 4))
+    assert fp8_table.lookup(table, cpu, 256, 384, 8) is None  # scaled_mm: CUDA only
+    assert fp8_table.lookup(table, cpu, 256, 384, 9) is None
+    assert fp8_table.lookup(table, cpu, 384, 256, 1) is None
+    assert fp8_table.load(tmp_path / "none.json") == {}
+    monkeypatch.setattr(kernels, "TUNED", table)
+    x = torch.zeros(2, 384, dtype=torch.bfloat16)
+    assert kernels.route(x, 256, 384, "block") == ("dot", (32, 64, 4, 4))
+    assert kernels.route(x, 256, 384, "row") == (kernels.choice(2), None)
+    assert kernels.route(torch.zeros(6, 384), 256, 384, "block") == (kernels.choice(6), None)
+    assert kernels.route(x, 200, 384, "block") == (kernels.choice(2), None)
+    monkeypatch.setattr(fp8_table, "device_name", lambda device: "NVIDIA H200")
+    assert kernels.route(torch.zeros(1, 384), 256, 384, "block") == ("fma", None)
+    with pytest.raises(ValueError, match="scaled_mm"):  # CUDA only, even when forced
+        kernels.linear(x, torch.zeros(256, 384, dtype=kernels.FP8), torch.ones(2, 3), "block",
+                       path="scaled_mm")  # fmt: skip
+
+
+def test_checked_in_table_loads_and_names_known_paths():
+    """kernels/fp8_tuned.json (when present) parses and names only known paths."""
+    from speculant.kernels import fp8_table
+
+    known = {"fma", "splitk", "dot", "w8a16", "w8a8", "dequant", "scaled_mm"}
+    for shapes in fp8_table.load().values():
+        for rows in shapes.values():
+            assert {path for _, path, _ in rows} <= known
+
+
+@pytest.mark.needs("triton")
+@pytest.mark.skipif(not runtime.INTERPRET, reason="the sweep's dry run needs the interpreter")
+def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
+    """benchmarks/fp8_sweep.py on one tiny shape: every row it writes is a candidate that
+    passed the reference check, the table loads, and linear() then routes by it."""
+    import importlib.util
+
+    from speculant.kernels import fp8_table
+
+    spec = importlib.util.spec_from_file_location(
+        "fp8_sweep", Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_sweep.py"
+    )
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    monkeypatch.setattr(sweep, "SHAPES_DRY", {"a": (64, 256)})
+    monkeypatch.setattr(sweep, "MS_DRY", (1, 2))
+    args = argparse.Namespace(dry_run=True)
+    report = {"t0": 0.0, "kernels": {}, "scaled_mm_probe": sweep.probe_scaled_mm(False)}
+    assert report["scaled_mm_probe"]["works"] is None
+    rows = sweep.sweep(args, report, deadline=float("inf"))
+    assert [m for m, *_ in rows[(64, 256)]] == [1, 2]
+    for m, path, config, _ in rows[(64, 256)]:
+        entry = report["kernels"][f"a/{m}"]
+        assert all("scaled_mm" not in label for label in entry)
+        assert any(
+            (e.get("path"), e.get("config")) == (path, config) and e["err"] < TOL
+            for e in entry.values()
+        )
+    sweep.write_table(rows, "cpu", tmp_path / "tuned.json")
+    table = fp8_table.load(tmp_path / "tuned.json")
+    monkeypatch.setattr(kernels, "TUNED", table)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert kernels.route(x, 64, 256, "block") == table["cpu"][(64, 256)][0][1:]
+
+
+@pytest.mark.gpu
+def test_scaled_mm_layout_of_the_table_matches_reference():
+    """Each scaled_mm config the checked-in table names for this GPU gives x W^T."""
+    from speculant.kernels import fp8_table
+
+    rows = fp8_table.load().get(fp8_table.device_name(torch.device("cuda")), {})
+    configs = {repr(c): c for shape in rows.values() for _, p, c in shape if p == "scaled_mm"}
+    gen = generator("scaled_mm")
+    w, scale = random_fp8(gen, 512, 1024, "block", "cuda")
+    for m in (1, 64):
+        x = torch.randn(m, 1024, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+        ref = kernels.reference_w8a8(x, w, scale, "block", dtype=torch.float64)
+        for config in configs.values():
+            assert rel_err(kernels.linear(x, w, scale, "block", path="scaled_mm", config=config),
+                           ref) < TOL, config  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,7 +359,9 @@ def test_kernels_capture_in_a_cuda_graph():
     """Every path replays from a CUDA graph with new inputs and equals its eager result."""
     gen = generator("graph")
     w, scale = random_fp8(gen, 4096, 4096, "block", "cuda")
-    for path, m in (("fma", 1), ("dot", 16), ("dot", 64), ("w8a8", 256), ("dequant", 256)):
+    cases = (("fma", 1), ("splitk", 1), ("splitk", 8), ("dot", 16), ("dot", 64), ("w8a8", 256),
+             ("dequant", 256))  # fmt: skip
+    for path, m in cases:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         kernels.linear(x, w, scale, "block", path=path)  # compile outside the capture
         torch.cuda.synchronize()
