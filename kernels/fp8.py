@@ -258,8 +258,8 @@ def _splitk_kernel(
     """One [BLOCK_N, BLOCK_K] tile of W per program, loaded whole before the wait for the
     previous kernel; rows of x times their block scales, float32 sums. SPLITS == 1: y directly;
     else partials to ws [SPLITS, M, N], and with REDUCE the last program of an N tile (per-tile
-    counter) sums them in split order, writes y and resets its counter. SPLIT: SPLITS > 1 (SPLITS
-itself is no constexpr, so that one compile serves every K)."""
+    counter) sums them in split order, writes y and resets its counter. SPLIT: SPLITS > 1
+    (SPLITS itself is no constexpr, so that one compile serves every K)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -274,8 +274,8 @@ itself is no constexpr, so that one compile serves every K)."""
         s = tl.load(s_ptr + (pid_n * BLOCK_N // 128) * stride_s + cols // 128, mask=col_ok)
     else:
         s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    pdl_enter(PDL)  # the W and scale loads above (no earlier kernel's output) stay in flight
     w = w.to(tl.float32)
-    pdl_enter(PDL)  # weights and scales above are no earlier kernel's output
     for m in tl.static_range(BLOCK_M):
         x = tl.load(x_ptr + m * stride_x + cols, mask=col_ok & (m < M), other=0.0)
         x = x.to(tl.float32)
