@@ -98,11 +98,11 @@ class Drafter(ABC):
         the drafter needs none) and features [bs, catch_up_width] per row."""
         raise NotImplementedError
 
-    def catch_up(
-        self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, slots
-    ) -> None:
-        """Write the drafter's state at `positions` (their `slots`) from recorded entries, as
-        `propose` with no drafts would have; padded entries point at the dummy page."""
+    def catch_up(self, rows, ids, features, positions, slots) -> None:
+        """Write the drafter's state from recorded entries, as `propose` with no drafts would
+        have: per request row of `rows` [bs], D entries (ids [bs, D], features [bs, D, width],
+        positions [bs, D]) and their slots [bs * D]; padded entries point at the dummy page
+        (position 0), after a row's valid ones."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ shared by chain drafters

@@ -487,8 +487,10 @@ class DFlashDrafter(Drafter):
     def catch_up_entry(self, inputs: DraftInputs) -> tuple[None, torch.Tensor]:
         return None, self.features(inputs)  # the context K/V need no token
 
-    def catch_up(self, ids, features, positions, slots) -> None:
-        self.model.write_context(features, positions, self.k_pools, self.v_pools, slots)
+    def catch_up(self, rows, ids, features, positions, slots) -> None:
+        features = features.reshape(slots.shape[0], -1)
+        self.model.write_context(features, positions.reshape(-1), self.k_pools, self.v_pools,
+                                 slots)  # fmt: skip
 
     def propose(
         self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int

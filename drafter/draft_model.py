@@ -9,8 +9,9 @@ import torch
 
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.errors import SpeculantError
-from speculant.executor.forward_batch import SamplingInfo
+from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
+from speculant.executor.piecewise import drafter_extend
 from speculant.models.llama import CausalLM
 
 
@@ -41,13 +42,38 @@ class DraftModelDrafter(Drafter):
             attention_backend,
         )
         self.lm = draft_lm
+        self.catch_up_width = 0  # its catch-up is its LM over the recorded input tokens
+
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = inputs.batch.input_ids
+        return ids, ids.new_empty((ids.shape[0], 0), dtype=self.pool_layout[3])
+
+    def catch_up(self, rows, ids, features, positions, slots) -> None:
+        """The LM over D recorded tokens per row (a D-token decode batch: a query sees keys at
+        positions <= its own), writing its K/V."""
+        bs, depth = ids.shape
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            bs=bs,
+            tokens_per_req=depth,
+            input_ids=ids.reshape(-1),
+            positions=positions.reshape(-1),
+            req_pool_indices=rows,
+            out_cache_loc=slots,
+            kv_len=self.kv.max_tokens_per_req,
+        )
+        self.attn.prepare(batch)
+        self.lm(batch.input_ids, batch.positions, self.attn)
 
     def propose(
         self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
     ) -> Proposal:
         batch = inputs.batch
-        self.attn.prepare(batch, shared_slots=inputs.target_slots)
-        self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
+        if batch.is_varlen:  # EXTEND: the forward over the chunk, graphed by token bucket
+            drafter_extend(self, inputs)
+        else:
+            self.attn.prepare(batch, shared_slots=inputs.target_slots)
+            self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
         if num_drafts == 0:
             return self.no_drafts(batch)
         token = inputs.next_tokens.reshape(-1)[inputs.last_flat]

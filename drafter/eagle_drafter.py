@@ -41,10 +41,11 @@ class Eagle3Drafter(Drafter):
     def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs.next_tokens.clamp(min=0).reshape(-1), torch.cat(inputs.aux, dim=-1)
 
-    def catch_up(self, ids, features, positions, slots) -> None:
-        embeds = self.head.embed(ids, self.target)
+    def catch_up(self, rows, ids, features, positions, slots) -> None:
+        embeds = self.head.embed(ids.reshape(-1), self.target)
+        aux = features.reshape(embeds.shape[0], -1)
         pools = (self.k_pools, self.v_pools)
-        self.head.write_kv(embeds, features, positions, pools, slots, self.attn.ops)
+        self.head.write_kv(embeds, aux, positions.reshape(-1), pools, slots, self.attn.ops)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids)

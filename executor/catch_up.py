@@ -40,7 +40,8 @@ class CatchUpBuffers:
         j = self.count[rows].clamp(max=self.depth - 1)
         if ids is not None:
             self.ids[rows, j] = ids
-        self.features[rows, j] = features.to(self.features.dtype)
+        if features.shape[-1]:
+            self.features[rows, j] = features.to(self.features.dtype)
         self.count.index_add_(0, rows, live)
 
     def flush(self, bs: int) -> None:
@@ -53,12 +54,7 @@ class CatchUpBuffers:
         where_rows = torch.where(valid, rows[:, None], kv.sentinel_row)
         positions = torch.where(valid, positions, 0)
         slots = kv.slots(where_rows.reshape(-1), positions.reshape(-1, 1)).reshape(-1)
-        self.drafter.catch_up(
-            self.ids[rows].reshape(-1),
-            self.features[rows].reshape(bs * self.depth, -1),
-            positions.reshape(-1),
-            slots,
-        )
+        self.drafter.catch_up(rows, self.ids[rows], self.features[rows], positions, slots)
         self.count.index_fill_(0, rows, 0)
 
     def reset(self, rows: list[int]) -> None:

@@ -174,7 +174,7 @@ def test_drafter_state_after_plain_steps_equals_drafting_every_step(prompts, dra
         torch.testing.assert_close(switching, fixed, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 @pytest.mark.parametrize("depth", [1, 3, 8])
 def test_deferred_catch_up_leaves_the_state_of_drafting_every_step(prompts, drafter, depth):
     """Plain steps record the drafter's inputs and a flush writes its K/V `depth` steps later
@@ -212,7 +212,7 @@ def drafter_state_per_request(engine: Engine, margin: int) -> dict[int, torch.Te
     return kept
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 def test_deferred_catch_up_in_a_job_with_reused_rows_chunks_and_overlap(plain, drafter):
     """Requests that finish while holding recorded entries, rows reused by new requests,
     chunked prefill and overlapped steps: every request's drafter K/V at its finish equal the
@@ -236,12 +236,12 @@ def test_deferred_catch_up_in_a_job_with_reused_rows_chunks_and_overlap(plain, d
 
 
 def test_catch_up_is_deferred_only_where_it_can_be(prompts):
-    """EAGLE-3 (one layer) and DFLASH defer; the draft model, fixed speculation and depth 0
+    """EAGLE-3 (one layer), DFLASH and the draft model defer; fixed speculation and depth 0
     catch up in every plain step (no buffers); a bad depth is one clear error."""
     from speculant import SpeculantError
 
-    assert forced_engine("eagle3", [0]).runner.catch_up is not None
-    assert forced_engine("draft-model", [0]).runner.catch_up is None
+    for drafter in DRAFTERS:
+        assert forced_engine(drafter, [0]).runner.catch_up is not None
     assert forced_engine("eagle3", [0], catch_up_depth=0).runner.catch_up is None
     fixed = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=FIXED)
     assert fixed.runner.catch_up is None and fixed.pending is None
