@@ -20,7 +20,15 @@ memory pool; a replay only of a captured shape; `clear` releases every graph and
 
 Eager instead: steps above the largest bucket, the CPU, --enforce-eager, the torch attention
 backend (its packed path loops over sequences on the host) and MoE targets (a replayed graph would
-bake in every rank's dispatch sizes; their extend steps stay eager)."""
+bake in every rank's dispatch sizes; their extend steps stay eager).
+
+The drafter's part of an extend step that depends only on its N tokens has graphs of the same
+buckets (`DrafterPiecewise`, in the target's pool, captured after the target's): EAGLE-3's K/V
+over every position (a one-layer head: fc, norms, K/V and RoPE, no attention), DFLASH's context
+K/V, and the draft model's forward over the chunk (its own attention on the static layout). What
+follows per sequence (bs rows: the layer at each sequence's last position, the chain drafting,
+DFLASH's block forward) runs eagerly, as a decode batch of one token per row
+(`last_position_inputs`)."""
 
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from tqdm import tqdm
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import GraphConfig
+from speculant.drafter.base import DraftInputs
 from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode
 from speculant.kernels.paged_attention import VarlenTiles
@@ -176,9 +185,183 @@ class PiecewiseStats:
     by_size: dict[int, int] = field(default_factory=dict)
 
 
-class PiecewiseRunner:
+class BucketGraphs:
+    """What the target's and the drafter's runners share: a `BucketEntry` per bucket, replay or
+    padded eager forward of a filled entry, capture (every bucket at start, or each on first
+    use), the order checked on every rank, and `clear`. Subclasses make the entries and the
+    forward (`_entry`, `_fill_dummy`, `_run`) and hold the pool (`pool`)."""
+
+    label = ""  # in messages: " drafter" for the drafter's graphs
+    pool = None
+
+    def _setup(self, cfg: GraphConfig, pctx: ParallelContext, device, sizes, graphs_possible):
+        self.cfg, self.pctx, self.device = cfg, pctx, device
+        self.sizes = sizes
+        self.graphs_possible = self.use_graphs = graphs_possible
+        self.pad = bool(sizes) and (graphs_possible or cfg.eager_padding)
+        self.lazy = cfg.piecewise_capture == "lazy"
+        self.capture_order: list[int] = []
+        self.memory_bytes = 0
+        self.capture_seconds = 0.0
+        self.stats = PiecewiseStats()
+
+    def bucket(self, num_tokens: int, num_seqs: int = 1) -> int | None:
+        """The bucket a step of num_tokens tokens in num_seqs sequences runs at (None: eager)."""
+        if not self.pad:
+            return None
+        index = bisect.bisect_left(self.sizes, num_tokens)
+        if index == len(self.sizes) or num_seqs > self.entries[self.sizes[index]].max_seqs:
+            return None
+        return self.sizes[index]
+
+    def _forward_entry(self, entry: BucketEntry, padded: ForwardBatch, refill):
+        """Replay the filled entry's graph (capturing it first when lazy; `refill` fills it again
+        after capture, which ran on dummy inputs), or run its padded forward eagerly."""
+        size = entry.num_tokens
+        if self.use_graphs:
+            if not entry.captured:
+                if not self.lazy:
+                    raise SpeculantError(
+                        f"no{self.label} piecewise graph was captured for {size} tokens "
+                        f"(captured: {self.capture_order}); call Engine.capture_graphs()"
+                    )
+                self._capture_lazily(entry)
+                refill()
+            entry.graph.replay()
+            entry.replays += 1
+            self.stats.replays += 1
+            out = entry.outputs
+        else:
+            out = self._run(padded)
+            self.stats.padded_eager += 1
+        self.stats.by_size[size] = self.stats.by_size.get(size, 0) + 1
+        return out
+
+    # ------------------------------------------------------------------ capture
+
+    def capture_plan(self) -> list[int]:
+        """Buckets to capture at start, largest first (none when lazy)."""
+        return [] if self.lazy else sorted(self.sizes, reverse=True)
+
+    def capture(self) -> None:
+        """Capture every bucket (largest first, one memory pool), or with lazy capture none yet.
+        With several ranks and no graphs (the CPU, --enforce-eager) the same lockstep runs each
+        padded forward once eagerly, so the protocol is exercised there too."""
+        self.use_graphs = self.graphs_possible
+        plan = self.capture_plan()
+        if self.pctx.world_size > 1:
+            check_same_order(self.pctx, plan, f"would capture{self.label}")
+        if not self.use_graphs:
+            if self.pctx.world_size > 1 and self.pad:
+                for n in plan:
+                    self._lockstep_eager(self.entries[n])
+                check_same_order(self.pctx, self.capture_order, f"captured{self.label}")
+            return
+        if not plan:
+            return
+        device = self.device
+        start = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(device)
+        bar = tqdm(
+            plan, disable=self.pctx.rank != 0, desc=f"capturing{self.label} piecewise graphs"
+        )
+        gc.collect()
+        gc.freeze()
+        try:
+            for n in bar:
+                free = torch.cuda.mem_get_info(device)[0] / 2**30
+                bar.set_description(f"capturing{self.label} tokens={n} free={free:.1f} GiB")
+                self._capture_one(self.entries[n])
+        finally:
+            gc.unfreeze()
+        if self.pctx.world_size > 1:
+            check_same_order(self.pctx, self.capture_order, f"captured{self.label}")
+        self.memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
+        self.capture_seconds = time.perf_counter() - start
+        if self.pctx.rank == 0:
+            log.info(
+                "captured %d%s piecewise graphs (tokens %s) in %.1f s using %.2f GiB",
+                len(plan),
+                self.label,
+                sorted(plan),
+                self.capture_seconds,
+                self.memory_bytes / 2**30,
+            )
+
+    def _lockstep_eager(self, entry: BucketEntry) -> None:
+        batch = self._fill_dummy(entry)
+        self.pctx.barrier()
+        self._run(batch)
+        self.pctx.barrier()
+        self.capture_order.append(entry.num_tokens)
+
+    def _capture_lazily(self, entry: BucketEntry) -> None:
+        """A bucket's first use (lazy capture): every TP rank runs the same step, so they all
+        capture it now; the orders so far are checked equal before it replays."""
+        device = self.device
+
+        def reserved() -> int:
+            return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+        start, before = time.perf_counter(), reserved()
+        self._capture_one(entry)
+        if self.pctx.world_size > 1:
+            check_same_order(self.pctx, self.capture_order, f"captured{self.label}")
+        taken = reserved() - before
+        self.memory_bytes += taken
+        self.capture_seconds += time.perf_counter() - start
+        if self.pctx.rank == 0:
+            log.info(
+                "captured the%s piecewise graph for %d tokens in %.2f s using %.2f GiB",
+                self.label,
+                entry.num_tokens,
+                time.perf_counter() - start,
+                taken / 2**30,
+            )
+
+    def _capture_one(self, entry: BucketEntry) -> None:
+        """Warm up (the remaining of WARMUP_RUNS), then capture into the shared pool."""
+        batch = self._fill_dummy(entry)
+        stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize()
+        self.pctx.barrier()
+        with torch.cuda.stream(stream):
+            while entry.num_warmups < WARMUP_RUNS:
+                self._run(batch)
+                entry.num_warmups += 1
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                out = self._run(batch)
+        except torch.OutOfMemoryError as exc:
+            raise SpeculantError(
+                f"out of GPU memory capturing the{self.label} piecewise graph for "
+                f"{entry.num_tokens} tokens; lower --max-num-batched-tokens or "
+                "--kv-cache-memory-fraction, or pass --piecewise-sizes with smaller sizes"
+            ) from exc
+        torch.cuda.synchronize()
+        self.pctx.barrier()
+        if self.pool is None:
+            self.pool = graph.pool()
+        entry.graph, entry.outputs, entry.captured = graph, out, True
+        self.capture_order.append(entry.num_tokens)
+
+    def _release(self) -> None:
+        for entry in self.entries.values():
+            entry.graph = entry.outputs = None
+            entry.captured, entry.num_warmups = False, 0
+        self.capture_order.clear()
+        self.memory_bytes = 0
+        self.use_graphs = False
+
+
+class PiecewiseRunner(BucketGraphs):
     """Runs a packed target forward through its bucket: a replay, a padded eager forward, or
-    None (the caller runs it eagerly unpadded)."""
+    None (the caller runs it eagerly unpadded). With a drafter, `drafter` runs the drafter's
+    N-token part of the step through the same buckets (its graphs in this runner's pool)."""
 
     def __init__(
         self,
@@ -195,14 +378,14 @@ class PiecewiseRunner:
                 f"piecewise capture {cfg.piecewise_capture!r} is not supported; use "
                 f"{' or '.join(CAPTURE_MODES)}"
             )
-        self.runner, self.cfg, self.pctx = runner, cfg, pctx
-        self.sizes = [] if is_moe else piecewise_sizes(cfg, max_num_batched_tokens)
-        self.graphs_possible = uses_piecewise_graphs(
-            cfg, runner.device, attention_backend, is_moe, max_num_batched_tokens
-        )
-        self.use_graphs = self.graphs_possible
-        self.pad = bool(self.sizes) and (self.use_graphs or cfg.eager_padding)
-        self.lazy = cfg.piecewise_capture == "lazy"
+        self.runner = runner
+        self._setup(
+            cfg, pctx, runner.device,
+            [] if is_moe else piecewise_sizes(cfg, max_num_batched_tokens),
+            uses_piecewise_graphs(
+                cfg, runner.device, attention_backend, is_moe, max_num_batched_tokens
+            ),
+        )  # fmt: skip
         if self.lazy and self.use_graphs and pctx.dp_size > 1:
             raise SpeculantError(
                 "--piecewise-capture lazy needs --dp 1 (DP ranks meet a size at different "
@@ -212,37 +395,17 @@ class PiecewiseRunner:
         self.kv_len = kv.max_tokens_per_req
         self.sentinel_row = kv.sentinel_row
         self.sentinel_slot = int(kv.req_to_page[kv.sentinel_row, 0]) * kv.page_size
+        self.max_num_seqs = max_num_seqs
         attn = runner.model.model.layers[0].self_attn
         self.group = attn.num_heads // attn.num_kv_heads
         self.entries: dict[int, BucketEntry] = {
-            n: self._entry(n, min(max_num_seqs, n)) for n in self.sizes
+            n: new_entry(n, min(max_num_seqs, n), self.group, self.sentinel_row, self.device)
+            for n in self.sizes
         }
-        self.capture_order: list[int] = []
-        self.pool = None
-        self.memory_bytes = 0
-        self.capture_seconds = 0.0
-        self.stats = PiecewiseStats()
-
-    def _entry(self, n: int, max_seqs: int) -> BucketEntry:
-        device = self.runner.device
-        block_m = tile_block_m(self.group, n)
-        num_tiles = num_bucket_tiles(self.group, n, max_seqs, block_m)
-        slots = max_seqs + 2
-        return BucketEntry(
-            n, max_seqs, block_m, num_tiles,
-            tokens=torch.zeros(3, n, dtype=torch.int64, device=device),
-            rows=torch.full((slots,), self.sentinel_row, dtype=torch.int64, device=device),
-            meta=torch.zeros(2 * slots + 2 * num_tiles, dtype=torch.int32, device=device),
-        )  # fmt: skip
-
-    def bucket(self, num_tokens: int, num_seqs: int = 1) -> int | None:
-        """The bucket a step of num_tokens tokens in num_seqs sequences runs at (None: eager)."""
-        if not self.pad:
-            return None
-        index = bisect.bisect_left(self.sizes, num_tokens)
-        if index == len(self.sizes) or num_seqs > self.entries[self.sizes[index]].max_seqs:
-            return None
-        return self.sizes[index]
+        self.drafter = None
+        if runner.drafter is not None:
+            self.drafter = DrafterPiecewise(self, drafter_piece(runner.drafter))
+            runner.drafter.piecewise = self.drafter
 
     # ------------------------------------------------------------------ layout
 
@@ -252,14 +415,8 @@ class PiecewiseRunner:
     def _fill(self, entry: BucketEntry, batch: ForwardBatch, rows: list[int]) -> ForwardBatch:
         """Copy a step's packed batch (its request rows on the host) into the bucket's static
         inputs; the padded batch."""
-        n, N = batch.input_ids.shape[0], entry.num_tokens
-        tokens = entry.tokens
-        tokens[0, :n].copy_(batch.input_ids)
-        tokens[1, :n].copy_(batch.positions)
-        tokens[2, :n].copy_(batch.out_cache_loc)
-        if n < N:
-            tokens[:2, n:].zero_()
-            tokens[2, n:].fill_(self.sentinel_slot)
+        fill_tokens(entry, batch.input_ids, batch.positions, batch.out_cache_loc,
+                    self.sentinel_slot)  # fmt: skip
         seq_lens, all_rows, meta = self._layout(entry, list(batch.seq_lens), rows)
         entry.rows.copy_(torch.tensor(all_rows, dtype=torch.int64))
         entry.meta.copy_(torch.tensor(meta, dtype=torch.int32))
@@ -277,21 +434,7 @@ class PiecewiseRunner:
     def _batch(self, entry: BucketEntry, seq_lens: tuple[int, ...]) -> ForwardBatch:
         """The padded batch over the static buffers (`seq_lens` is read only by the CPU's
         reference attention, never inside a graph)."""
-        tiles = VarlenTiles(
-            seq_lens, self.group, entry.block_m, entry.num_tiles, entry.tile_tensors()
-        )
-        return ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            bs=entry.num_seq_slots,
-            tokens_per_req=0,
-            input_ids=entry.tokens[0],
-            positions=entry.tokens[1],
-            req_pool_indices=entry.rows,
-            out_cache_loc=entry.tokens[2],
-            kv_len=self.kv_len,
-            seq_lens=seq_lens,
-            tiles=tiles,
-        )
+        return padded_batch(entry, seq_lens, self.group, self.kv_len)
 
     def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         runner = self.runner
@@ -314,140 +457,298 @@ class PiecewiseRunner:
             return None
         entry = self.entries[size]
         padded = self._fill(entry, batch, rows)
-        if self.use_graphs:
-            if not entry.captured:
-                if not self.lazy:
-                    raise SpeculantError(
-                        f"no piecewise graph was captured for {size} tokens (captured: "
-                        f"{self.capture_order}); call Engine.capture_graphs()"
-                    )
-                self._capture_lazily(entry)
-                padded = self._fill(entry, batch, rows)  # capture ran on dummy inputs
-            entry.graph.replay()
-            entry.replays += 1
-            self.stats.replays += 1
-            hidden, aux = entry.outputs
-        else:
-            hidden, aux = self._run(padded)
-            self.stats.padded_eager += 1
-        self.stats.by_size[size] = self.stats.by_size.get(size, 0) + 1
+        hidden, aux = self._forward_entry(entry, padded, lambda: self._fill(entry, batch, rows))
         return hidden[:n], [a[:n] for a in aux]
 
     # ------------------------------------------------------------------ capture
 
-    def capture_plan(self) -> list[int]:
-        """Buckets to capture at start, largest first (none when lazy)."""
-        return [] if self.lazy else sorted(self.sizes, reverse=True)
-
     def capture(self) -> None:
-        """Capture every bucket (largest first, one memory pool), or with lazy capture none yet.
-        With several ranks and no graphs (the CPU, --enforce-eager) the same lockstep runs each
-        padded forward once eagerly, so the protocol is exercised there too."""
-        self.use_graphs = self.graphs_possible
-        plan = self.capture_plan()
-        if self.pctx.world_size > 1:
-            check_same_order(self.pctx, plan, "would capture")
-        if not self.use_graphs:
-            if self.pctx.world_size > 1 and self.pad:
-                for n in plan:
-                    self._lockstep_eager(self.entries[n])
-                check_same_order(self.pctx, self.capture_order, "captured")
-            return
-        if not plan:
-            return
-        device = self.runner.device
-        start = time.perf_counter()
-        reserved_before = torch.cuda.memory_reserved(device)
-        bar = tqdm(plan, disable=self.pctx.rank != 0, desc="capturing piecewise graphs")
-        gc.collect()
-        gc.freeze()
-        try:
-            for n in bar:
-                free = torch.cuda.mem_get_info(device)[0] / 2**30
-                bar.set_description(f"capturing piecewise tokens={n} free={free:.1f} GiB")
-                self._capture_one(self.entries[n])
-        finally:
-            gc.unfreeze()
-        if self.pctx.world_size > 1:
-            check_same_order(self.pctx, self.capture_order, "captured")
-        self.memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
-        self.capture_seconds = time.perf_counter() - start
-        if self.pctx.rank == 0:
-            log.info(
-                "captured %d piecewise graphs (tokens %s) in %.1f s using %.2f GiB",
-                len(plan),
-                sorted(plan),
-                self.capture_seconds,
-                self.memory_bytes / 2**30,
-            )
-
-    def _lockstep_eager(self, entry: BucketEntry) -> None:
-        batch = self._fill_dummy(entry)
-        self.pctx.barrier()
-        self._run(batch)
-        self.pctx.barrier()
-        self.capture_order.append(entry.num_tokens)
-
-    def _capture_lazily(self, entry: BucketEntry) -> None:
-        """A bucket's first use (lazy capture): every TP rank runs the same step, so they all
-        capture it now; the orders so far are checked equal before it replays."""
-        device = self.runner.device
-
-        def reserved() -> int:
-            return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-
-        start, before = time.perf_counter(), reserved()
-        self._capture_one(entry)
-        if self.pctx.world_size > 1:
-            check_same_order(self.pctx, self.capture_order, "captured")
-        taken = reserved() - before
-        self.memory_bytes += taken
-        self.capture_seconds += time.perf_counter() - start
-        if self.pctx.rank == 0:
-            log.info(
-                "captured the piecewise graph for %d tokens in %.2f s using %.2f GiB",
-                entry.num_tokens,
-                time.perf_counter() - start,
-                taken / 2**30,
-            )
-
-    def _capture_one(self, entry: BucketEntry) -> None:
-        """Warm up (the remaining of WARMUP_RUNS), then capture into the shared pool."""
-        batch = self._fill_dummy(entry)
-        stream = torch.cuda.Stream(self.runner.device)
-        torch.cuda.synchronize()
-        self.pctx.barrier()
-        with torch.cuda.stream(stream):
-            while entry.num_warmups < WARMUP_RUNS:
-                self._run(batch)
-                entry.num_warmups += 1
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(
-                graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
-            ):
-                out = self._run(batch)
-        except torch.OutOfMemoryError as exc:
-            raise SpeculantError(
-                f"out of GPU memory capturing the piecewise graph for {entry.num_tokens} "
-                "tokens; lower --max-num-batched-tokens or --kv-cache-memory-fraction, or "
-                "pass --piecewise-sizes with smaller sizes"
-            ) from exc
-        torch.cuda.synchronize()
-        self.pctx.barrier()
-        if self.pool is None:
-            self.pool = graph.pool()
-        entry.graph, entry.outputs, entry.captured = graph, out, True
-        self.capture_order.append(entry.num_tokens)
+        """The target's buckets, then the drafter's (same pool)."""
+        super().capture()
+        if self.drafter is not None:
+            self.drafter.capture()
 
     def clear(self) -> None:
-        """Release every graph, its output buffers and the pool; padded forwards then run
-        eagerly until `capture` again."""
-        for entry in self.entries.values():
-            entry.graph = entry.outputs = None
-            entry.captured, entry.num_warmups = False, 0
+        """Release every graph (the drafter's too), their output buffers and the pool; padded
+        forwards then run eagerly until `capture` again."""
+        if self.drafter is not None:
+            self.drafter.clear()
+        self._release()
         self.pool = None
-        self.capture_order.clear()
-        self.memory_bytes = 0
-        self.use_graphs = False
+
+
+# ------------------------------------------------------------------------------ entries
+
+
+def new_entry(n: int, max_seqs: int, group: int, sentinel_row: int, device) -> BucketEntry:
+    """The static buffers of a bucket of n tokens, at most max_seqs sequences."""
+    block_m = tile_block_m(group, n)
+    num_tiles = num_bucket_tiles(group, n, max_seqs, block_m)
+    slots = max_seqs + 2
+    return BucketEntry(
+        n, max_seqs, block_m, num_tiles,
+        tokens=torch.zeros(3, n, dtype=torch.int64, device=device),
+        rows=torch.full((slots,), sentinel_row, dtype=torch.int64, device=device),
+        meta=torch.zeros(2 * slots + 2 * num_tiles, dtype=torch.int32, device=device),
+    )  # fmt: skip
+
+
+def fill_tokens(entry: BucketEntry, ids, positions, slots, sentinel_slot: int) -> None:
+    """A step's n ids, positions and cache slots into the entry's [3, N]; the padding tokens
+    get token 0 at position 0, writing the sentinel slot."""
+    n, tokens = ids.shape[0], entry.tokens
+    tokens[0, :n].copy_(ids)
+    tokens[1, :n].copy_(positions)
+    tokens[2, :n].copy_(slots)
+    if n < entry.num_tokens:
+        tokens[:2, n:].zero_()
+        tokens[2, n:].fill_(sentinel_slot)
+
+
+def padded_batch(
+    entry: BucketEntry, seq_lens: tuple[int, ...], group: int | None, kv_len: int
+) -> ForwardBatch:
+    """The EXTEND batch over an entry's static buffers (tiles for a GQA `group`'s attention;
+    None: a forward that attends to nothing)."""
+    tiles = None
+    if group is not None:
+        tiles = VarlenTiles(seq_lens, group, entry.block_m, entry.num_tiles, entry.tile_tensors())
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        bs=entry.num_seq_slots,
+        tokens_per_req=0,
+        input_ids=entry.tokens[0],
+        positions=entry.tokens[1],
+        req_pool_indices=entry.rows,
+        out_cache_loc=entry.tokens[2],
+        kv_len=kv_len,
+        seq_lens=seq_lens,
+        tiles=tiles,
+    )
+
+
+# ------------------------------------------------------------------------------ the drafter
+
+
+class DrafterPiece:
+    """A drafter's part of an extend step that is a function of its N tokens only: `run` over a
+    batch (the step's own, or a bucket's padded one) with `ids` [N] and the extra input rows
+    [N, width] (target states; None for width 0)."""
+
+    group: int | None = None  # GQA group of its attention (None: it attends to nothing)
+    width = 0  # columns of its extra input rows
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def ids(self, inputs: DraftInputs) -> torch.Tensor:
+        return inputs.batch.input_ids
+
+    def parts(self, inputs: DraftInputs) -> list[torch.Tensor]:
+        """The extra input rows [n, w_i] of a step, concatenated in order."""
+        return []
+
+    def run(self, batch: ForwardBatch, ids, extra, shared_slots=None):
+        raise NotImplementedError
+
+    def run_step(self, inputs: DraftInputs) -> None:
+        """Eagerly over the step's own (unpadded) batch."""
+        parts = self.parts(inputs)
+        extra = torch.cat(parts, dim=-1) if parts else None
+        self.run(inputs.batch, self.ids(inputs), extra, inputs.target_slots)
+
+
+class EagleKVPiece(DrafterPiece):
+    """EAGLE-3, one layer: the K/V of every position from (next token, aux states)."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.width = 3 * drafter.head.config.target_hidden_size
+
+    def ids(self, inputs: DraftInputs) -> torch.Tensor:
+        return inputs.next_tokens.reshape(-1).clamp(min=0)
+
+    def parts(self, inputs: DraftInputs) -> list[torch.Tensor]:
+        return list(inputs.aux)
+
+    def run(self, batch, ids, extra, shared_slots=None) -> None:
+        d = self.drafter
+        embeds = d.head.embed(ids, d.target)
+        pools = (d.k_pools, d.v_pools)
+        d.head.write_kv(embeds, extra, batch.positions, pools, batch.out_cache_loc, d.attn.ops)
+
+
+class DFlashContextPiece(DrafterPiece):
+    """DFLASH: every layer's context K/V of every position from the target layer outputs."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.width = len(drafter.feature_sources) * drafter.target.config.hidden_size
+
+    def parts(self, inputs: DraftInputs) -> list[torch.Tensor]:
+        sources = self.drafter.feature_sources
+        return [inputs.hidden if i is None else inputs.aux[i] for i in sources]
+
+    def run(self, batch, ids, extra, shared_slots=None) -> None:
+        d = self.drafter
+        d.model.write_context(extra, batch.positions, d.k_pools, d.v_pools, batch.out_cache_loc)
+
+
+class DraftModelPiece(DrafterPiece):
+    """The draft model's forward over the chunk (its KV), on its own attention."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        attn = drafter.lm.model.layers[0].self_attn
+        self.group = attn.num_heads // attn.num_kv_heads
+
+    def run(self, batch, ids, extra, shared_slots=None):
+        d = self.drafter
+        d.attn.prepare(batch, shared_slots=shared_slots)
+        return d.lm(ids, batch.positions, d.attn)
+
+
+def drafter_piece(drafter) -> DrafterPiece:
+    """The N-token part of `drafter`'s extend steps."""
+    from speculant.drafter.dflash import DFlashDrafter
+    from speculant.drafter.draft_model import DraftModelDrafter
+    from speculant.drafter.eagle_drafter import Eagle3Drafter
+
+    if isinstance(drafter, Eagle3Drafter):
+        return EagleKVPiece(drafter)
+    if isinstance(drafter, DFlashDrafter):
+        return DFlashContextPiece(drafter)
+    if isinstance(drafter, DraftModelDrafter):
+        return DraftModelPiece(drafter)
+    raise TypeError(f"no extend piece for {type(drafter).__name__}")
+
+
+def drafter_extend(drafter, inputs: DraftInputs) -> None:
+    """The drafter's N-token part of an extend step: through its bucket (a replay or a padded
+    eager forward) when the engine gave it a `DrafterPiecewise`, else eagerly unpadded."""
+    runner = getattr(drafter, "piecewise", None)  # set by PiecewiseRunner
+    if runner is None or not runner.forward(inputs):
+        (runner.piece if runner is not None else drafter_piece(drafter)).run_step(inputs)
+
+
+def last_position_inputs(inputs: DraftInputs) -> DraftInputs:
+    """An extend step's inputs at each sequence's last position only: a decode batch of one
+    token per row (its queries attend to the K/V just written over every position; it writes
+    its own position's K/V again, with the same values)."""
+    batch, last = inputs.batch, inputs.last_flat
+    one = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        bs=batch.bs,
+        tokens_per_req=1,
+        input_ids=batch.input_ids[last],
+        positions=batch.positions[last],
+        req_pool_indices=batch.req_pool_indices,
+        out_cache_loc=batch.out_cache_loc[last],
+        kv_len=batch.kv_len,
+        sampling=batch.sampling,
+    )
+    return DraftInputs(
+        one,
+        inputs.hidden[last],
+        [a[last] for a in inputs.aux],
+        inputs.next_tokens.reshape(-1)[last],
+        torch.arange(batch.bs, device=last.device),
+        inputs.target_slots,
+    )
+
+
+class DrafterPiecewise(BucketGraphs):
+    """The drafter's N-token part of extend steps (`DrafterPiece`) by the target's buckets: its
+    entries (tokens, positions, slots, layout) and one extra-input buffer of the largest bucket
+    shared by all of them (one forward at a time), its graphs in the target's pool."""
+
+    label = " drafter"
+
+    def __init__(self, target: PiecewiseRunner, piece: DrafterPiece):
+        self.target, self.piece = target, piece
+        self._setup(target.cfg, target.pctx, target.device, target.sizes, target.graphs_possible)
+        self.sentinel_row, self.sentinel_slot = target.sentinel_row, target.sentinel_slot
+        self.kv_len = target.kv_len
+        group = piece.group or 1
+        self.entries: dict[int, BucketEntry] = {
+            n: new_entry(
+                n, min(target.max_num_seqs, n), group, self.sentinel_row, self.device
+            )
+            for n in self.sizes
+        }
+        self.extra = None
+        if piece.width and self.sizes:
+            dtype = piece.drafter.pool_layout[3]
+            shape = (max(self.sizes), piece.width)
+            self.extra = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def pool(self):
+        return self.target.pool
+
+    @pool.setter
+    def pool(self, value) -> None:
+        self.target.pool = value
+
+    def _extra(self, n: int) -> torch.Tensor | None:
+        return None if self.extra is None else self.extra[:n]
+
+    def _layout(self, entry: BucketEntry, seq_lens: list[int], num_rows: int) -> tuple:
+        """The static layout (when the piece attends); the step's rows are copied on the device
+        (`_fill`), so the host layout names the sentinel for them."""
+        rows = [self.sentinel_row] * num_rows
+        seq_lens, all_rows, meta = bucket_layout(
+            entry, seq_lens, rows, self.piece.group, self.sentinel_row
+        )
+        entry.rows.copy_(torch.tensor(all_rows, dtype=torch.int64))
+        entry.meta.copy_(torch.tensor(meta, dtype=torch.int32))
+        return seq_lens
+
+    def _fill(self, entry: BucketEntry, inputs: DraftInputs) -> ForwardBatch:
+        batch, piece = inputs.batch, self.piece
+        n = batch.input_ids.shape[0]
+        fill_tokens(entry, piece.ids(inputs), batch.positions, batch.out_cache_loc,
+                    self.sentinel_slot)  # fmt: skip
+        column = 0
+        for part in piece.parts(inputs):  # the padding's rows keep finite older values
+            width = part.shape[-1]
+            self.extra[:n, column : column + width].copy_(part)
+            column += width
+        if piece.group is None:
+            lens = list(batch.seq_lens)
+            seq_lens = (*lens, entry.num_tokens - n) if n < entry.num_tokens else tuple(lens)
+        else:
+            seq_lens = self._layout(entry, list(batch.seq_lens), batch.bs)
+            entry.rows[: batch.bs].copy_(batch.req_pool_indices)
+        return self._batch(entry, seq_lens)
+
+    def _fill_dummy(self, entry: BucketEntry) -> ForwardBatch:
+        """Capture's inputs: one sequence of N tokens at position 0 in the sentinel row."""
+        entry.tokens[:2].zero_()
+        entry.tokens[2].fill_(self.sentinel_slot)
+        seq_lens = (entry.num_tokens,)
+        if self.piece.group is not None:
+            seq_lens = self._layout(entry, [entry.num_tokens], 1)
+        return self._batch(entry, seq_lens)
+
+    def _batch(self, entry: BucketEntry, seq_lens: tuple[int, ...]) -> ForwardBatch:
+        return padded_batch(entry, seq_lens, self.piece.group, self.kv_len)
+
+    def _run(self, batch: ForwardBatch):
+        n = batch.input_ids.shape[0]
+        return self.piece.run(batch, batch.input_ids, self._extra(n))
+
+    def forward(self, inputs: DraftInputs) -> bool:
+        """The piece over the step's bucket (False: the step runs it eagerly unpadded)."""
+        batch = inputs.batch
+        size = self.bucket(batch.input_ids.shape[0], len(batch.seq_lens))
+        if size is None:
+            self.stats.unpadded += self.pad
+            return False
+        entry = self.entries[size]
+        padded = self._fill(entry, inputs)
+        self._forward_entry(entry, padded, lambda: self._fill(entry, inputs))
+        return True
+
+    def clear(self) -> None:
+        self._release()

@@ -3,8 +3,10 @@ the bucket policy, the static layout (padding tokens in the sentinel row, unused
 the static tile table on the Triton kernel (interpreter), eager padding token-equal to unpadded
 steps (plain, EAGLE-3, DFLASH; greedy and seeded sampling), the capture bookkeeping with a
 stand-in graph (lazy = eager capture, order, uncaptured shapes), a capture-order mismatch over
-two gloo ranks, clear and recapture, and `Engine.load_weights`. The `gpu` tests replay real
-graphs."""
+two gloo ranks, clear and recapture, and `Engine.load_weights`; the drafters' N-token part of
+extend steps through the same buckets (EAGLE-3's K/V, then its layer at the last positions only;
+DFLASH's context K/V; the draft model's forward): padded == unpadded, lazy == eager capture,
+clear / recapture, an uncaptured drafter shape. The `gpu` tests replay real graphs."""
 
 from __future__ import annotations
 
@@ -220,14 +222,28 @@ def drafter_options(kind, llama_dir, tmp_path):
 
         write_random_dflash(tmp_path, llama_dir, block_size=4, target_layer_ids=[1, 0], seed=3)
         return dict(algo="dflash", draft=str(tmp_path))
+    if kind == "draft-model":  # another shape (one layer, GQA group 4): its own tile layout
+        draft = helpers_ckpt.save_hf_model(
+            tmp_path / "draft", "qwen3", seed=4, num_hidden_layers=1, num_key_value_heads=1,
+            tokenizer_dir=llama_dir,
+        )  # fmt: skip
+        return dict(algo="draft-model", draft=str(draft), num_draft_tokens=3)
     return {}
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3", "dflash"])
+DRAFTERS = ["eagle3", "dflash", "draft-model"]
+
+
+def drafter_pools(eng) -> list[torch.Tensor]:
+    return eng.drafter.k_pools + eng.drafter.v_pools
+
+
+@pytest.mark.parametrize("kind", ["plain", *DRAFTERS])
 def test_eager_padding_is_token_equal_to_unpadded_steps(llama_dir, tmp_path, kind):
     """Prefill and mixed steps padded to their bucket (padding in the sentinel row) give the
     unpadded run's tokens, greedy and seeded-sampled; padded tokens wrote only the dummy
-    page 0 and the sentinel row stays zero."""
+    page 0 and the sentinel row stays zero. The drafter's N-token part ran padded in every
+    extend step, and its K/V equal the unpadded run's outside page 0."""
     spec = drafter_options(kind, llama_dir, tmp_path)
     plain = engine(llama_dir, piecewise_sizes=[], **spec)
     padded = engine(llama_dir, eager_padding=True, **spec)
@@ -240,6 +256,14 @@ def test_eager_padding_is_token_equal_to_unpadded_steps(llama_dir, tmp_path, kin
     for k_ref, k_pad in zip(plain.kv.k + plain.kv.v, kv.k + kv.v, strict=True):
         torch.testing.assert_close(k_pad[page:], k_ref[page:], rtol=1e-5, atol=1e-5)
     assert int(kv.cache_lens[kv.sentinel_row]) == 0 and not kv.req_to_page[kv.sentinel_row].any()
+    if kind == "plain":
+        assert padded.piecewise.drafter is None
+        return
+    dstats = padded.piecewise.drafter.stats
+    assert dstats.padded_eager == padded.extend_steps and set(dstats.by_size) == {16, 32, 64}
+    assert plain.piecewise.drafter.stats.padded_eager == 0
+    for ref, pad in zip(drafter_pools(plain), drafter_pools(padded), strict=True):
+        torch.testing.assert_close(pad[page:], ref[page:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.needs("triton")
@@ -265,6 +289,88 @@ def test_steps_past_the_largest_bucket_run_unpadded(llama_dir):
     assert padded.piecewise.stats.unpadded > 0 and padded.piecewise.stats.padded_eager > 0
 
 
+# ------------------------------------------------------------------ EAGLE-3's extend, restructured
+
+
+def full_head_extend(drafter, inputs, sampling, variant, num_drafts):
+    """The EAGLE-3 extend before the restructure (the reference): the whole head (attention,
+    MLP) over every position of the chunk, then the chain from each sequence's last one."""
+    batch, head = inputs.batch, drafter.head
+    embeds = head.embed(inputs.next_tokens.clamp(min=0).reshape(-1), drafter.target)
+    drafter.attn.prepare(batch, shared_slots=inputs.target_slots)
+    hidden = head(embeds, torch.cat(inputs.aux, dim=-1), batch.positions, drafter.attn)
+    hidden, position = hidden[inputs.last_flat], batch.positions[inputs.last_flat]
+    drafts, probs = [], []
+    for step in range(num_drafts):
+        token, q = drafter.pick(head.logits(hidden), sampling, position + 2, variant)
+        drafts.append(token)
+        probs.append(q)
+        if step == num_drafts - 1:
+            break
+        position = position + 1
+        one = drafter.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
+        drafter.attn.prepare(one, shared_slots=inputs.target_slots)
+        hidden = head(head.embed(token, drafter.target), hidden, position, drafter.attn)
+    return drafter.proposal(drafts, probs)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_eagle3_extend_runs_its_layer_at_the_last_positions_only(padding):
+    """On the bundled target and EAGLE-3 head (float32): every extend step (prefill, chunks,
+    mixed steps) writes the K/V of all N positions without attention, then runs the layer at
+    the bs last positions only; its drafts, q and the head's K/V equal the whole-head path's,
+    and greedy speculative decoding equals plain decoding."""
+    from speculant import bundled
+
+    options = dict(
+        device="cpu", dtype="float32", max_num_seqs=8, max_model_len=256, page_size=4,
+        max_num_batched_tokens=BUDGET, piecewise_sizes=None if padding else [],
+        eager_padding=padding,
+    )  # fmt: skip
+    target = str(bundled("target"))
+    spec = Engine(target, algo="eagle3", draft=str(bundled("eagle3")), num_draft_tokens=3,
+                  **options)  # fmt: skip
+    drafter, head = spec.drafter, spec.drafter.head
+    head_rows, checked = [], []
+    forward, propose = head.forward, drafter.propose
+
+    def counting_forward(embeds, *args):
+        head_rows.append(embeds.shape[0])
+        return forward(embeds, *args)
+
+    def compared_propose(inputs, sampling, variant, num_drafts):
+        if not inputs.batch.is_varlen:
+            return propose(inputs, sampling, variant, num_drafts)
+        pools = drafter_pools(spec)
+        before = [p.clone() for p in pools]
+        head_rows.clear()
+        new = propose(inputs, sampling, variant, num_drafts)
+        assert head_rows and max(head_rows) == inputs.batch.bs  # one query per sequence
+        after = [p.clone() for p in pools]
+        for pool, saved in zip(pools, before, strict=True):
+            pool.copy_(saved)
+        old = full_head_extend(drafter, inputs, sampling, variant, num_drafts)
+        assert torch.equal(new.tokens, old.tokens)
+        assert (new.probs is None) == (old.probs is None)
+        if new.probs is not None:
+            torch.testing.assert_close(new.probs, old.probs, rtol=1e-5, atol=1e-6)
+        page = spec.kv.page_size  # the padding's sentinel page 0 differs
+        for pool, mine in zip(pools, after, strict=True):
+            torch.testing.assert_close(mine[page:], pool[page:], rtol=1e-5, atol=1e-5)
+            pool.copy_(mine)
+        checked.append(inputs.batch.seq_lens)
+        return new
+
+    head.forward, drafter.propose = counting_forward, compared_propose
+    prompts = prompts_of((5, 40, 90, 3, 17, 60, 9), vocab=4096)
+    outs = spec.generate(prompts, mixed_params(len(prompts), max_new_tokens=12))
+    assert len(checked) == spec.extend_steps and any(len(lens) > 1 for lens in checked)
+    assert any(o.stats["accept_len"] > 1.5 for o in outs)  # a trained head: drafts accepted
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = Engine(target, **options).generate(prompts, greedy)
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain]
+
+
 # ------------------------------------------------------------------ capture (stand-in graph)
 
 
@@ -280,15 +386,16 @@ class StandInGraph:
         slots = self.entry.num_seq_slots
         lens = self.entry.meta[slots : 2 * slots].tolist()
         batch = self.pw._batch(self.entry, tuple(n for n in lens if n))
-        hidden, aux = self.pw._run(batch)
-        self.outputs[0].copy_(hidden)
-        for dst, src in zip(self.outputs[1], aux, strict=True):
+        out = self.pw._run(batch)
+        if self.outputs is None:  # a drafter's K/V writes: no outputs
+            return
+        self.outputs[0].copy_(out[0])
+        for dst, src in zip(self.outputs[1], out[1], strict=True):
             dst.copy_(src)
 
 
-def stand_in_graphs(eng, log):
-    """Turn the engine's piecewise runner to graph mode with stand-in graphs."""
-    pw = eng.piecewise
+def stand_in_capture(pw, log):
+    """Turn a bucket runner (the target's or the drafter's) to graph mode with stand-ins."""
 
     def capture_one(entry):
         batch = pw._fill_dummy(entry)
@@ -302,34 +409,48 @@ def stand_in_graphs(eng, log):
 
     pw._capture_one = capture_one
     pw.graphs_possible = pw.pad = True
+
+
+def stand_in_graphs(eng, log, drafter_log=None):
+    """Turn the engine's piecewise runner (and its drafter's) to graph mode with stand-ins."""
+    pw = eng.piecewise
+    stand_in_capture(pw, log)
+    if pw.drafter is not None:
+        stand_in_capture(pw.drafter, [] if drafter_log is None else drafter_log)
     pw.capture = lambda: capture_with_stand_ins(pw)  # what Engine.capture_graphs calls
     return pw
 
 
 def capture_with_stand_ins(pw):
-    """`PiecewiseRunner.capture`'s graph branch without CUDA (its order and bookkeeping)."""
-    pw.use_graphs = True
-    for n in pw.capture_plan():
-        pw._capture_one(pw.entries[n])
+    """`PiecewiseRunner.capture`'s graph branch without CUDA (its order and bookkeeping): the
+    target's buckets, then the drafter's."""
+    for runner in [pw] + ([pw.drafter] if pw.drafter is not None else []):
+        runner.use_graphs = True
+        for n in runner.capture_plan():
+            runner._capture_one(runner.entries[n])
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+@pytest.mark.parametrize("kind", ["plain", *DRAFTERS])
 def test_lazy_and_eager_capture_give_equal_tokens(llama_dir, tmp_path, kind):
     """Capture at start (largest first) or on each bucket's first use: the same tokens as
-    unpadded eager steps; every entry warmed up twice, captured once, replayed after."""
+    unpadded eager steps; every entry warmed up twice, captured once, replayed after. The
+    drafter's entries likewise, captured after the target's, replayed in every extend step."""
     spec = drafter_options(kind, llama_dir, tmp_path)
     ref = run_jobs(engine(llama_dir, piecewise_sizes=[], **spec))
     results = {}
     for mode in ("eager", "lazy"):
-        eng, log = engine(llama_dir, piecewise_capture=mode, **spec), []
-        pw = stand_in_graphs(eng, log)
+        eng, log, dlog = engine(llama_dir, piecewise_capture=mode, **spec), [], []
+        pw = stand_in_graphs(eng, log, dlog)
         capture_with_stand_ins(pw)
         assert log == ([64, 32, 16] if mode == "eager" else [])
+        assert dlog == ([] if kind == "plain" or mode == "lazy" else [64, 32, 16])
         out = run_jobs(eng)
         assert out == ref, mode
-        assert sorted(log) == [16, 32, 64] and pw.capture_order == log
-        assert all(e.captured and e.num_warmups == 2 for e in pw.entries.values())
-        assert pw.stats.replays == eng.extend_steps and pw.stats.padded_eager == 0
+        runners = [pw] + ([pw.drafter] if kind != "plain" else [])
+        for runner, order in zip(runners, (log, dlog), strict=False):
+            assert sorted(order) == [16, 32, 64] and runner.capture_order == order
+            assert all(e.captured and e.num_warmups == 2 for e in runner.entries.values())
+            assert runner.stats.replays == eng.extend_steps and runner.stats.padded_eager == 0
         results[mode] = out
     assert results["eager"] == results["lazy"]
 
@@ -342,23 +463,44 @@ def test_a_shape_must_be_captured_before_it_replays(llama_dir):
         eng.generate(PROMPTS[:1], mixed_params(1))
 
 
-def test_clear_graphs_releases_every_entry_and_capture_graphs_recaptures(llama_dir):
-    eng, log = engine(llama_dir), []
+def test_an_uncaptured_drafter_shape_is_refused(llama_dir, tmp_path):
+    eng = engine(llama_dir, **drafter_options("eagle3", llama_dir, tmp_path))
+    pw = stand_in_graphs(eng, [])
+    pw.use_graphs = True
+    for n in pw.capture_plan():  # the target's graphs only
+        pw._capture_one(pw.entries[n])
+    pw.drafter.use_graphs = True
+    with pytest.raises(SpeculantError, match=r"no drafter piecewise graph was captured for 16"):
+        eng.generate(PROMPTS[:1], mixed_params(1))
+
+
+@pytest.mark.parametrize("kind", ["plain", *DRAFTERS])
+def test_clear_graphs_releases_every_entry_and_capture_graphs_recaptures(
+    llama_dir, tmp_path, kind
+):
+    eng, log = engine(llama_dir, **drafter_options(kind, llama_dir, tmp_path)), []
     pw = stand_in_graphs(eng, log)
     capture_with_stand_ins(pw)
+    runners = [pw] + ([pw.drafter] if kind != "plain" else [])
     first = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
+    replays = [r.stats.replays for r in runners]
+    assert all(replays)
     memory = eng.clear_graphs()
     assert memory == {"reserved_before": 0, "reserved_after": 0}  # the CPU
-    assert not pw.use_graphs and pw.capture_order == [] and pw.pool is None
-    entries = pw.entries.values()
-    assert all(e.graph is None and e.outputs is None and not e.captured for e in entries)
+    assert pw.pool is None
+    for runner in runners:
+        assert not runner.use_graphs and runner.capture_order == []
+        entries = runner.entries.values()
+        assert all(e.graph is None and e.outputs is None and not e.captured for e in entries)
     assert eng.graphs.graphs == {} and not eng.graphs.use_graphs
     after_clear = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))  # eagerly, padded
     assert [o.token_ids for o in after_clear] == [o.token_ids for o in first]
+    assert [r.stats.replays for r in runners] == replays
     eng.capture_graphs()
-    assert pw.capture_order == [64, 32, 16]
+    assert all(r.capture_order == [64, 32, 16] for r in runners)
     again = eng.generate(PROMPTS, mixed_params(len(PROMPTS)))
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert all(r.stats.replays > n for r, n in zip(runners, replays, strict=True))
 
 
 # ------------------------------------------------------------------------------ load_weights
@@ -446,6 +588,32 @@ def test_gpu_piecewise_graphs_equal_eager_tokens(llama_dir, mode):
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert pw.use_graphs and pw.stats.replays - replays == eng.extend_steps > 0
     assert sorted(pw.capture_order) == [16, 32, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_gpu_drafter_piecewise_graphs_equal_eager(llama_dir, tmp_path, kind):
+    """With a drafter: its N-token part replays its graphs (captured after the target's) in
+    every extend step; tokens and acceptance equal the all-eager engine's."""
+    spec = drafter_options(kind, llama_dir, tmp_path)
+    params = mixed_params(len(PROMPTS))
+    ref = gpu_engine(llama_dir, piecewise_sizes=[], **spec).generate(PROMPTS, params)
+    eng = gpu_engine(llama_dir, **spec)
+    dpw = eng.piecewise.drafter
+    assert dpw.use_graphs and dpw.capture_order == [64, 32, 16]
+    assert all(e.captured for e in dpw.entries.values())
+    replays = dpw.stats.replays
+    out = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert [o.stats["accept_len"] for o in out] == [o.stats["accept_len"] for o in ref]
+    assert dpw.stats.replays - replays == eng.extend_steps > 0
+    assert dpw.stats.padded_eager == 0
+    eng.clear_graphs()
+    assert not dpw.use_graphs and not any(e.captured for e in dpw.entries.values())
+    eng.capture_graphs()
+    assert dpw.capture_order == [64, 32, 16]
+    again = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
 
 
 @pytest.mark.gpu
