@@ -7,12 +7,22 @@ Then a small generate job with and without the graphs (same engine), `clear_grap
 before / after and a recapture, and the start-up figures (every bucket captured). Every item
 records its own error and the script goes on.
 
+`--stage drafters`: the drafters' N-token part of extend steps through their own piecewise graphs
+([piecewise] item 2), on the 8B target (its graphs on throughout) with an EAGLE-3 dummy head of
+the 8B shape, a DFLASH dummy (z-lab's 5-layer Qwen3-8B-DFlash shape) and a draft model of the
+Qwen3-0.6B shape (the target's vocabulary): prefill-only extend steps of 16 and 256 tokens
+(`ModelRunner.extend`: target, sampling, the drafter's catch-up and drafts), the drafter's
+graphs on vs off (eagerly, unpadded), and the target alone (no drafter) for scale; drafts and
+tokens compared between on and off. Buckets 16 and 256 only, so each engine starts quickly.
+
     python benchmarks/piecewise_gpu.py --json OUT.json [--shape llama8b] [--iters 20]
+    python benchmarks/piecewise_gpu.py --json OUT.json --stage drafters [--iters 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -25,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graphs import SHAPES, write_config  # noqa: E402
+from spec_step import write_dflash, write_head  # noqa: E402
 
 from speculant import Engine, SamplingParams  # noqa: E402
 from speculant.executor.engine import ScratchRequest  # noqa: E402
@@ -227,16 +238,133 @@ def run(args) -> dict:
     return report
 
 
+# Qwen3-0.6B's layers (28 x hidden 1024, 16 heads, 8 KV heads of 128) on the target's vocabulary
+QWEN3_06B = dict(
+    architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    rope_theta=1000000.0, tie_word_embeddings=True,
+)  # fmt: skip
+DRAFTER_SIZES = (16, 256)
+
+
+def drafter_specs(shape: dict) -> dict[str, dict]:
+    """Engine options of each drafter (dummy weights) for the target `shape`."""
+    lm = {**QWEN3_06B, "vocab_size": shape["vocab_size"],
+          "max_position_embeddings": shape["max_position_embeddings"]}  # fmt: skip
+    if shape["hidden_size"] < 1024:  # the small shape (a CPU dry run): a small draft LM too
+        lm.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32)
+    head = Path(write_head(shape)) / "config.json"
+    config = json.loads(head.read_text())
+    config["draft_vocab_size"] = min(config["draft_vocab_size"], shape["vocab_size"])
+    head.write_text(json.dumps(config))
+    return {
+        "eagle3": dict(algo="eagle3", draft=str(head.parent), num_draft_tokens=3),
+        "dflash": dict(
+            algo="dflash", draft=write_dflash({**shape, "head_dim": 128}, block_size=8),
+            num_draft_tokens=7,
+        ),
+        "draft_model": dict(algo="draft-model", draft=write_config(lm), num_draft_tokens=3),
+    }  # fmt: skip
+
+
+def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
+    """A prefill-only extend step of n tokens: the drafter's graphs on, off (eager, unpadded),
+    and no drafter at all; ms, drafts and tokens."""
+    runner, dpw = eng.runner, eng.piecewise.drafter
+    drafter = runner.drafter
+    seqs = prefill_seqs(row, n, vocab)
+    info = eng._sampling_info([ScratchRequest(SamplingParams())])
+    result, outputs = {"tokens": n, "bucket": dpw.bucket(n)}, {}
+    modes = (("drafter_graph", dpw), ("drafter_eager", None), ("target_only", None))
+    for mode, attached in modes:
+        drafter.piecewise = attached
+        runner.drafter = None if mode == "target_only" else drafter
+        try:
+            replays = dpw.stats.replays
+            ms, out = timed(lambda: runner.extend(seqs(), info, GREEDY), iters)
+            result[f"{mode}_ms"] = round(ms, 3)
+            outputs[mode] = (out.tokens[:, 0].tolist(), out.drafts.tolist())
+            if mode == "drafter_graph":
+                result["drafter_replays"] = dpw.stats.replays - replays
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            result[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+        finally:
+            drafter.piecewise, runner.drafter = dpw, drafter
+    if "drafter_graph" in outputs and "drafter_eager" in outputs:
+        g_tokens, g_drafts = outputs["drafter_graph"]
+        e_tokens, e_drafts = outputs["drafter_eager"]
+        result["tokens_equal"] = g_tokens == e_tokens
+        result["drafts_equal"] = g_drafts == e_drafts
+        if g_drafts != e_drafts:
+            result["drafts"] = {"graph": g_drafts, "eager": e_drafts}
+    if "drafter_graph_ms" in result and "drafter_eager_ms" in result:
+        ratio = result["drafter_eager_ms"] / result["drafter_graph_ms"]
+        result["drafter_speedup"] = round(ratio, 2)
+        if "target_only_ms" in result:
+            base = result["target_only_ms"]
+            result["drafter_graph_extra_ms"] = round(result["drafter_graph_ms"] - base, 3)
+            result["drafter_eager_extra_ms"] = round(result["drafter_eager_ms"] - base, 3)
+    return result
+
+
+def run_drafters(args) -> dict:
+    """The drafters stage: one engine per drafter, one after another (each freed after)."""
+    shape = dict(SHAPES[args.shape])
+    target, vocab = write_config(shape), shape["vocab_size"]
+    report: dict = {"shape": args.shape, "sizes": list(DRAFTER_SIZES), "drafters": {}}
+    for name, spec in drafter_specs(shape).items():
+        entry = report["drafters"][name] = {}
+        eng = None
+        try:
+            start = time.perf_counter()
+            eng = Engine(
+                target, device=args.device, dtype="bfloat16", load_format="dummy",
+                max_num_seqs=8, max_model_len=2048, max_num_batched_tokens=2048,
+                piecewise_sizes=list(DRAFTER_SIZES), capture_sizes=[1],
+                kv_cache_memory_fraction=0.5, **spec,
+            )  # fmt: skip
+            pw, dpw = eng.piecewise, eng.piecewise.drafter
+            entry["startup"] = {
+                "wall_s": round(time.perf_counter() - start, 2),
+                "target_capture_s": round(pw.capture_seconds, 2),
+                "drafter_capture_s": round(dpw.capture_seconds, 2),
+                "drafter_capture_order": list(dpw.capture_order),
+                "drafter_graph_gib": round(dpw.memory_bytes / 2**30, 3),
+                "use_graphs": [pw.use_graphs, dpw.use_graphs],
+            }
+            print(name, "startup", entry["startup"], flush=True)
+            row = eng.kv.allocate(max(DRAFTER_SIZES) + 16)
+            for n in DRAFTER_SIZES:
+                try:
+                    entry[f"prefill_{n}"] = drafter_case(eng, n, row, vocab, args.iters)
+                except Exception as exc:  # noqa: BLE001 - every case reports on its own
+                    entry[f"prefill_{n}"] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+                    traceback.print_exc()
+                print(name, f"prefill_{n}", entry[f"prefill_{n}"], flush=True)
+            eng.kv.free(row)
+        except Exception as exc:  # noqa: BLE001 - the next drafter still runs
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            traceback.print_exc()
+        finally:
+            del eng
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    parser.add_argument("--stage", choices=("target", "drafters"), default="target")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        report = run(args)
+        report = run(args) if args.stage == "target" else run_drafters(args)
     except Exception as exc:  # noqa: BLE001 - the engine itself failed: still write the JSON
         traceback.print_exc()
         report = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
