@@ -74,8 +74,10 @@ GEMM_CONFIG = (128, 128, 8, 3)  # the same for the w8a16 / w8a8 GEMMs (BLOCK_N, 
 # the tuned per-shape table (kernels/fp8_tuned.json, see fp8_table.py), consulted before
 # PATH_TABLE; benchmarks replace it
 TUNED: dict = fp8_table.load()
-# the probe's layout for torch._scaled_mm block-wise scales (see scaled_mm); unmeasured guess
+# the probe's layout for torch._scaled_mm block-wise scales (see scaled_mm): the one that
+# worked on the H200 (torch 2.11 + cu130, benchmarks/results/fp8_wave3.md)
 SCALED_MM_CONFIG = {"api": "v1", "scale_a": "col", "scale_b": "t"}
+SCALED_MM_ROWS = 16  # scaled_mm pads x to a multiple of this many rows (M = 4, 8, 16k measured)
 # Split-K for the dot kernel: split while the grid has fewer programs than this (the H200 has
 # 132 SMs), up to MAX_SPLIT_K ways.
 MIN_PROGRAMS = 264
@@ -486,16 +488,21 @@ def scaled_mm(x2, weight, scale, config):
     config: the layout benchmarks/fp8_sweep.py's probe found to work, {"api": "v1" (
     torch._scaled_mm) | "v2" (F.scaled_mm), "scale_a": "col" | "row", "scale_b": "t" (the
     [K/128, N/128] transposed view of the block scales) | "t_contig"}."""
+    m = x2.shape[0]
+    if m % SCALED_MM_ROWS:  # cuBLASLt refuses some row counts (M = 3 on the H200): zero rows
+        x2 = F.pad(x2, (0, 0, 0, -m % SCALED_MM_ROWS))
     q, a_s = quantize_activations(x2, column_major=config["scale_a"] == "col")
     b_s = scale.t() if config["scale_b"] == "t" else scale.t().contiguous()
     if config["api"] == "v2":
         from torch.nn.functional import ScalingType
 
-        return F.scaled_mm(
+        y = F.scaled_mm(
             q, weight.t(), a_s, ScalingType.BlockWise1x128, b_s, ScalingType.BlockWise128x128,
             output_dtype=x2.dtype,
         )  # fmt: skip
-    return torch._scaled_mm(q, weight.t(), scale_a=a_s, scale_b=b_s, out_dtype=x2.dtype)
+    else:
+        y = torch._scaled_mm(q, weight.t(), scale_a=a_s, scale_b=b_s, out_dtype=x2.dtype)
+    return y[:m]
 
 
 def choice(m: int) -> str:
