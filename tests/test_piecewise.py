@@ -222,9 +222,9 @@ def drafter_options(kind, llama_dir, tmp_path):
 
         write_random_dflash(tmp_path, llama_dir, block_size=4, target_layer_ids=[1, 0], seed=3)
         return dict(algo="dflash", draft=str(tmp_path))
-    if kind == "draft-model":  # another shape (one layer, GQA group 4): its own tile layout
+    if kind == "draft-model":  # another shape (GQA group 4): its own tile layout
         draft = helpers_ckpt.save_hf_model(
-            tmp_path / "draft", "qwen3", seed=4, num_hidden_layers=1, num_key_value_heads=1,
+            tmp_path / "draft", "qwen3", seed=4, num_hidden_layers=2, num_key_value_heads=1,
             tokenizer_dir=llama_dir,
         )  # fmt: skip
         return dict(algo="draft-model", draft=str(draft), num_draft_tokens=3)
@@ -533,13 +533,18 @@ COLLECTIVE_TIMEOUT_S = 60
 LAUNCH_TIMEOUT_S = 150
 
 
-def build_engine_in_rank(sizes_by_rank) -> None:
+def build_engine_in_rank(sizes_by_rank, head=None) -> None:
     pctx = ParallelContext.from_env(2, 1, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
     target = os.environ["SPECULANT_TEST_TARGET"]
+    spec = {} if head is None else dict(algo="eagle3", draft=head, num_draft_tokens=3)
     eng = engine(
-        target, pctx=pctx, eager_padding=True, piecewise_sizes=sizes_by_rank[pctx.rank]
+        target, pctx=pctx, eager_padding=True, piecewise_sizes=sizes_by_rank[pctx.rank], **spec
     )
     assert eng.piecewise.capture_order == [64, 32, 16]  # the lockstep ran every bucket
+    if head is not None:  # and the drafter's, after the target's
+        assert eng.piecewise.drafter.capture_order == [64, 32, 16]
+        out = eng.generate(PROMPTS[:3], mixed_params(3))
+        assert all(len(o.token_ids) == 10 for o in out)
 
 
 def test_ranks_with_different_piecewise_sizes_fail_with_a_clear_error(llama_dir, monkeypatch):
@@ -551,6 +556,13 @@ def test_ranks_with_different_piecewise_sizes_fail_with_a_clear_error(llama_dir,
 def test_ranks_with_equal_piecewise_sizes_capture_in_lockstep(llama_dir, monkeypatch):
     monkeypatch.setenv("SPECULANT_TEST_TARGET", str(llama_dir))
     run_ranks(build_engine_in_rank, 2, ([None, None],), timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def test_ranks_capture_the_drafters_buckets_in_lockstep(llama_dir, tmp_path, monkeypatch):
+    """Two TP ranks with an EAGLE-3 head: the drafter's buckets too, checked equal."""
+    head = drafter_options("eagle3", llama_dir, tmp_path)["draft"]
+    monkeypatch.setenv("SPECULANT_TEST_TARGET", str(llama_dir))
+    run_ranks(build_engine_in_rank, 2, ([None, None], head), timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def test_capture_order_check_names_the_rank(monkeypatch):
