@@ -93,9 +93,10 @@ class Drafter(ABC):
         on the batch's positions (a plain step of adaptive speculation), so that a later step
         can draft from them."""
 
-    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor | None, list]:
         """What a plain decode step records for a deferred catch-up: a token id [bs] (None when
-        the drafter needs none) and features [bs, catch_up_width] per row."""
+        the drafter needs none) and the parts [bs, w_i] of its feature row (their widths sum to
+        catch_up_width)."""
         raise NotImplementedError
 
     def catch_up(self, rows, ids, features, positions, slots) -> None:

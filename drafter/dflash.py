@@ -478,14 +478,16 @@ class DFlashDrafter(Drafter):
         self.catch_up_width = len(cfg.target_layer_ids) * target.config.hidden_size
         self.offsets = torch.arange(num_draft_tokens + 1, device=kv.cache_lens.device)
 
-    def features(self, inputs: DraftInputs) -> torch.Tensor:
-        """[N, n * H]: the target layer outputs of every input position, in config order."""
-        return torch.cat(
-            [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources], dim=-1
-        )
+    def feature_parts(self, inputs: DraftInputs) -> list[torch.Tensor]:
+        """The target layer outputs [N, H] of every input position, in config order."""
+        return [inputs.hidden if i is None else inputs.aux[i] for i in self.feature_sources]
 
-    def catch_up_entry(self, inputs: DraftInputs) -> tuple[None, torch.Tensor]:
-        return None, self.features(inputs)  # the context K/V need no token
+    def features(self, inputs: DraftInputs) -> torch.Tensor:
+        """[N, n * H]: `feature_parts` side by side."""
+        return torch.cat(self.feature_parts(inputs), dim=-1)
+
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[None, list]:
+        return None, self.feature_parts(inputs)  # the context K/V need no token
 
     def catch_up(self, rows, ids, features, positions, slots) -> None:
         features = features.reshape(slots.shape[0], -1)

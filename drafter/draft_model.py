@@ -44,9 +44,8 @@ class DraftModelDrafter(Drafter):
         self.lm = draft_lm
         self.catch_up_width = 0  # its catch-up is its LM over the recorded input tokens
 
-    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = inputs.batch.input_ids
-        return ids, ids.new_empty((ids.shape[0], 0), dtype=self.pool_layout[3])
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, list]:
+        return inputs.batch.input_ids, []
 
     def catch_up(self, rows, ids, features, positions, slots) -> None:
         """The LM over D recorded tokens per row (a D-token decode batch: a query sees keys at

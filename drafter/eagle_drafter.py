@@ -38,8 +38,8 @@ class Eagle3Drafter(Drafter):
         if head.num_layers == 1:  # its K/V need only (token, aux): a catch-up can wait
             self.catch_up_width = len(self.aux_layer_ids) * target.config.hidden_size
 
-    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        return inputs.next_tokens.clamp(min=0).reshape(-1), torch.cat(inputs.aux, dim=-1)
+    def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, list]:
+        return inputs.next_tokens.clamp(min=0).reshape(-1), list(inputs.aux)
 
     def catch_up(self, rows, ids, features, positions, slots) -> None:
         embeds = self.head.embed(ids.reshape(-1), self.target)

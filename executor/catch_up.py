@@ -32,17 +32,18 @@ class CatchUpBuffers:
         self.count = torch.zeros(rows, dtype=torch.int64, device=device)
         self.rows = torch.full((max_bs,), kv.sentinel_row, dtype=torch.int64, device=device)
         self.offsets = torch.arange(depth, device=device)
+        self.sentinel = kv.sentinel_row
+        if drafter.attention_backend == "triton":  # imports triton (kernels/runtime.py)
+            from speculant.kernels.catch_up import record
+        else:
+            from speculant.kernels.reference import record_catch_up as record
+        self._record = record
 
-    def record(self, rows: torch.Tensor, ids: torch.Tensor | None, features: torch.Tensor) -> None:
-        """A plain step's entries for its rows [bs] (ids [bs] or None, features [bs, width]).
-        Padded rows (the sentinel) keep count 0 and overwrite their own entry 0."""
-        live = (rows != self.kv.sentinel_row).long()
-        j = self.count[rows].clamp(max=self.depth - 1)
-        if ids is not None:
-            self.ids[rows, j] = ids
-        if features.shape[-1]:
-            self.features[rows, j] = features.to(self.features.dtype)
-        self.count.index_add_(0, rows, live)
+    def record(self, rows: torch.Tensor, ids: torch.Tensor | None, sources: list) -> None:
+        """A plain step's entries for its rows [bs]: ids [bs] (or None) and the feature row,
+        the concatenation of `sources` ([bs, w_i] each). Padded rows (the sentinel) keep count
+        0 and overwrite their own entry 0. One kernel with the Triton backend."""
+        self._record(rows, ids, sources, self.ids, self.features, self.count, self.sentinel)
 
     def flush(self, bs: int) -> None:
         """Write the drafter's state of every entry of the first bs rows of `self.rows` (padded

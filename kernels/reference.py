@@ -93,3 +93,16 @@ def paged_attention_varlen(
         )  # fmt: skip
         start = end
     return out
+
+
+def record_catch_up(rows, ids, sources, buf_ids, buf, count, sentinel: int) -> None:
+    """A plain step's deferred catch-up record (kernels/catch_up.py's `record`, in torch)."""
+    depth = buf.shape[1]
+    live = (rows != sentinel).long()
+    j = count[rows].clamp(max=depth - 1)
+    if ids is not None:
+        buf_ids[rows, j] = ids
+    if buf.shape[-1]:
+        features = sources[0] if len(sources) == 1 else torch.cat(sources, dim=-1)
+        buf[rows, j] = features.to(buf.dtype)
+    count.index_add_(0, rows, live)

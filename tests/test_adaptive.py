@@ -451,3 +451,30 @@ def test_moe_dp_ranks_agree_on_the_fewest_drafts():
     assert all(p.shape == DraftShape(0, 0) and p.tokens_per_req == 1 for p in plans)
     assert all(p.padded_bs == 4 and p.use_graph for p in plans)
     assert all(p.sizes.tokens_per_rank == [4, 4, 4] for p in plans)  # 4 rows x 1 token
+
+
+@pytest.mark.needs("triton")
+def test_catch_up_record_kernel_equals_its_reference():
+    """The one-kernel record (Triton, interpreted on the CPU) writes what the torch ops do:
+    entries at min(count, depth - 1), features from several parts, counts of live rows only
+    (the sentinel, repeated by padding, stays at 0)."""
+    from speculant.kernels.catch_up import record
+    from speculant.kernels.reference import record_catch_up
+
+    gen = torch.Generator().manual_seed(0)
+    R, depth, sentinel = 6, 3, 5
+    rows = torch.tensor([2, 0, 4, sentinel, sentinel])
+    ids = torch.randint(0, 100, (5,), generator=gen)
+    parts = [torch.randn(5, w, generator=gen) for w in (7, 5, 1300)]
+    states = []
+    for fn in (record, record_catch_up):
+        buf_ids = torch.zeros(R, depth, dtype=torch.int64)
+        buf = torch.zeros(R, depth, sum(p.shape[1] for p in parts))
+        count = torch.tensor([0, 2, 3, 0, 1, 0])  # row 2 is full: its last entry is rewritten
+        for step in range(2):
+            fn(rows, ids + step, parts, buf_ids, buf, count, sentinel)
+        states.append((buf_ids, buf, count))
+    (ki, kb, kc), (ri, rb, rc) = states
+    assert torch.equal(kc, rc) and kc.tolist() == [2, 2, 5, 0, 3, 0]
+    assert torch.equal(ki[:sentinel], ri[:sentinel]) and torch.equal(kb[:sentinel], rb[:sentinel])
+    assert torch.equal(kb[4, 1], torch.cat([p[2] for p in parts]))
