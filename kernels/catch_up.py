@@ -13,6 +13,16 @@ MAX_SOURCES = 4
 
 
 @triton.jit
+def _copy_part(src, stride, out, pid, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `pid` of one feature part ([bs, WIDTH], row stride `stride`) to `out`."""
+    for c in range(0, WIDTH, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        ok = cols < WIDTH
+        x = tl.load(src + pid * stride + cols, mask=ok)
+        tl.store(out + cols, x.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _record_kernel(
     rows_ptr, ids_ptr, s0, s1, s2, s3, stride0, stride1, stride2, stride3, W0: tl.constexpr,
     W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
@@ -27,17 +37,14 @@ def _record_kernel(
     if HAS_IDS:
         tl.store(buf_ids_ptr + entry, tl.load(ids_ptr + pid))
     out = buf_ptr + entry * WIDTH
-    offset = 0
-    for s in tl.static_range(NUM_SOURCES):
-        src = s0 if s == 0 else (s1 if s == 1 else (s2 if s == 2 else s3))
-        width: tl.constexpr = W0 if s == 0 else (W1 if s == 1 else (W2 if s == 2 else W3))
-        stride = stride0 if s == 0 else (stride1 if s == 1 else (stride2 if s == 2 else stride3))
-        for c in range(0, width, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            ok = cols < width
-            x = tl.load(src + pid * stride + cols, mask=ok)
-            tl.store(out + offset + cols, x.to(buf_ptr.dtype.element_ty), mask=ok)
-        offset += width
+    if NUM_SOURCES > 0:
+        _copy_part(s0, stride0, out, pid, W0, BLOCK)
+    if NUM_SOURCES > 1:
+        _copy_part(s1, stride1, out + W0, pid, W1, BLOCK)
+    if NUM_SOURCES > 2:
+        _copy_part(s2, stride2, out + W0 + W1, pid, W2, BLOCK)
+    if NUM_SOURCES > 3:
+        _copy_part(s3, stride3, out + W0 + W1 + W2, pid, W3, BLOCK)
     tl.store(count_ptr + row, count + (row != sentinel).to(count.dtype))
 
 
