@@ -371,6 +371,50 @@ def test_eagle3_extend_runs_its_layer_at_the_last_positions_only(padding):
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain]
 
 
+def test_dflash_extend_writes_the_context_then_drafts_from_the_last_positions():
+    """On the bundled target and DFLASH drafter (float32): the context K/V of every position
+    first (graphed by bucket), then the block from each sequence's last position only, gives
+    the drafts, and the drafter's K/V, of one block forward over the whole chunk's context."""
+    from dataclasses import replace
+
+    from speculant import bundled
+
+    target = str(bundled("target"))
+    spec = Engine(
+        target, algo="dflash", draft=str(bundled("dflash")), device="cpu", dtype="float32",
+        max_num_seqs=8, max_model_len=256, page_size=4, max_num_batched_tokens=BUDGET,
+        eager_padding=True,
+    )  # fmt: skip
+    drafter, checked = spec.drafter, []
+    propose = drafter.propose
+
+    def compared_propose(inputs, sampling, variant, num_drafts):
+        if not inputs.batch.is_varlen:
+            return propose(inputs, sampling, variant, num_drafts)
+        pools = drafter_pools(spec)
+        before = [p.clone() for p in pools]
+        new = propose(inputs, sampling, variant, num_drafts)
+        after = [p.clone() for p in pools]
+        for pool, saved in zip(pools, before, strict=True):
+            pool.copy_(saved)
+        whole = replace(inputs, batch=replace(inputs.batch, seq_lens=None))  # the old path
+        old = propose(whole, sampling, variant, num_drafts)
+        assert torch.equal(new.tokens, old.tokens)
+        page = spec.kv.page_size
+        for pool, mine in zip(pools, after, strict=True):
+            torch.testing.assert_close(mine[page:], pool[page:], rtol=1e-5, atol=1e-5)
+            pool.copy_(mine)
+        checked.append(inputs.batch.seq_lens)
+        return new
+
+    drafter.propose = compared_propose
+    prompts = prompts_of((5, 40, 90, 3, 17, 60, 9), vocab=4096)
+    outs = spec.generate(prompts, mixed_params(len(prompts), max_new_tokens=12))
+    assert len(checked) == spec.extend_steps and any(len(lens) > 1 for lens in checked)
+    assert any(o.stats["accept_len"] > 1.5 for o in outs)  # trained: drafts accepted
+    assert spec.piecewise.drafter.stats.padded_eager == spec.extend_steps
+
+
 # ------------------------------------------------------------------ capture (stand-in graph)
 
 
