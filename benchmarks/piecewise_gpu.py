@@ -12,8 +12,9 @@ records its own error and the script goes on.
 the 8B shape, a DFLASH dummy (z-lab's 5-layer Qwen3-8B-DFlash shape) and a draft model of the
 Qwen3-0.6B shape (the target's vocabulary): prefill-only extend steps of 16 and 256 tokens
 (`ModelRunner.extend`: target, sampling, the drafter's catch-up and drafts), the drafter's
-graphs on vs off (eagerly, unpadded), and the target alone (no drafter) for scale; drafts and
-tokens compared between on and off. Buckets 16 and 256 only, so each engine starts quickly.
+graphs on vs off (eagerly, unpadded), the target alone (no drafter) for scale, and EAGLE-3's
+whole head over the chunk (eager, before the restructure); drafts and tokens compared.
+Buckets 16 and 256 only, so each engine starts quickly.
 
     python benchmarks/piecewise_gpu.py --json OUT.json [--shape llama8b] [--iters 20]
     python benchmarks/piecewise_gpu.py --json OUT.json --stage drafters [--iters 20]
@@ -267,18 +268,51 @@ def drafter_specs(shape: dict) -> dict[str, dict]:
     }  # fmt: skip
 
 
+def whole_head_propose(drafter):
+    """EAGLE-3's extend before the restructure (for its time): the whole head over every
+    position of the chunk, then the chain; decode batches as the drafter's own propose."""
+    own = drafter.propose
+
+    def propose(inputs, sampling, variant, num_drafts):
+        batch, head = inputs.batch, drafter.head
+        if not batch.is_varlen:
+            return own(inputs, sampling, variant, num_drafts)
+        embeds = head.embed(inputs.next_tokens.clamp(min=0).reshape(-1), drafter.target)
+        drafter.attn.prepare(batch, shared_slots=inputs.target_slots)
+        hidden = head(embeds, torch.cat(inputs.aux, dim=-1), batch.positions, drafter.attn)
+        hidden, position = hidden[inputs.last_flat], batch.positions[inputs.last_flat]
+        drafts = []
+        for step in range(num_drafts):
+            token, _ = drafter.pick(head.logits(hidden), sampling, position + 2, variant)
+            drafts.append(token)
+            if step == num_drafts - 1:
+                break
+            position = position + 1
+            one = drafter.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
+            drafter.attn.prepare(one, shared_slots=inputs.target_slots)
+            hidden = head(head.embed(token, drafter.target), hidden, position, drafter.attn)
+        return drafter.proposal(drafts, [None] * len(drafts))
+
+    return propose
+
+
 def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
     """A prefill-only extend step of n tokens: the drafter's graphs on, off (eager, unpadded),
-    and no drafter at all; ms, drafts and tokens."""
+    no drafter at all, and for EAGLE-3 the whole head over the chunk (eager, before the
+    restructure); ms, drafts and tokens."""
     runner, dpw = eng.runner, eng.piecewise.drafter
     drafter = runner.drafter
     seqs = prefill_seqs(row, n, vocab)
     info = eng._sampling_info([ScratchRequest(SamplingParams())])
     result, outputs = {"tokens": n, "bucket": dpw.bucket(n)}, {}
-    modes = (("drafter_graph", dpw), ("drafter_eager", None), ("target_only", None))
+    modes = [("drafter_graph", dpw), ("drafter_eager", None), ("target_only", None)]
+    if hasattr(drafter, "head"):
+        modes.append(("whole_head_eager", None))
     for mode, attached in modes:
         drafter.piecewise = attached
         runner.drafter = None if mode == "target_only" else drafter
+        if mode == "whole_head_eager":
+            drafter.propose = whole_head_propose(drafter)
         try:
             replays = dpw.stats.replays
             ms, out = timed(lambda: runner.extend(seqs(), info, GREEDY), iters)
@@ -291,6 +325,7 @@ def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
             traceback.print_exc()
         finally:
             drafter.piecewise, runner.drafter = dpw, drafter
+            vars(drafter).pop("propose", None)  # the class's again
     if "drafter_graph" in outputs and "drafter_eager" in outputs:
         g_tokens, g_drafts = outputs["drafter_graph"]
         e_tokens, e_drafts = outputs["drafter_eager"]
@@ -298,6 +333,8 @@ def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
         result["drafts_equal"] = g_drafts == e_drafts
         if g_drafts != e_drafts:
             result["drafts"] = {"graph": g_drafts, "eager": e_drafts}
+        if "whole_head_eager" in outputs:
+            result["drafts_equal_whole_head"] = outputs["whole_head_eager"][1] == e_drafts
     if "drafter_graph_ms" in result and "drafter_eager_ms" in result:
         ratio = result["drafter_eager_ms"] / result["drafter_graph_ms"]
         result["drafter_speedup"] = round(ratio, 2)
