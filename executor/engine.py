@@ -608,9 +608,12 @@ class Engine:
 
     def _can_run_ahead(self, launched: LaunchedStep) -> bool:
         """Nothing waits for admission or prefill, no request can reach its length limit in the
-        step in flight nor in the one launched ahead (2 x T tokens), and the pool gives every
+        step in flight nor in the one launched ahead (their tokens), and the pool gives every
         request the pages of both steps: only a stop token can then end one early."""
-        reach = 2 * self.tokens_per_req
+        # tokens the two steps can emit: the one in flight its verified drafts + 1, the one
+        # ahead k + 1 only if the one in flight drafted (adaptive plain steps: 1 + 1)
+        ahead = self.tokens_per_req if launched.shape.draft else 1
+        reach = launched.shape.tokens_per_req + ahead
         return (
             not self.scheduler.waiting
             and len(self.scheduler.running) == len(launched.requests)

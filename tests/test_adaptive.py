@@ -235,6 +235,18 @@ def test_deferred_catch_up_in_a_job_with_reused_rows_chunks_and_overlap(plain, d
         torch.testing.assert_close(states[1][index], fixed, rtol=1e-4, atol=1e-4)
 
 
+def test_plain_steps_of_auto_run_ahead_as_often_as_a_plain_engine(prompts):
+    """With overlap, a step is launched ahead unless a request could reach its length limit in
+    the two steps: plain steps of adaptive speculation emit one token each, as a plain
+    engine's, so they run ahead as often (they did not when the limit assumed k + 1 tokens)."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = Engine(TARGET, **ENGINE, overlap=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    engine = forced_engine("eagle3", [0], overlap=True)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.steps_ahead == plain.steps_ahead > 0
+
+
 def test_catch_up_is_deferred_only_where_it_can_be(prompts):
     """EAGLE-3 (one layer), DFLASH and the draft model defer; fixed speculation and depth 0
     catch up in every plain step (no buffers); a bad depth is one clear error."""
