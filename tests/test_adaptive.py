@@ -490,3 +490,38 @@ def test_catch_up_record_kernel_equals_its_reference():
     assert torch.equal(kc, rc) and kc.tolist() == [2, 2, 5, 0, 3, 0]
     assert torch.equal(ki[:sentinel], ri[:sentinel]) and torch.equal(kb[:sentinel], rb[:sentinel])
     assert torch.equal(kb[4, 1], torch.cat([p[2] for p in parts]))
+
+
+COMPILE_RECORD_KERNEL = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from speculant.kernels.catch_up import _record_kernel
+
+sig = {"rows_ptr": "*i64", "ids_ptr": "*i64", **{f"s{i}": "*bf16" for i in range(4)},
+       **{f"stride{i}": "i32" for i in range(4)}, **{f"W{i}": "constexpr" for i in range(4)},
+       "buf_ids_ptr": "*i64", "buf_ptr": "*bf16", "count_ptr": "*i64", "sentinel": "i32",
+       **dict.fromkeys(("DEPTH", "WIDTH", "HAS_IDS", "NUM_SOURCES", "BLOCK"), "constexpr")}
+for parts, has_ids in ((3, True), (2, False), (0, True), (4, False)):
+    widths = [4096] * parts + [0] * (4 - parts)
+    constants = {**{f"W{i}": w for i, w in enumerate(widths)}, "DEPTH": 8,
+                 "WIDTH": sum(widths), "HAS_IDS": has_ids, "NUM_SOURCES": parts, "BLOCK": 1024}
+    source = ASTSource(fn=_record_kernel, signature=sig, constexprs=constants)
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print("compiled")
+"""
+
+
+@pytest.mark.needs("triton")
+def test_catch_up_record_kernel_compiles_for_sm90():
+    """The interpreter accepts code compiled Triton refuses (a reassigned constexpr did reach a
+    GPU): compile the record kernel for sm_90 without a GPU, for each drafter's layout of
+    feature parts (in a process without TRITON_INTERPRET, which the test session sets)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_RECORD_KERNEL], env=env, timeout=240,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
