@@ -75,7 +75,10 @@ class Scheduler:
         for request in [r for r in self.running if r.is_decoding]:
             if request.row < 0:  # preempted for an older request this step
                 continue
-            if budget < T:
+            # its tokens this step: at most its input and the drafts it holds (adaptive plain
+            # steps hold none: one token), never more than one verify row's k + 1
+            width = min(T, len(request.next_input))
+            if budget < width:
                 break  # the rest wait a step
             while not kv.grow(request.row, self.decode_reach(request)):
                 victim = self.running[-1]
@@ -84,7 +87,7 @@ class Scheduler:
                     break
             if request.row >= 0:
                 plan.decode.append(request)
-                budget -= T
+                budget -= width
         for request in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break

@@ -247,6 +247,20 @@ def test_plain_steps_of_auto_run_ahead_as_often_as_a_plain_engine(prompts):
     assert engine.steps_ahead == plain.steps_ahead > 0
 
 
+def test_plain_decode_rows_take_one_token_of_the_step_budget(plain):
+    """Under a token budget, a decode row that holds no drafts (adaptive plain steps) costs one
+    token, not k + 1: prefill chunks get the rest, so the job takes the extend steps a plain
+    engine takes (it took more while every row was counted as a verify row)."""
+    prompts = prompts_of((30, 3, 50, 17, 8, 61, 25), seed=4, vocab=plain.model_config.vocab_size)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    tight = dict(max_num_batched_tokens=24, max_num_seqs=4)
+    reference = Engine(TARGET, **ENGINE | tight)
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    engine = forced_engine("eagle3", [0], **tight)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.stats()["extend_steps"] == reference.stats()["extend_steps"]
+
+
 def test_catch_up_is_deferred_only_where_it_can_be(prompts):
     """EAGLE-3 (one layer), DFLASH and the draft model defer; fixed speculation and depth 0
     catch up in every plain step (no buffers); a bad depth is one clear error."""
