@@ -268,34 +268,6 @@ def drafter_specs(shape: dict) -> dict[str, dict]:
     }  # fmt: skip
 
 
-def whole_head_propose(drafter):
-    """EAGLE-3's extend before the restructure (for its time): the whole head over every
-    position of the chunk, then the chain; decode batches as the drafter's own propose."""
-    own = drafter.propose
-
-    def propose(inputs, sampling, variant, num_drafts):
-        batch, head = inputs.batch, drafter.head
-        if not batch.is_varlen:
-            return own(inputs, sampling, variant, num_drafts)
-        embeds = head.embed(inputs.next_tokens.clamp(min=0).reshape(-1), drafter.target)
-        drafter.attn.prepare(batch, shared_slots=inputs.target_slots)
-        hidden = head(embeds, torch.cat(inputs.aux, dim=-1), batch.positions, drafter.attn)
-        hidden, position = hidden[inputs.last_flat], batch.positions[inputs.last_flat]
-        drafts = []
-        for step in range(num_drafts):
-            token, _ = drafter.pick(head.logits(hidden), sampling, position + 2, variant)
-            drafts.append(token)
-            if step == num_drafts - 1:
-                break
-            position = position + 1
-            one = drafter.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
-            drafter.attn.prepare(one, shared_slots=inputs.target_slots)
-            hidden = head(head.embed(token, drafter.target), hidden, position, drafter.attn)
-        return drafter.proposal(drafts, [None] * len(drafts))
-
-    return propose
-
-
 def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
     """A prefill-only extend step of n tokens: the drafter's graphs on, off (eager, unpadded),
     no drafter at all, and for EAGLE-3 the whole head over the chunk (eager, before the
@@ -312,7 +284,7 @@ def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
         drafter.piecewise = attached
         runner.drafter = None if mode == "target_only" else drafter
         if mode == "whole_head_eager":
-            drafter.propose = whole_head_propose(drafter)
+            drafter.propose = drafter.propose_whole_head  # the head over every position
         try:
             replays = dpw.stats.replays
             ms, out = timed(lambda: runner.extend(seqs(), info, GREEDY), iters)

@@ -64,6 +64,15 @@ class Eagle3Drafter(Drafter):
             if num_drafts == 0:
                 return self.no_drafts(batch)
             return self.propose(last_position_inputs(inputs), sampling, variant, num_drafts)
+        return self.propose_whole_head(inputs, sampling, variant, num_drafts)
+
+    def propose_whole_head(
+        self, inputs: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
+        """The head over every input position of the batch (decode batches, multi-layer heads;
+        for a one-layer head's extend step, the reference its restructure is checked against),
+        then the chain from each sequence's newest position."""
+        batch = inputs.batch
         tokens = inputs.next_tokens.clamp(min=0).reshape(-1)
         embeds = self.head.embed(tokens, self.target)
         aux = torch.cat(inputs.aux, dim=-1)

@@ -292,28 +292,6 @@ def test_steps_past_the_largest_bucket_run_unpadded(llama_dir):
 # ------------------------------------------------------------------ EAGLE-3's extend, restructured
 
 
-def full_head_extend(drafter, inputs, sampling, variant, num_drafts):
-    """The EAGLE-3 extend before the restructure (the reference): the whole head (attention,
-    MLP) over every position of the chunk, then the chain from each sequence's last one."""
-    batch, head = inputs.batch, drafter.head
-    embeds = head.embed(inputs.next_tokens.clamp(min=0).reshape(-1), drafter.target)
-    drafter.attn.prepare(batch, shared_slots=inputs.target_slots)
-    hidden = head(embeds, torch.cat(inputs.aux, dim=-1), batch.positions, drafter.attn)
-    hidden, position = hidden[inputs.last_flat], batch.positions[inputs.last_flat]
-    drafts, probs = [], []
-    for step in range(num_drafts):
-        token, q = drafter.pick(head.logits(hidden), sampling, position + 2, variant)
-        drafts.append(token)
-        probs.append(q)
-        if step == num_drafts - 1:
-            break
-        position = position + 1
-        one = drafter.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)
-        drafter.attn.prepare(one, shared_slots=inputs.target_slots)
-        hidden = head(head.embed(token, drafter.target), hidden, position, drafter.attn)
-    return drafter.proposal(drafts, probs)
-
-
 @pytest.mark.parametrize("padding", [False, True])
 def test_eagle3_extend_runs_its_layer_at_the_last_positions_only(padding):
     """On the bundled target and EAGLE-3 head (float32): every extend step (prefill, chunks,
@@ -349,7 +327,7 @@ def test_eagle3_extend_runs_its_layer_at_the_last_positions_only(padding):
         after = [p.clone() for p in pools]
         for pool, saved in zip(pools, before, strict=True):
             pool.copy_(saved)
-        old = full_head_extend(drafter, inputs, sampling, variant, num_drafts)
+        old = drafter.propose_whole_head(inputs, sampling, variant, num_drafts)
         assert torch.equal(new.tokens, old.tokens)
         assert (new.probs is None) == (old.probs is None)
         if new.probs is not None:
