@@ -102,15 +102,19 @@ class DecoderLayer(nn.Module):
         return residual + h
 
     def forward_split(
-        self, rope, h: torch.Tensor, residual: torch.Tensor | None, attn
+        self, rope, h: torch.Tensor, residual: torch.Tensor | None, attn, entering=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on a residual stream held as h + residual (residual None: h alone), so
-        each residual add is fused into the next norm; returns the output the same way."""
+        each residual add is fused into the next norm; returns the output the same way.
+        `entering`: a list to append the residual stream entering the layer to (the sum the
+        fused norm writes anyway: an auxiliary state costs no kernel)."""
         ops = attn.ops
         if residual is None:
             residual, normed = h, self.input_layernorm(h, ops)
         else:
             normed, residual = self.input_layernorm.add_forward(h, residual, ops)
+        if entering is not None:
+            entering.append(residual)
         h = self.self_attn(rope, normed, attn)
         normed, residual = self.post_attention_layernorm.add_forward(h, residual, ops)
         mlp_out = self.mlp(normed, ops) if isinstance(self.mlp, MLP) else self.mlp(normed)
@@ -182,10 +186,8 @@ class CausalLM(nn.Module):
         rope = self.model.rotary.lookup(positions, h.dtype)
         aux, residual = [], None  # the residual stream is h + residual (see forward_split)
         for i, layer in enumerate(self.model.layers):
-            if i in self.aux_layer_ids:
-                h, residual = (h if residual is None else residual + h), None
-                aux.append(h)
-            h, residual = layer.forward_split(rope, h, residual, attn)
+            entering = aux if i in self.aux_layer_ids else None
+            h, residual = layer.forward_split(rope, h, residual, attn, entering)
         if len(self.model.layers) in self.aux_layer_ids:
             h, residual = residual + h, None
             aux.append(h)
