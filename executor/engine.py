@@ -203,7 +203,7 @@ class Engine:
                 "engine ready in %.1f s (decode graphs %.1f s, piecewise graphs %.1f s)",
                 self.startup_seconds,
                 self.decode_capture_seconds,
-                self.piecewise.capture_seconds,
+                self.piecewise.total_capture_seconds,
             )
 
     def clear_graphs(self) -> dict:

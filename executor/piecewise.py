@@ -468,6 +468,12 @@ class PiecewiseRunner(BucketGraphs):
         if self.drafter is not None:
             self.drafter.capture()
 
+    @property
+    def total_capture_seconds(self) -> float:
+        """Capture time of the target's and the drafter's buckets."""
+        drafter = self.drafter.capture_seconds if self.drafter is not None else 0.0
+        return self.capture_seconds + drafter
+
     def clear(self) -> None:
         """Release every graph (the drafter's too), their output buffers and the pool; padded
         forwards then run eagerly until `capture` again."""
