@@ -142,6 +142,7 @@ class Engine:
             cfg.graph, self.device, self.attention_backend, mc.is_moe, self.max_num_batched_tokens
         )
         reserved = self.activation_bytes * (2 if piecewise_graphs else 1)
+        reserved += self._catch_up_bytes(cfg)  # kept out of the pool like activations
         self.kv = build_kv_cache(setup, self.model, reserved_bytes=reserved)
         if self.drafter is not None:
             self.drafter.bind_kv(self.kv)
@@ -157,9 +158,8 @@ class Engine:
         # adaptive speculation: plain steps record the drafter's inputs, caught up every
         # catch_up_depth steps and before a step that drafts or extends (executor/catch_up.py)
         self.pending = None
-        depth = cfg.spec.catch_up_depth
-        defers = self.drafter is not None and self.drafter.catch_up_width is not None
-        if cfg.spec.speculation == "auto" and cfg.spec.num_draft_tokens and depth and defers:
+        if self._catch_up_bytes(cfg):
+            depth = cfg.spec.catch_up_depth
             self.runner.catch_up = CatchUpBuffers(self.drafter, self.kv, self.max_num_seqs, depth)
             self.pending = PendingRows(depth)
         # one rank only: several ranks agree on every step's batch before it runs
@@ -205,6 +205,18 @@ class Engine:
                 self.decode_capture_seconds,
                 self.piecewise.total_capture_seconds,
             )
+
+    def _catch_up_bytes(self, cfg) -> int:
+        """Device bytes of the deferred catch-up's buffers (0: none, the drafter catches up in
+        every plain step): per request row, depth entries of a token id and a feature row."""
+        spec, drafter = cfg.spec, self.drafter
+        if not (spec.speculation == "auto" and spec.num_draft_tokens and spec.catch_up_depth):
+            return 0
+        if drafter is None or drafter.catch_up_width is None:
+            return 0
+        element = torch.empty((), dtype=drafter.pool_layout[3]).element_size()
+        entry = 8 + drafter.catch_up_width * element
+        return (self.max_num_seqs + 1) * (spec.catch_up_depth * entry + 8)
 
     def clear_graphs(self) -> dict:
         """Release every CUDA graph (decode and piecewise) and their memory pools; steps then run

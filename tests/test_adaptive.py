@@ -267,7 +267,10 @@ def test_catch_up_is_deferred_only_where_it_can_be(prompts):
     from speculant import SpeculantError
 
     for drafter in DRAFTERS:
-        assert forced_engine(drafter, [0]).runner.catch_up is not None
+        engine = forced_engine(drafter, [0])
+        buffers = engine.runner.catch_up
+        held = buffers.ids.nbytes + buffers.features.nbytes + buffers.count.nbytes
+        assert held == engine._catch_up_bytes(engine.config) > 0  # kept out of the KV pool
     assert forced_engine("eagle3", [0], catch_up_depth=0).runner.catch_up is None
     fixed = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=FIXED)
     assert fixed.runner.catch_up is None and fixed.pending is None
