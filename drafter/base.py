@@ -93,6 +93,11 @@ class Drafter(ABC):
         on the batch's positions (a plain step of adaptive speculation), so that a later step
         can draft from them."""
 
+    def extend_piece(self):
+        """The part of its extend steps that depends only on their N tokens, which piecewise
+        graphs run by token bucket (an executor/piecewise_drafter.py `DrafterPiece`)."""
+        raise NotImplementedError
+
     def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor | None, list]:
         """What a plain decode step records for a deferred catch-up: a token id [bs] (None when
         the drafter needs none) and the parts [bs, w_i] of its feature row (their widths sum to

@@ -55,7 +55,11 @@ from speculant.errors import SpeculantError
 from speculant.executor.attention import BlockContextAttention
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.piecewise import drafter_extend, last_position_inputs
+from speculant.executor.piecewise_drafter import (
+    DFlashContextPiece,
+    drafter_extend,
+    last_position_inputs,
+)
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from speculant.models.llama import MLP
 from speculant.models.loader import (
@@ -485,6 +489,9 @@ class DFlashDrafter(Drafter):
     def features(self, inputs: DraftInputs) -> torch.Tensor:
         """[N, n * H]: `feature_parts` side by side."""
         return torch.cat(self.feature_parts(inputs), dim=-1)
+
+    def extend_piece(self) -> DFlashContextPiece:
+        return DFlashContextPiece(self)
 
     def catch_up_entry(self, inputs: DraftInputs) -> tuple[None, list]:
         return None, self.feature_parts(inputs)  # the context K/V need no token

@@ -11,7 +11,7 @@ from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.piecewise import drafter_extend
+from speculant.executor.piecewise_drafter import DraftModelPiece, drafter_extend
 from speculant.models.llama import CausalLM
 
 
@@ -43,6 +43,9 @@ class DraftModelDrafter(Drafter):
         )
         self.lm = draft_lm
         self.catch_up_width = 0  # its catch-up is its LM over the recorded input tokens
+
+    def extend_piece(self) -> DraftModelPiece:
+        return DraftModelPiece(self)
 
     def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, list]:
         return inputs.batch.input_ids, []

@@ -11,7 +11,11 @@ from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.eagle import Eagle3Head
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.piecewise import drafter_extend, last_position_inputs
+from speculant.executor.piecewise_drafter import (
+    EagleKVPiece,
+    drafter_extend,
+    last_position_inputs,
+)
 
 
 class Eagle3Drafter(Drafter):
@@ -37,6 +41,9 @@ class Eagle3Drafter(Drafter):
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
         if head.num_layers == 1:  # its K/V need only (token, aux): a catch-up can wait
             self.catch_up_width = len(self.aux_layer_ids) * target.config.hidden_size
+
+    def extend_piece(self) -> EagleKVPiece:
+        return EagleKVPiece(self)
 
     def catch_up_entry(self, inputs: DraftInputs) -> tuple[torch.Tensor, list]:
         return inputs.next_tokens.clamp(min=0).reshape(-1), list(inputs.aux)

@@ -246,6 +246,16 @@ def _exit(code: int, device: str) -> None:
     sys.stderr.flush()
     if device.startswith("cuda"):
         os._exit(code)
+    # a gloo group left open (a rank function that did not close its context) keeps threads
+    # whose destruction at interpreter exit can abort the rank ("terminate called without an
+    # active exception"): tear it down locally first
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
     sys.exit(code)
 
 

@@ -24,14 +24,13 @@ import helpers_ckpt  # noqa: E402
 from speculant import Engine, SamplingParams, SpeculantError  # noqa: E402
 from speculant.comm.groups import ParallelContext  # noqa: E402
 from speculant.config import GraphConfig  # noqa: E402
-from speculant.executor.piecewise import (  # noqa: E402
-    DEFAULT_SIZES,
+from speculant.executor.bucket_graphs import (  # noqa: E402
     BucketEntry,
     bucket_layout,
     num_bucket_tiles,
-    piecewise_sizes,
     tile_block_m,
 )
+from speculant.executor.piecewise import DEFAULT_SIZES, piecewise_sizes  # noqa: E402
 from speculant.kernels import runtime  # noqa: E402
 from speculant.kernels.paged_attention import (  # noqa: E402
     VarlenTiles,
@@ -559,14 +558,18 @@ def build_engine_in_rank(sizes_by_rank, head=None) -> None:
     pctx = ParallelContext.from_env(2, 1, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
     target = os.environ["SPECULANT_TEST_TARGET"]
     spec = {} if head is None else dict(algo="eagle3", draft=head, num_draft_tokens=3)
-    eng = engine(
-        target, pctx=pctx, eager_padding=True, piecewise_sizes=sizes_by_rank[pctx.rank], **spec
-    )
-    assert eng.piecewise.capture_order == [64, 32, 16]  # the lockstep ran every bucket
-    if head is not None:  # and the drafter's, after the target's
-        assert eng.piecewise.drafter.capture_order == [64, 32, 16]
-        out = eng.generate(PROMPTS[:3], mixed_params(3))
-        assert all(len(o.token_ids) == 10 for o in out)
+    try:
+        eng = engine(
+            target, pctx=pctx, eager_padding=True, piecewise_sizes=sizes_by_rank[pctx.rank],
+            **spec,
+        )  # fmt: skip
+        assert eng.piecewise.capture_order == [64, 32, 16]  # the lockstep ran every bucket
+        if head is not None:  # and the drafter's, after the target's
+            assert eng.piecewise.drafter.capture_order == [64, 32, 16]
+            out = eng.generate(PROMPTS[:3], mixed_params(3))
+            assert all(len(o.token_ids) == 10 for o in out)
+    finally:
+        pctx.close()
 
 
 def test_ranks_with_different_piecewise_sizes_fail_with_a_clear_error(llama_dir, monkeypatch):
@@ -588,14 +591,14 @@ def test_ranks_capture_the_drafters_buckets_in_lockstep(llama_dir, tmp_path, mon
 
 
 def test_capture_order_check_names_the_rank(monkeypatch):
-    from speculant.executor import piecewise
+    from speculant.executor import bucket_graphs
 
     class TwoRanks:
         def all_gather_object(self, obj):
             return [obj, [*obj, 8]]
 
     with pytest.raises(SpeculantError, match=r"rank 1 captured piecewise graphs .*\[64, 8\]"):
-        piecewise.check_same_order(TwoRanks(), [64], "captured")
+        bucket_graphs.check_same_order(TwoRanks(), [64], "captured")
 
 
 # ------------------------------------------------------------------------------ GPU
