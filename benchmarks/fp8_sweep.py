@@ -46,7 +46,9 @@ SHAPES_8B = {
 }
 SHAPES_DRY = {"a": (256, 384), "b": (200, 320)}
 # in priority order: bs-1 decode, bs-64 decode, EAGLE-3 k=3 verify at bs 1 (4 rows), the rest
-MS = (1, 64, 4, 2, 8, 16, 32, 128, 256)
+# by priority (the budget may end the sweep early); then row counts graphs run padded to
+# (3: a bs-3 eager forward; 24, 40: decode sizes) so the table is not only powers of two
+MS = (1, 64, 4, 2, 8, 16, 32, 128, 256, 3, 24, 40)
 MS_DRY = (1, 4, 16)
 LAUNCHES, REPLAYS = 20, 10
 L2_BYTES = 50 * 2**20
