@@ -19,7 +19,7 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import GraphConfig
 from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode
-from speculant.kernels.paged_attention import VarlenTiles
+from speculant.kernels.paged_attention import VarlenTiles, tile_layout
 from speculant.kernels.runtime import next_power_of_2
 
 log = logging.getLogger("speculant")
@@ -93,13 +93,7 @@ def bucket_layout(
     all_rows = list(rows) + ([sentinel_row] if N > n else [])
     slots = entry.num_seq_slots
     empty = slots - 1
-    starts, start, tile_seq, tile_m0 = [], 0, [], []
-    for seq, length in enumerate(lens):
-        starts.append(start)
-        start += length
-        for m0 in range(0, group * length, bm):
-            tile_seq.append(seq)
-            tile_m0.append(m0)
+    starts, tile_seq, tile_m0 = tile_layout(lens, group, bm)
     unused = entry.num_tiles - len(tile_seq)
     assert unused >= 0 and len(lens) < slots, (N, entry.num_tiles, len(tile_seq), len(lens))
     pad_seqs = slots - len(lens)

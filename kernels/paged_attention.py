@@ -217,18 +217,25 @@ class VarlenTiles:
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # seq, m0, start, len
 
 
-def varlen_tiles(seq_lens: list[int], group: int, device: torch.device) -> VarlenTiles:
-    """Tiles over packed sequences of `seq_lens` query tokens (laid out back to back), with
-    `group` query heads per KV head; one host-to-device copy."""
-    longest = max(seq_lens, default=1)
-    block_m = min(64, max(16, next_power_of_2(group * longest)))
-    tile_seq, tile_m0, starts, start = [], [], [], 0
+def tile_layout(seq_lens, group: int, block_m: int) -> tuple[list[int], list[int], list[int]]:
+    """Packed sequences of `seq_lens` query tokens, back to back: every sequence's start, and
+    per tile (block_m query rows of `group` heads per KV head) its sequence and first row."""
+    starts, tile_seq, tile_m0, start = [], [], [], 0
     for seq, length in enumerate(seq_lens):
         starts.append(start)
         start += length
         for m0 in range(0, group * length, block_m):
             tile_seq.append(seq)
             tile_m0.append(m0)
+    return starts, tile_seq, tile_m0
+
+
+def varlen_tiles(seq_lens: list[int], group: int, device: torch.device) -> VarlenTiles:
+    """Tiles over packed sequences of `seq_lens` query tokens (laid out back to back), with
+    `group` query heads per KV head; one host-to-device copy."""
+    longest = max(seq_lens, default=1)
+    block_m = min(64, max(16, next_power_of_2(group * longest)))
+    starts, tile_seq, tile_m0 = tile_layout(seq_lens, group, block_m)
     num_tiles = len(tile_seq)
     packed = torch.tensor(
         tile_seq + tile_m0 + starts + list(seq_lens), dtype=torch.int32
