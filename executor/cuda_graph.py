@@ -310,8 +310,6 @@ class GraphRunner:
         """What capture does for one size, minus the graph: uniform dummy rows, barriers."""
         variant, bs, shape = key
         self.runner.buffers.fill([], [], [], [], [], [], bs, self.runner.kv.sentinel_row)
-        if variant == CATCH_UP:
-            self.runner.catch_up.rows.fill_(self.runner.kv.sentinel_row)
         sizes = self._capture_sizes(key)
         self.pctx.barrier()
         self._step_of(key, sizes.tokens_per_rank)()
@@ -319,9 +317,11 @@ class GraphRunner:
         self.capture_order.append(key)
 
     def _step_of(self, key: GraphKey, tokens: list[int] | None):
-        """What the graph of `key` runs: a decode step, or the catch-up of bs rows."""
+        """What the graph of `key` runs: a decode step, or the catch-up of bs rows (its row
+        buffer set to the sentinel first, so warm-ups and capture touch no live row)."""
         variant, bs, shape = key
         if variant == CATCH_UP:
+            self.runner.catch_up.rows.fill_(self.runner.kv.sentinel_row)
             return lambda: self.runner.flush_catch_up(bs)
         return lambda: self.runner.decode_step(bs, variant, tokens, shape)
 
@@ -330,8 +330,6 @@ class GraphRunner:
         variant, bs, shape = key
         runner.buffers.fill([], [], [], [], [], [], bs, runner.kv.sentinel_row)
         step = self._step_of(key, self._capture_sizes(key).tokens_per_rank)
-        if variant == CATCH_UP:
-            runner.catch_up.rows.fill_(runner.kv.sentinel_row)
         torch.cuda.synchronize()
         self.pctx.barrier()
         with torch.cuda.stream(stream):
