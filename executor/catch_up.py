@@ -87,6 +87,10 @@ class PendingRows:
         """A plain decode step of these requests has been launched (the list is kept)."""
         self.batches.append(requests)
 
+    def drop(self) -> None:
+        """Forget every recorded step without a flush (the drafter rests: its rows go cold)."""
+        self.batches.clear()
+
     def rows_to_flush(self, starting: set[int] = frozenset()) -> list[int]:
         """The rows the recorded requests hold now (a finished or preempted request holds -1;
         one preempted and resumed holds a row that starts its context again), except rows now

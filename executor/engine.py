@@ -179,6 +179,7 @@ class Engine:
         if speculation == "auto" and k > 0:  # every rank the same table: the same decisions
             costs = StepCosts.averaged(self.pctx.all_gather_object(self.graphs.measure_costs()))
         self.chooser = DraftLengthChooser(k, speculation, costs)
+        self._resting = False  # whether the last step rested the drafter
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
             self.attention_backend, mc.is_moe,
@@ -564,17 +565,37 @@ class Engine:
         bs = len(plan.decode) + sum(c.last for c in plan.chunks)
         # fixed speculation: k drafts every step, every row holds k (no per-row work per step)
         indices = [r.index for r in plan.requests] if adaptive else []
-        drafts = self.chooser.choose(indices, bs) if bs else k
+        resting = self.chooser.rest_left > 0  # a step that samples nothing keeps a rest going
+        drafts = self.chooser.choose(indices, bs) if bs else (0 if resting else k)
         held = min((len(r.next_input) - 1 for r in plan.decode), default=k) if adaptive else k
         plan.shape = step_shape(drafts, held, k)
         plan.tokens_per_req = plan.shape.tokens_per_req
+        plan.rests = self.chooser.rests_now if bs else resting
         return plan
 
     def _settle_catch_up(self, plan: StepPlan) -> None:
-        """Adaptive speculation's deferred drafter catch-up (executor/catch_up.py): flush the
-        recorded plain steps when `depth` of them wait or the step is not a plain decode step
-        (it drafts, or extends), then note the step if it records."""
-        pending = self.pending
+        """Adaptive speculation's drafter bookkeeping before a step. A step that rests the
+        drafter (executor/speculation.py) leaves its requests cold; the first of a rest drops
+        the recorded entries (the rows go cold anyway), the first after one empties every row's
+        record. Otherwise the deferred catch-up (executor/catch_up.py): flush the recorded
+        plain steps when `depth` of them wait or the step is not a plain decode step (it drafts,
+        or extends), then note the step if it records."""
+        chooser, pending = self.chooser, self.pending
+        if plan.rests != self._resting:
+            self._resting = plan.rests
+            if plan.rests:
+                chooser.mark_cold(r.index for r in self.scheduler.running)
+                if pending is not None:
+                    pending.drop()
+            elif self.runner.catch_up is not None:
+                self.runner.catch_up.count.zero_()  # rest steps recorded on the device unread
+        if plan.rests:
+            chooser.mark_cold(c.request.index for c in plan.chunks)
+            return
+        if chooser.cold:
+            for chunk in plan.chunks:
+                if chunk.start == 0:  # its context starts again with the drafter at work
+                    chooser.mark_warm(chunk.request.index)
         if pending is None:
             return
         plain = plan.is_pure_decode and plan.shape == PLAIN
@@ -605,6 +626,7 @@ class Engine:
         plan = StepPlan(
             decode=launched.requests, tokens_per_req=shape.tokens_per_req, shape=shape,
             padded_bs=launched.padded_bs, use_graph=True, sizes=launched.sizes,
+            rests=self.chooser.rests_now,
         )  # fmt: skip
         self._settle_catch_up(plan)
         ahead = self._launch(plan, fill=False)
@@ -668,7 +690,8 @@ class Engine:
         info = self._sampling_info(requests)
         start = time.perf_counter()
         tokens = None if plan.sizes is None else plan.sizes.tokens_per_rank
-        host = self.runner.extend(seqs, info, variant, tokens, plan.shape).to_host()  # one sync
+        out = self.runner.extend(seqs, info, variant, tokens, plan.shape, plan.rests)
+        host = out.to_host()  # one sync
         seconds = time.perf_counter() - start
         T = self.tokens_per_req  # the width of every sequence's emitted tokens
         for request, row in zip(plan.decode, host, strict=False):
@@ -758,6 +781,7 @@ class Engine:
             "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,
             **({"drafts_chosen": self.chooser.summary()} if self.chooser.adaptive else {}),
+            **({"rest_steps": self.chooser.rest_steps} if self.chooser.adaptive else {}),
             **({"catch_ups": self.pending.flushes} if self.pending is not None else {}),
             **(
                 {"peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)}

@@ -225,13 +225,15 @@ class ModelRunner:
         variant: str,
         tokens_per_rank: list[int] | None = None,
         shape: DraftShape | None = None,
+        drafter_rests: bool = False,
     ) -> ExtendOutput:
         """One eager target forward over packed sequences (see `SeqInput`: verify rows of k + 1
         tokens first, then prefill chunks), each attending to its cached prefix and itself;
         verify rows are verified, chunks that end a context sample (or take) their next token,
         the cache lengths grow, and the drafter catches up on every position and drafts after
         every sequence. `sampling` has one row per sequence. `shape`: drafts each verify row holds
-        (its tokens: shape.verify + 1) and drafts proposed after every sequence (default k, k)."""
+        (its tokens: shape.verify + 1) and drafts proposed after every sequence (default k, k).
+        `drafter_rests`: the drafter does nothing (adaptive speculation's rest; no drafts)."""
         kv, device = self.kv, self.device
         shape = shape or self.full_shape()
         T = shape.verify + 1  # verify row width
@@ -282,7 +284,10 @@ class ModelRunner:
             ends = [s.start + len(s.tokens) for s in seqs[num_verify:]]
             kv.cache_lens[c_rows] = torch.tensor(ends, dtype=torch.int64, device=device)
         inputs = DraftInputs(batch, hidden, aux, next_tokens, last, self.attn.kv_slots)
-        drafts = self._propose(inputs, variant, shape.draft)
+        if drafter_rests and self.drafter is not None:
+            drafts = self.drafter.no_drafts(batch).tokens
+        else:
+            drafts = self._propose(inputs, variant, shape.draft)
         return ExtendOutput(emitted, accept_len, drafts)
 
     def prefill(

@@ -10,7 +10,16 @@ that proposes nothing drops the drafts its rows hold and runs as a plain step (0
 the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
 those positions, the draft model runs its LM over them), so a later step can draft again.
 While plain steps win, a probe (one step that drafts, then one that verifies) refreshes the
-acceptance estimate every `probe_interval` steps, doubling while probes keep losing."""
+acceptance estimate every `probe_interval` steps, doubling while probes keep losing.
+
+When the drafter's acceptance would not pay even at batch size 1 (the cheapest verify relative
+to a plain step) and REST_AFTER probes in a row have lost, the drafter rests for REST_STEPS
+steps: no drafter work at all (no catch-up records kept, no drafter forward over prefill
+chunks, no probes), so a drafter that accepts nothing costs nothing. Its state then lags for
+every request that ran a step while it rested: such requests are `cold`: their drafts are
+still verified exactly (output stays lossless), but they count as accepting nothing, and
+their verify outcomes teach the estimate nothing. A request whose context starts again
+(admitted, or resumed after a preemption) outside a rest is warm."""
 
 from __future__ import annotations
 
@@ -120,6 +129,8 @@ class DraftLengthChooser:
 
     MIN_SAMPLES = 2  # a request's own estimate counts once it has verified this often
     FIRST_PROBE, LAST_PROBE = 8, 256
+    REST_AFTER = 2  # lost probes in a row (acceptance losing at batch size 1) before a rest
+    REST_STEPS = 1024  # steps of one rest
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs
@@ -132,6 +143,11 @@ class DraftLengthChooser:
         self._last_key: tuple | None = None
         self._last_prefer = False
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
+        self.lost_probes = 0  # probes lost in a row
+        self.rest_left = 0  # steps the drafter still rests
+        self.rest_steps = 0  # steps rested, in all
+        self.rests_now = False  # the step just chosen rests the drafter
+        self.cold: set[int] = set()  # requests whose drafter state lags (see the module doc)
 
     @property
     def adaptive(self) -> bool:
@@ -140,7 +156,7 @@ class DraftLengthChooser:
     def observe(self, request_index: int, verified: int, accepted: int) -> None:
         """A verify row's outcome (accepted drafts before the first rejection, counted before
         any stop token or length limit cut them)."""
-        if verified == 0 or not self.adaptive:
+        if verified == 0 or not self.adaptive or request_index in self.cold:
             return
         self.batch.observe(verified, accepted)
         own = self.per_request.get(request_index)
@@ -152,10 +168,25 @@ class DraftLengthChooser:
 
     def forget(self, request_index: int) -> None:
         self.per_request.pop(request_index, None)
+        self.cold.discard(request_index)
+
+    def mark_cold(self, request_indices) -> None:
+        """These requests ran a step while the drafter rested: their drafter state lags."""
+        for index in request_indices:
+            self.cold.add(index)
+            self.per_request.pop(index, None)
+
+    def mark_warm(self, request_index: int) -> None:
+        """This request's context starts again with the drafter at work."""
+        self.cold.discard(request_index)
 
     def expected_tokens(self, request_indices: list[int]) -> float:
         total = 0.0
+        cold = self.cold
         for index in request_indices:
+            if index in cold:  # lagging drafter state: count on nothing being accepted
+                total += 1.0
+                continue
             own = self.per_request.get(index)
             use = own if own is not None and own.samples >= self.MIN_SAMPLES else self.batch
             total += use.expected_tokens()
@@ -169,8 +200,15 @@ class DraftLengthChooser:
         plain = len(request_indices) / self.costs(DraftShape(0, 0), bs)
         return spec > plain
 
+    def pays_at_smallest_batch(self) -> bool:
+        """Whether the batch-wide acceptance would pay for drafting at batch size 1."""
+        spec = self.batch.expected_tokens() / self.costs(DraftShape(self.k, self.k), 1)
+        return spec > 1.0 / self.costs(DraftShape(0, 0), 1)
+
     def choose(self, request_indices: list[int], bs: int) -> int:
-        """Drafts the step proposes (0 or k) for a batch of these requests run at size bs."""
+        """Drafts the step proposes (0 or k) for a batch of these requests run at size bs;
+        `rests_now` then says whether the step rests the drafter."""
+        self.rests_now = False
         drafts = self._choose(request_indices, bs)
         self.chosen[drafts] += 1
         return drafts
@@ -178,6 +216,11 @@ class DraftLengthChooser:
     def _choose(self, request_indices: list[int], bs: int) -> int:
         if not self.adaptive:
             return self.k
+        if self.rest_left:
+            self.rest_left -= 1
+            self.rest_steps += 1
+            self.rests_now = True
+            return 0
         if self.phase == PROBE_DRAFTED:  # the probe's drafts must be verified once
             self.phase, self.probe_mark = PROBE_VERIFYING, self.batch.samples
             return self.k
@@ -187,7 +230,7 @@ class DraftLengthChooser:
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
         # host: plain steps of a small model take a fraction of a millisecond)
-        key = (self.batch.samples, len(request_indices), bs)
+        key = (self.batch.samples, len(request_indices), bs, len(self.cold))
         if key != self._last_key:
             self._last_key, self._last_prefer = key, self.prefers_drafting(request_indices, bs)
         prefer = self._last_prefer
@@ -195,15 +238,24 @@ class DraftLengthChooser:
             self.phase = None
             if not prefer:  # the probe lost: wait longer before the next one
                 self.probe_interval = min(2 * self.probe_interval, self.LAST_PROBE)
+                self.lost_probes += 1
+                if self.lost_probes >= self.REST_AFTER and not self.pays_at_smallest_batch():
+                    self.lost_probes, self.rest_left = 0, self.REST_STEPS
+                    return self._choose(request_indices, bs)
         if prefer:
-            self.plain_streak, self.probe_interval = 0, self.FIRST_PROBE
+            self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
             return self.k
         self.plain_streak += 1
-        if self.plain_streak >= self.probe_interval:
+        # a probe teaches something only through warm requests
+        if self.plain_streak >= self.probe_interval and self._any_warm(request_indices):
             self.plain_streak, self.phase = 0, PROBE_DRAFTED
             return self.k
         return 0
 
+    def _any_warm(self, request_indices: list[int]) -> bool:
+        cold = self.cold
+        return not cold or any(index not in cold for index in request_indices)
+
     def summary(self) -> dict[int, int]:
-        """Steps by drafts proposed."""
+        """Steps by drafts proposed (steps that rested the drafter among the 0s)."""
         return dict(sorted(self.chosen.items()))

@@ -44,6 +44,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     tokens_per_req: int = 1  # a decode row's tokens: shape.verify + 1 once the shape is set
     shape: DraftShape | None = None  # drafts verified and proposed (the engine's choice)
+    rests: bool = False  # the drafter rests: no drafter work at all (executor/speculation.py)
     padded_bs: int = 0  # rows the decode step runs (live, then sentinel rows); 0: no decode graph
     use_graph: bool = False
     dummy: bool = False  # this rank has no work but runs a padded dummy step for its DP peers

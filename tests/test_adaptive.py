@@ -40,10 +40,14 @@ def prompts_of(lengths, seed, vocab):
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-class ForcedChooser(DraftLengthChooser):
-    """Drafts per step from a fixed pattern (or a seeded random choice), whatever the costs."""
+REST = "rest"  # a forced pattern's step that rests the drafter
 
-    def __init__(self, k: int, pattern: list[int] | None = None, seed: int = 0):
+
+class ForcedChooser(DraftLengthChooser):
+    """Drafts per step from a fixed pattern (or a seeded random choice), whatever the costs;
+    REST entries rest the drafter (no drafts, no drafter work)."""
+
+    def __init__(self, k: int, pattern: list | None = None, seed: int = 0):
         super().__init__(k, AUTO, StepCosts({(DraftShape(k, k), 1): 1.0}))
         self.pattern, self.rng, self.steps = pattern, random.Random(seed), 0
 
@@ -51,7 +55,12 @@ class ForcedChooser(DraftLengthChooser):
         self.steps += 1
         if self.pattern is None:
             return self.rng.choice([0, self.k])
-        return self.pattern[(self.steps - 1) % len(self.pattern)]
+        drafts = self.pattern[(self.steps - 1) % len(self.pattern)]
+        if drafts == REST:
+            self.rest_steps += 1
+            self.rests_now = True
+            return 0
+        return drafts
 
 
 def forced_engine(drafter: str, pattern, **options) -> Engine:
@@ -96,6 +105,115 @@ def test_forced_switching_in_chunked_preempted_overlapped_jobs(plain, drafter):
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
     stats = engine.stats()
     assert stats["extend_steps"] > 1 and stats["preemptions"] > 0, stats
+
+
+REST_PATTERN = [3, 3, REST, REST, REST, 0, 3, 3, REST, 0, 0, 3]
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_rested_drafter_stays_lossless_in_chunked_preempted_overlapped_jobs(plain, drafter):
+    """Steps that rest the drafter (no drafter work: its state lags) among drafting and plain
+    steps, in a job with chunked prefill, preemption and overlap: greedy output equals plain;
+    requests that ran a rest step are cold, and the rest steps are counted."""
+    vocab = plain.model_config.vocab_size
+    prompts = prompts_of((30, 3, 50, 17, 8, 61), seed=9, vocab=vocab)
+    tight = dict(max_num_batched_tokens=24, num_pages=40, overlap=True, catch_up_depth=3)
+    engine = forced_engine(drafter, REST_PATTERN, **tight)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ours = engine.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
+    stats = engine.stats()
+    assert stats["extend_steps"] > 1 and stats["preemptions"] > 0, stats
+    assert stats["rest_steps"] > 0 and stats["drafts_chosen"].get(3)
+    assert sum(o.stats["num_verify_steps"] for o in ours) > 0
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
+    """Resting every step: the drafter never runs (no propose over prefill chunks, no catch-up
+    flush), every request is cold, and greedy output equals plain."""
+    engine = forced_engine(drafter, [REST], catch_up_depth=2)
+    calls = []
+    for name in ("propose", "catch_up"):
+        original = getattr(engine.drafter, name)
+
+        def counted(*args, _f=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(engine.drafter, name, counted)
+    cold = []
+    forget = engine.chooser.forget
+    engine.chooser.forget = lambda index: cold.append(index in engine.chooser.cold) or forget(index)
+    ours = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert calls == [] and engine.pending.flushes == 0
+    assert cold == [True] * len(prompts)
+    assert engine.chooser.summary() == {0: engine.stats()["rest_steps"]}  # every step rested
+
+
+def test_waking_after_a_rest_empties_the_record_and_new_requests_are_warm(plain, prompts):
+    """The first step after a rest empties every row's record (rest steps recorded on the
+    device, unread); a request whose context starts after it is warm; output equals plain."""
+    pattern = [REST] * 6 + [0, 0, 3, 3] * 100  # one rest, at the start
+    engine = forced_engine("eagle3", pattern, max_num_seqs=2, catch_up_depth=4)
+    warm, chooser = [], engine.chooser
+    forget = chooser.forget
+    chooser.forget = lambda index: warm.append(index not in chooser.cold) or forget(index)
+    ours = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert any(warm) and not all(warm)
+    assert int(engine.runner.catch_up.count.max()) <= engine.runner.catch_up.depth
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_after_a_rest_the_drafter_state_of_new_positions_is_right_again(prompts, drafter):
+    """EAGLE-3's and DFLASH's K/V of a position depend on that position alone: a request that
+    ran through a rest lags before it, but every position after the wake (caught up through the
+    emptied record) holds what drafting every step leaves."""
+    prompt, params = prompts[3], SamplingParams(max_new_tokens=60, ignore_eos=True)
+    rest_steps = 10
+    after = len(prompt) + rest_steps + 2  # past the rest's positions
+    length = len(prompt) + params.max_new_tokens - 8
+    states, tokens = [], []
+    for pattern in ([3], [REST] * rest_steps + ([0] * 6 + [3, 3]) * 20):
+        engine = forced_engine(drafter, pattern, max_num_seqs=1, catch_up_depth=4)
+        kept = drafter_state_at_finish(engine, length)
+        tokens.append(engine.generate([prompt], params)[0].token_ids)
+        states.append(kept)
+    assert engine.chooser.rest_steps == rest_steps and engine.pending.flushes > 2
+    assert tokens[0] == tokens[1]
+    lagging = 0
+    for fixed, rested in zip(*states, strict=True):
+        torch.testing.assert_close(rested[after:], fixed[after:], rtol=1e-5, atol=1e-5)
+        lagging += not torch.allclose(rested[:after], fixed[:after])
+    assert lagging  # the rest's positions were not written
+
+
+def test_resting_sampled_output_follows_the_target_distribution():
+    """Drafts from a lagging drafter are still verified exactly: the token a run with rest
+    steps emits at a fixed position follows the plain run's distribution over seeds."""
+    from scipy.stats import chisquare
+
+    prompt = prompts_of((7,), seed=4, vocab=256)[0]
+    n = 300
+    params = [
+        SamplingParams(max_new_tokens=5, temperature=1.0, seed=2000 + i, ignore_eos=True)
+        for i in range(n)
+    ]
+    resting = forced_engine("eagle3", [REST, REST, 3, 3, 3], max_num_seqs=64)
+    plain = Engine(TARGET, **{**ENGINE, "max_num_seqs": 64})
+    ours = [o.token_ids[4] for o in resting.generate([prompt] * n, params)]
+    theirs = [o.token_ids[4] for o in plain.generate([prompt] * n, params)]
+    tokens = sorted(set(ours) | set(theirs))
+    counts = [ours.count(t) for t in tokens]
+    expected = [max(theirs.count(t), 0.5) for t in tokens]
+    scale = sum(counts) / sum(expected)
+    common = [(c, e * scale) for c, e in zip(counts, expected, strict=True) if e * scale >= 5]
+    assert len(common) >= 2
+    c, e = zip(*common, strict=True)
+    e = [x * sum(c) / sum(e) for x in e]
+    assert chisquare(c, e).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
@@ -362,6 +480,7 @@ def test_chooser_drafts_when_acceptance_pays_for_the_verify():
 
 def test_chooser_goes_plain_when_nothing_is_accepted_and_probes_less_and_less():
     chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.REST_AFTER = 100  # no rest: probes keep backing off
     chosen = feed(chooser, [0], accepted=0, steps=600)
     plain = sum(s == DraftShape(0, 0) for s in chosen)
     assert plain / len(chosen) > 0.97
@@ -371,8 +490,63 @@ def test_chooser_goes_plain_when_nothing_is_accepted_and_probes_less_and_less():
     assert all(chosen[i + 1] == DraftShape(3, 3) for i in probes)  # a probe is verified
 
 
+def test_chooser_rests_the_drafter_when_acceptance_would_lose_even_at_batch_size_one():
+    """Nothing accepted: after REST_AFTER lost probes the drafter rests REST_STEPS steps (no
+    drafts, no probes), then probes again; every step of a rest says so."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.REST_STEPS = 200
+    chosen, rests = [], []
+    holding = 3
+    for _ in range(400):
+        drafts = chooser.choose([0], 1)
+        rests.append(chooser.rests_now)
+        shape = step_shape(drafts, holding, 3)
+        chooser.observe(0, shape.verify, 0)
+        holding, chosen = shape.draft, chosen + [shape]
+    probes = [i for i, s in enumerate(chosen) if s == DraftShape(0, 3)]
+    first_rest = rests.index(True)
+    assert len([p for p in probes if p < first_rest]) == chooser.REST_AFTER
+    assert rests[first_rest : first_rest + 200] == [True] * 200 and not any(rests[:first_rest])
+    assert all(chosen[i] == DraftShape(0, 0) for i in range(first_rest, first_rest + 200))
+    assert any(p > first_rest + 200 for p in probes)  # awake again: it probes
+    assert chooser.rest_steps >= 200
+
+
+def test_chooser_does_not_rest_when_batch_size_is_why_drafting_loses():
+    """Acceptance that pays at bs 1 but not at bs 64: probes lose at bs 64, yet the drafter
+    keeps its state (it will pay once the batch shrinks)."""
+    table = {
+        (DraftShape(0, 0), 1): 1.0, (DraftShape(3, 3), 1): 1.1, (DraftShape(0, 3), 1): 1.1,
+        (DraftShape(0, 0), 64): 2.0, (DraftShape(3, 3), 64): 8.0, (DraftShape(0, 3), 64): 2.2,
+    }  # fmt: skip
+    chooser = DraftLengthChooser(3, AUTO, StepCosts(table))
+    requests = list(range(64))
+    chosen = feed(chooser, requests, accepted=1, steps=400)
+    assert sum(s == DraftShape(0, 3) for s in chosen) >= 3 and chooser.rest_steps == 0
+    assert feed(chooser, [0], accepted=1, steps=30)[-5:] == [DraftShape(3, 3)] * 5
+
+
+def test_cold_requests_count_as_accepting_nothing_and_teach_nothing():
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    for _ in range(6):
+        chooser.observe(0, 3, 3)
+        chooser.observe(1, 3, 3)
+    before = chooser.batch.expected_tokens()
+    chooser.mark_cold([1])
+    assert chooser.expected_tokens([1]) == 1.0 < chooser.expected_tokens([0])
+    chooser.observe(1, 3, 0)  # a lagging drafter's miss says nothing about the drafter
+    assert chooser.batch.expected_tokens() == before
+    assert not chooser._any_warm([1]) and chooser._any_warm([0, 1])
+    chooser.mark_warm(1)  # its context starts again (re-admitted after a preemption)
+    assert chooser.expected_tokens([1]) > 1.0
+    chooser.mark_cold([1])
+    chooser.forget(1)
+    assert not chooser.cold
+
+
 def test_chooser_returns_to_drafting_when_acceptance_recovers():
     chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.REST_AFTER = 100  # no rest (a rest delays the return: the test above)
     feed(chooser, [0], accepted=0, steps=40)
     later = feed(chooser, [0], accepted=3, steps=80)
     assert later[-20:] == [DraftShape(3, 3)] * 20
