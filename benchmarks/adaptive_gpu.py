@@ -100,6 +100,7 @@ def part_8b(report: dict) -> None:
                 rate, tokens, stats = timed_generate(engine, prompts[:bs], params)
                 row[f"bs{bs}"] = {"tok_s": round(rate, 1), **stats}
                 row[f"bs{bs}"]["tokens"] = tokens
+            row["engine_stats"] = {key: str(value) for key, value in engine.stats().items()}
             rows[name] = row
             free(engine)
         except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
@@ -161,6 +162,7 @@ def part_bundled(report: dict) -> None:
                 outs[(name, bs)] = result
     for name in engines:
         row = rows.setdefault(name, {})
+        row["engine_stats"] = {key: str(value) for key, value in engines[name].stats().items()}
         for bs in sizes:
             result = outs[(name, bs)]
             row[bs] = {
