@@ -49,15 +49,25 @@ SHAPES_DRY = {"a": (256, 384), "b": (200, 320)}
 # by priority (the budget may end the sweep early); then row counts graphs run padded to
 # (3: a bs-3 eager forward; 24, 40: decode sizes) so the table is not only powers of two
 MS = (1, 64, 4, 2, 8, 16, 32, 128, 256, 3, 24, 40)
-MS_DRY = (1, 4, 16)
+MS_DRY = (1, 4, 16, 40)
 LAUNCHES, REPLAYS = 20, 10
 L2_BYTES = 50 * 2**20
 TOL = 1e-2
+W8A8_PATHS = ("w8a8", "scaled_mm", "sk_w8a8", "sk_w8a8_pre")  # checked vs quantised x
 SPLITK_MAX_M = 16
 FMA_CONFIGS = [(16, 512, 4), (8, 512, 4), (32, 256, 8)]
-DOT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 4), (128, 64, 8, 3)]
+DOT_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 3)]  # (32, 64, 4, 4) never won (wave 3)
 GEMM_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
 SPLITK_TOP = 3  # configs of the M = 1 sweep kept for larger M
+# The split-K tensor-core paths (kernels/fp8.py `_sk_kernel`): (BLOCK_N, num_warps, stages)
+# tiles, each with the BLOCK_M caps and the split counts of sk_configs. Every config is timed
+# at the first M of its BLOCK_M bucket in MS's order (SK_FULL_MS); the other M of the bucket
+# time the SK_TOP fastest of it per path (their grids are the same).
+SK_PATHS = ("sk_w8a16", "sk_w8a8")
+SK_TILES = [(64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 8, 4), (32, 4, 4)]
+SK_FULL_MS = (64, 4, 32, 128, 256)
+SK_TOP = 4
+SK_PROGRAMS = (132, 1100)  # split counts tried: grids of about one to eight programs per SM
 
 
 def splitk_configs(dry: bool) -> list[tuple]:
@@ -140,22 +150,68 @@ def probe_scaled_mm(cuda: bool) -> dict:
     return out
 
 
-def candidates(m: int, splitk: list, scaled_mm: dict | None, dry: bool) -> list[tuple]:
-    """(path, config) pairs to time at M rows."""
+def sk_bucket(m: int, cap: int = 128) -> int:
+    """The BLOCK_M `_sk_kernel` runs M rows with (at most `cap`)."""
+    return min(max(16, 1 << max(m - 1, 0).bit_length()), cap)
+
+
+def sk_configs(m: int, n: int, k: int, dry: bool) -> list[tuple]:
+    """(BLOCK_N, BLOCK_M cap, warps, stages, splits) of `_sk_kernel` for M rows of an N x K
+    weight: the SK_TILES tiles (fewer from M = 32 on), BLOCK_M cap 64 (128 from M = 128),
+    power-of-two split counts whose grids have SK_PROGRAMS programs, else the launcher's own
+    choice (0)."""
+    tiles = [(64, 4, 2)] if dry else SK_TILES if m < 32 else SK_TILES[:4] if m < 128 else [
+        SK_TILES[0], SK_TILES[2], SK_TILES[3]]  # fmt: skip
+    caps = (128,) if m >= 128 and not dry else (64,)
+    chunks = -(-k // kernels.BLOCK)
+    out = []
+    for block_n, warps, stages in tiles:
+        for cap in caps:
+            grid = -(-n // block_n) * -(-m // sk_bucket(m, cap))
+            splits = [s for s in (1, 2, 4, 8, 16, 32) if s <= chunks
+                      and SK_PROGRAMS[0] <= grid * s <= SK_PROGRAMS[1]]  # fmt: skip
+            for split in (splits[:2] if dry else splits) or [0]:
+                out.append((block_n, cap, warps, stages, split))
+    return out
+
+
+def candidates(m: int, splitk: list, scaled_mm: dict | None, dry: bool, sk: dict) -> list[tuple]:
+    """(path, config) pairs to time at M rows; sk: {path: [config, ...]} of the split-K
+    tensor-core paths (chosen by the caller)."""
     out: list[tuple] = []
     if m <= SPLITK_MAX_M:
         out += [("splitk", c) for c in splitk]
-    if m <= 8:
-        out += [("fma", c) for c in (FMA_CONFIGS[:1] if dry else FMA_CONFIGS)]
+    if m <= 2:  # it never won above M = 1 (wave 3)
+        out += [("fma", c) for c in FMA_CONFIGS[:1]]
     if m >= 2:
         out += [("dot", c) for c in (DOT_CONFIGS[:1] if dry else DOT_CONFIGS)]
+    for path, configs in sk.items():
+        out += [(path, c) for c in configs]
     if m >= 8:
         gemms = GEMM_CONFIGS[:1] if dry else GEMM_CONFIGS
-        out += [("w8a16", c) for c in gemms] + [("w8a8", c) for c in gemms]
-    if m >= 8:
+        out += [("w8a8", c) for c in gemms]
+    if m >= 128:
+        out += [("w8a16", c) for c in (GEMM_CONFIGS[:1] if dry else GEMM_CONFIGS[:2])]
         out.append(("dequant", None))
     if scaled_mm is not None:
         out.append(("scaled_mm", scaled_mm))
+    return out
+
+
+def sk_candidates(m: int, n: int, k: int, dry: bool, best: dict) -> dict:
+    """{path: configs} of the split-K tensor-core paths at M rows: all of sk_configs at M = 1
+    (the launcher's choice only) and at SK_FULL_MS, else `best`'s fastest of the bucket's
+    full M (also every config when that M was not measured); sk_w8a8_pre from M = 32."""
+    paths = SK_PATHS + (("sk_w8a8_pre",) if m >= 32 else ())
+    if m == 1:
+        return {path: [(64, 64, 4, 4, 0), (128, 64, 4, 3, 0)] for path in SK_PATHS}
+    full = sk_configs(m, n, k, dry)
+    out = {}
+    for path in paths:
+        kept = best.get((path, sk_bucket(m)))
+        out[path] = full if dry or m in SK_FULL_MS or not kept else kept
+        if path == "sk_w8a8_pre" and out[path] is full:
+            out[path] = full[::2]
     return out
 
 
@@ -179,6 +235,7 @@ def sweep(args, report: dict, deadline: float) -> dict:
         bf16 = [dense] + [dense.clone() for _ in range(copies - 1)]
         weights[name] = (fp8, bf16)
     best_splitk: dict = {}
+    best_sk: dict = {}  # name -> {(path, BLOCK_M bucket): fastest configs}
     for m in ms:
         for name, (n, k) in shapes.items():
             if time.time() > deadline:
@@ -196,11 +253,17 @@ def sweep(args, report: dict, deadline: float) -> dict:
             else:  # the best at M = 1, both reductions for the two best
                 splitk = best_splitk.get(name, all_splitk[:SPLITK_TOP])
                 splitk = splitk + [c[:3] + ("kernel",) for c in splitk[:2]]
-            for path, config in candidates(m, splitk, scaled_config, args.dry_run):
+            sk = sk_candidates(m, n, k, args.dry_run, best_sk.get(name, {}))
+            for path, config in candidates(m, splitk, scaled_config, args.dry_run, sk):
                 label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
-                want = ref8 if path in ("w8a8", "scaled_mm") else ref
+                want = ref8 if path in W8A8_PATHS else ref
                 entry[label] = measure(path, config, x, fp8, want, cuda)
             report["kernels"][f"{name}/{m}"] = entry
+            if m in SK_FULL_MS:  # the fastest per path for the bucket's other M
+                for path, configs in sk.items():
+                    timed = [c for c in configs if "us" in entry.get(f"{path}{list(c)}", {})]
+                    timed.sort(key=lambda c, p=path: entry[f"{p}{list(c)}"]["us"])
+                    best_sk.setdefault(name, {})[(path, sk_bucket(m))] = timed[:SK_TOP]
             if m == 1:
                 timed = [c for c in all_splitk if "us" in entry.get(f"splitk{list(c)}", {})]
                 timed.sort(key=lambda c: entry[f"splitk{list(c)}"]["us"])

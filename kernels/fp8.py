@@ -22,6 +22,14 @@ Paths, picked by `route`: the tuned table's row for this GPU, shape (N, K) and M
   GEMM for any M): W tiles converted to bf16 in registers, tl.dot against x^T ("swap AB": the
   weight rows fill the MMA's tall side), each 128-column chunk's product scaled by its block
   scale; optional split-K into a float32 partial buffer summed by torch.
+- `_sk_kernel` (`sk_w8a16`, `sk_w8a8`, `sk_w8a8_pre`; M = 2 ... 256, verify and batch
+  decode): split-K on tensor cores, swap AB as `_dot_kernel`, 128-column chunks pipelined, a
+  grid of N tiles x M tiles x K splits sized to fill the GPU, the splits' float32 partials
+  summed in split order by the tile's last program (per-tile counter, as `_splitk_kernel`):
+  one launch, deterministic. sk_w8a16: W to bf16 in registers; sk_w8a8: x quantised to e4m3
+  per row and chunk inside the kernel (no `_act_quant_kernel` launch), FP8 MMA; sk_w8a8_pre:
+  the same MMA on x quantised by `_act_quant_kernel` (split-K W8A8 with the separate
+  quantisation). Under PDL each program prefetches its W slice into L2 before the wait.
 - above SKINNY_MAX_M (prefill): PREFILL_GEMM picks `dequant` (W to bf16 once by
   `_dequant_kernel`, then cuBLAS), `w8a8` (x quantised per token per 128 columns by
   `_act_quant_kernel`, then `_w8a8_kernel`: FP8 tensor cores, tl.dot on float8e4nv, both
@@ -29,7 +37,8 @@ Paths, picked by `route`: the tuned table's row for this GPU, shape (N, K) and M
 
 Every launch is CUDA-graph capturable: buffers are sized by the shapes only, nothing reads a
 device value on the host. Under Triton's interpreter (CPU tests) tl.dot runs in float32 on the
-same values (the interpreter's bf16 and fp8 dots are not exact). The torch references
+same values (the interpreter's bf16 and fp8 dots are not exact), and float32 is rounded to the
+e4m3 grid before its cast (`_round_e4m3`: the interpreter's cast misrounds). The torch references
 (`reference_linear`, `reference_w8a8`) are what the kernels are checked against."""
 
 from __future__ import annotations
@@ -84,6 +93,11 @@ MIN_PROGRAMS = 264
 MAX_SPLIT_K = 8
 # (BLOCK_N, BLOCK_K, num_warps, reduce) of the split-K GEMV (M <= 8); not yet measured
 SPLITK_CONFIG = (16, 1024, 4, "atomic")
+# The split-K tensor-core paths (`_sk_kernel`) by name: the ACT value each launches
+SK_PATHS = {"sk_w8a16": 0, "sk_w8a8": 1, "sk_w8a8_pre": 2}
+# (BLOCK_N, BLOCK_M cap, num_warps, num_stages, splits: 0 = enough for MIN_PROGRAMS) of
+# `_sk_kernel`; not yet measured
+SK_CONFIG = (64, 64, 4, 4, 0)
 
 
 def next_power_of_2(n: int) -> int:
@@ -198,14 +212,18 @@ def _dequant_kernel(
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_sg, BLOCK_K: tl.constexpr,
+    ROUND: tl.constexpr = False,
 ):  # fmt: skip
-    """Row m, 128-column group g of x -> e4m3 q and its scale amax / 448 (at least 1e-10)."""
+    """Row m, 128-column group g of x -> e4m3 q and its scale amax / 448 (at least 1e-10);
+    ROUND: round to e4m3 before the cast (the interpreter, see _round_e4m3)."""
     m, g = tl.program_id(0), tl.program_id(1)
     cols = g * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = cols < K
     x = tl.load(x_ptr + m * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10 * 448.0) / 448.0
     q = tl.clamp(x / scale, -448.0, 448.0)
+    if ROUND:
+        q = _round_e4m3(q)
     tl.store(q_ptr + m * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + m * stride_s + g * stride_sg, scale)
 
@@ -324,6 +342,141 @@ def _sum_splits_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` (no registers written; compiled CUDA only)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as the compiled
+    cast (cvt.rn) rounds: the interpreter's own cast misrounds. Steps are 2^(e - 3) for
+    exponent e >= -6, 2^-9 below (subnormals); scaling by powers of two is exact, and adding
+    and taking away 1.5 * 2^23 rounds |t| < 2^22 to an integer, ties to even."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
+    return ((v * inv + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def _sk_chunk(
+    acc, x_ptr, xs_ptr, w_ptr, s_ptr, rows, ms, row_ok, m_ok, kc, n_chunks, K, stride_x,
+    stride_xs, stride_w, stride_s, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+    EVEN: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_M] += (W x^T) over the 128 columns of chunk kc, scaled."""
+    cols = kc * 128 + tl.arange(0, 128)
+    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
+    x_ptrs = x_ptr + ms[None, :] * stride_x + cols[:, None]
+    if EVEN:
+        w = tl.load(w_ptrs)
+        xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+    else:
+        col_ok = cols < K
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        xt = tl.load(x_ptrs, mask=m_ok[None, :] & col_ok[:, None], other=0.0)
+    if ACT == 0:  # W to the activations' dtype in registers
+        if DOT_F32:
+            part = tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            part = tl.dot(w.to(xt.dtype), xt)
+    else:  # FP8 MMA on e4m3 activations with one scale per row m and 128 columns
+        if ACT == 1:  # quantised here, as _act_quant_kernel does
+            xf = xt.to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-10 * 448.0) / 448.0
+            q = tl.clamp(xf / a_s[None, :], -448.0, 448.0)
+            if DOT_F32:  # the interpreter (see _round_e4m3)
+                q = _round_e4m3(q)
+            q = q.to(tl.float8e4nv)
+        else:  # quantised by _act_quant_kernel: x holds the codes, xs the scales
+            q = xt
+            a_s = tl.load(xs_ptr + ms * stride_xs + kc, mask=m_ok & (kc < n_chunks), other=0.0)
+        if DOT_F32:
+            part = tl.dot(w.to(tl.float32), q.to(tl.float32))
+        else:
+            part = tl.dot(w, q)
+        part = part * a_s[None, :]
+    if BLOCK_SCALE:
+        s = tl.load(s_ptr + (rows // 128) * stride_s + kc, mask=row_ok & (kc < n_chunks),
+                    other=0.0)  # fmt: skip
+        acc += part * s[:, None]
+    else:
+        acc += part
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "CHUNKS", "SPLITS"])
+def _sk_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x, stride_xs,
+    stride_w, stride_y, stride_s, CHUNKS, SPLITS, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Split-K tensor-core GEMM for skinny x ("swap AB": acc [BLOCK_N, BLOCK_M] = W_tile x^T,
+    the weight rows on the MMA's tall side). Program (n tile, m tile, split) runs CHUNKS
+    128-column chunks of K (the last split fewer); ACT 0: W converted to x's dtype (W8A16),
+    1: x quantised to e4m3 per row and chunk here, 2: x given as e4m3 codes and scales xs
+    (both W8A8 on FP8 MMA). SPLITS == 1 (not SPLIT): y directly. Else each split's float32
+    partial goes to ws [SPLITS, m tiles, N, BLOCK_M] and the tile's last program (per-tile
+    counter) sums them in split order (the same bits whoever comes last), writes y and resets
+    its counter. Under PDL the program's W slice is prefetched into L2 before the wait."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    m_ok = ms < M
+    n_chunks = tl.cdiv(K, 128)
+    kc0 = pid_k * CHUNKS
+    if PDL:  # no earlier kernel writes W: its lines may come in while that kernel runs
+        line_ptrs = w_ptr + tl.where(row_ok, rows, 0) * stride_w
+        for i in range(0, CHUNKS):
+            _prefetch_l2(line_ptrs + tl.minimum(kc0 + i, n_chunks - 1) * 128)
+    pdl_enter(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if INTERP:  # the interpreter takes no runtime range bounds; compiled, a for loop pipelines
+        i = 0
+        while i < CHUNKS:
+            acc = _sk_chunk(acc, x_ptr, xs_ptr, w_ptr, s_ptr, rows, ms, row_ok, m_ok, kc0 + i,
+                            n_chunks, K, stride_x, stride_xs, stride_w, stride_s, ACT,
+                            BLOCK_SCALE, EVEN, DOT_F32)  # fmt: skip
+            i += 1
+    else:
+        for i in range(0, CHUNKS):
+            acc = _sk_chunk(acc, x_ptr, xs_ptr, w_ptr, s_ptr, rows, ms, row_ok, m_ok, kc0 + i,
+                            n_chunks, K, stride_x, stride_xs, stride_w, stride_s, ACT,
+                            BLOCK_SCALE, EVEN, DOT_F32)  # fmt: skip
+    if not BLOCK_SCALE:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    y_ptrs = y_ptr + ms[None, :] * stride_y + rows[:, None]
+    y_ok = m_ok[None, :] & row_ok[:, None]
+    if not SPLIT:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+    else:
+        m_tiles = tl.num_programs(1)
+        bm = tl.arange(0, BLOCK_M)
+        offs = (pid_m * N + rows[:, None]) * BLOCK_M + bm[None, :]
+        tile_size = m_tiles * N * BLOCK_M
+        tl.store(ws_ptr + pid_k * tile_size + offs, acc, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            split = 0
+            while split < SPLITS:  # split order: the same bits whoever comes last
+                total += tl.load(ws_ptr + split * tile_size + offs, mask=row_ok[:, None],
+                                 other=0.0, cache_modifier=".cg")  # fmt: skip
+                split += 1
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
+            tl.atomic_xchg(count_ptr + tile, 0)  # clean for the next launch or replay
+
+
 # ---------------------------------------------------------------------------- launchers
 
 
@@ -434,6 +587,56 @@ def splitk_gemv(x2, weight, scale, mode, config=None):
     return y
 
 
+def sk_splits(programs: int, chunks: int, target: int | None = None) -> int:
+    """Split-K ways for `_sk_kernel`'s grid of `programs` (N tiles x M tiles): double while
+    under `target` (MIN_PROGRAMS) programs, at most one 128-column chunk per split."""
+    target = MIN_PROGRAMS if target is None else target
+    split = 1
+    while programs * split < target and split * 2 <= chunks:
+        split *= 2
+    return split
+
+
+def sk_gemm(x2, weight, scale, mode, path="sk_w8a16", config=None, quantized=None):
+    """y [M, N] = x2 [M, K] W^T through `_sk_kernel` (split-K tensor cores, splits summed in
+    the kernel): `path` sk_w8a16 (W to bf16/fp16 in registers), sk_w8a8 (x quantised per row
+    per 128 columns inside the kernel) or sk_w8a8_pre (x quantised by quantize_activations, or
+    `quantized` given: see w8a8_gemm). config: (BLOCK_N, BLOCK_M cap, num_warps, num_stages,
+    splits), splits 0: sk_splits'."""
+    block_n, max_block_m, warps, stages, splits = config or SK_CONFIG
+    act = SK_PATHS[path]
+    m, k = x2.shape
+    n = weight.shape[0]
+    block_m = min(max(16, next_power_of_2(m)), max(16, max_block_m))
+    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    n_chunks = triton.cdiv(k, BLOCK)
+    splits = min(splits or sk_splits(grid_n * grid_m, n_chunks), n_chunks)
+    chunks = triton.cdiv(n_chunks, splits)
+    splits = triton.cdiv(n_chunks, chunks)  # no empty splits
+    if splits > 1 and grid_n * grid_m > MAX_TILES:
+        raise ValueError(f"split-K FP8 GEMM: {grid_n * grid_m} tiles, at most {MAX_TILES}")
+    if act == 2:
+        xin, xs = quantized if quantized is not None else quantize_activations(x2)
+    else:
+        xin, xs = x2, scale  # xs unused
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if splits > 1:
+        ws = torch.empty((splits, grid_m, n, block_m), dtype=torch.float32, device=x2.device)
+        counters = _counters(x2.device)
+    else:
+        ws = counters = y  # unused
+    even = n % block_n == 0 and k == splits * chunks * BLOCK
+    pdl = pdl_mode(x2)
+    _sk_kernel[(grid_n, grid_m, splits)](
+        xin, xs, weight, scale, y, ws, counters, m, n, k, xin.stride(0), xs.stride(0),
+        weight.stride(0), y.stride(0), scale.stride(0), chunks, splits, ACT=act,
+        BLOCK_SCALE=mode == "block", BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
+        EVEN=even, DOT_F32=INTERPRET, INTERP=INTERPRET, num_warps=warps, num_stages=stages,
+        **pdl_options(pdl),
+    )  # fmt: skip
+    return y
+
+
 def dequantize(weight, scale, mode, dtype=torch.bfloat16):
     """W [N, K] in `dtype`: e4m3 times its scales (float32 product), by `_dequant_kernel`."""
     n, k = weight.shape
@@ -459,15 +662,14 @@ def quantize_activations(x2, column_major: bool = False):
     if m:
         _act_quant_kernel[(m, groups)](
             x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK_K=BLOCK,
-            num_warps=1,
+            ROUND=INTERPRET, num_warps=1,
         )  # fmt: skip
     return q, s
 
 
 def w8a8_gemm(x2, weight, scale, mode, config=None, quantized=None):
     """y [M, N] = x2 [M, K] W^T with x2 quantised per token per 128 columns (FP8 MMA);
-    `quantized`: (q, scales) given, e.g. by reference_quantize_activations (the interpreter's
-    float32-to-e4m3 conversion misrounds some values, so the CPU tests pass torch's)."""
+    `quantized`: (q, scales) given, e.g. by reference_quantize_activations."""
     block_n, block_m, warps, stages = config or GEMM_CONFIG
     m, k = x2.shape
     n = weight.shape[0]
@@ -563,14 +765,16 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = dot_gemm(x2, weight, scale, mode, config or GEMM_CONFIG, split_k=1)
     elif path == "w8a8":
         y = w8a8_gemm(x2, weight, scale, mode, config)
+    elif path in SK_PATHS:
+        y = sk_gemm(x2, weight, scale, mode, path, config)
     elif path == "dequant":
         y = F.linear(x2, dequantize(weight, scale, mode, x2.dtype))
     elif path == "scaled_mm" and mode == "block" and x2.is_cuda:
         y = scaled_mm(x2, weight, scale, config or SCALED_MM_CONFIG)
     else:
         raise ValueError(
-            f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, dequant or (CUDA, "
-            "block scales) scaled_mm"
+            f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, sk_w8a16, sk_w8a8, "
+            "sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
         )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
