@@ -14,8 +14,9 @@ acceptance estimate every `probe_interval` steps, doubling while probes keep los
 
 When the drafter's acceptance would not pay even at batch size 1 (the cheapest verify relative
 to a plain step) and REST_AFTER probes in a row have lost, the drafter rests for REST_STEPS
-steps: no drafter work at all (no catch-up records kept, no drafter forward over prefill
-chunks, no probes), so a drafter that accepts nothing costs nothing. Its state then lags for
+steps (after a rest one more lost probe starts the next, twice as long, up to LAST_REST): no
+drafter work at all (no catch-up records kept, no drafter forward over prefill chunks, no
+probes), so a drafter that accepts nothing costs nothing. Its state then lags for
 every request that ran a step while it rested: such requests are `cold`: their drafts are
 still verified exactly (output stays lossless), but they count as accepting nothing, and
 their verify outcomes teach the estimate nothing. A request whose context starts again
@@ -130,7 +131,7 @@ class DraftLengthChooser:
     MIN_SAMPLES = 2  # a request's own estimate counts once it has verified this often
     FIRST_PROBE, LAST_PROBE = 8, 256
     REST_AFTER = 2  # lost probes in a row (acceptance losing at batch size 1) before a rest
-    REST_STEPS = 1024  # steps of one rest
+    REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs
@@ -145,6 +146,7 @@ class DraftLengthChooser:
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
         self.lost_probes = 0  # probes lost in a row
         self.rest_left = 0  # steps the drafter still rests
+        self.rest_length = 0  # steps of the last rest (0: none since a probe last won)
         self.rest_steps = 0  # steps rested, in all
         self.rests_now = False  # the step just chosen rests the drafter
         self.cold: set[int] = set()  # requests whose drafter state lags (see the module doc)
@@ -240,10 +242,14 @@ class DraftLengthChooser:
                 self.probe_interval = min(2 * self.probe_interval, self.LAST_PROBE)
                 self.lost_probes += 1
                 if self.lost_probes >= self.REST_AFTER and not self.pays_at_smallest_batch():
-                    self.lost_probes, self.rest_left = 0, self.REST_STEPS
+                    # rests double while they keep being followed by a lost probe (one suffices)
+                    length = 2 * self.rest_length if self.rest_length else self.REST_STEPS
+                    self.rest_length = self.rest_left = min(length, self.LAST_REST)
+                    self.lost_probes = self.REST_AFTER - 1
                     return self._choose(request_indices, bs)
         if prefer:
             self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
+            self.rest_length = 0
             return self.k
         self.plain_streak += 1
         # a probe teaches something only through warm requests

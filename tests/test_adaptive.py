@@ -492,24 +492,28 @@ def test_chooser_goes_plain_when_nothing_is_accepted_and_probes_less_and_less():
 
 def test_chooser_rests_the_drafter_when_acceptance_would_lose_even_at_batch_size_one():
     """Nothing accepted: after REST_AFTER lost probes the drafter rests REST_STEPS steps (no
-    drafts, no probes), then probes again; every step of a rest says so."""
+    drafts, no probes, every step says so), then probes again, and one more lost probe starts
+    a rest twice as long."""
     chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
     chooser.REST_STEPS = 200
     chosen, rests = [], []
     holding = 3
-    for _ in range(400):
+    for _ in range(1000):
         drafts = chooser.choose([0], 1)
         rests.append(chooser.rests_now)
         shape = step_shape(drafts, holding, 3)
         chooser.observe(0, shape.verify, 0)
         holding, chosen = shape.draft, chosen + [shape]
     probes = [i for i, s in enumerate(chosen) if s == DraftShape(0, 3)]
-    first_rest = rests.index(True)
-    assert len([p for p in probes if p < first_rest]) == chooser.REST_AFTER
-    assert rests[first_rest : first_rest + 200] == [True] * 200 and not any(rests[:first_rest])
-    assert all(chosen[i] == DraftShape(0, 0) for i in range(first_rest, first_rest + 200))
-    assert any(p > first_rest + 200 for p in probes)  # awake again: it probes
-    assert chooser.rest_steps >= 200
+    first = rests.index(True)
+    assert len([p for p in probes if p < first]) == chooser.REST_AFTER
+    assert rests[first : first + 201] == [True] * 200 + [False] and not any(rests[:first])
+    assert all(chosen[i] == DraftShape(0, 0) for i in range(first, first + 200))
+    after = [p for p in probes if p > first + 200]
+    assert after  # awake: it probes; the probe loses and a rest of 400 steps follows its verify
+    second = after[0] + 2
+    assert rests[second : second + 401] == [True] * 400 + [False]
+    assert chooser.rest_steps == 600 + sum(rests[second + 401 :])
 
 
 def test_chooser_does_not_rest_when_batch_size_is_why_drafting_loses():
