@@ -178,7 +178,11 @@ class Engine:
         costs = None
         if speculation == "auto" and k > 0:  # every rank the same table: the same decisions
             costs = StepCosts.averaged(self.pctx.all_gather_object(self.graphs.measure_costs()))
+        if costs is not None:  # one rank: its step cycles refine the table (StepCosts)
+            costs.learns = self.pctx.world_size == 1
         self.chooser = DraftLengthChooser(k, speculation, costs)
+        self._cycle: tuple | None = None  # the last pure decode step: (shape, padded bs, start)
+        self._cycle_start = 0.0
         self._resting = False  # whether the last step rested the drafter
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
@@ -434,6 +438,7 @@ class Engine:
         rank calls it every step: the DP ranks stream outputs to rank 0 through it)."""
         for request in requests:
             self.scheduler.add(request)
+        self._cycle = None  # the time since an earlier run's last step is no step's
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
         while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
@@ -530,6 +535,7 @@ class Engine:
         those whose end this step read). With overlap (one rank), the decode step in flight is
         first either run ahead of (see `_can_run_ahead`) or read back."""
         finished = []
+        self._observe_cycle()
         if self.overlap:
             launched, self._launched = self._launched, None
             if launched is not None and self._can_run_ahead(launched):
@@ -544,6 +550,7 @@ class Engine:
         self.decode_rows += len(plan.decode)
         start = time.perf_counter()
         if plan.is_pure_decode:
+            self._cycle = (plan.shape, plan.padded_bs or len(plan.decode), self._cycle_start)
             self._decode(plan)
             self.step_seconds["decode"] += time.perf_counter() - start
         elif plan.requests:
@@ -555,6 +562,16 @@ class Engine:
             self.runner.buffers.fill([], [], [], [], [], [], plan.padded_bs, self.kv.sentinel_row)
             self.graphs.run(0, plan.padded_bs, GREEDY, plan.use_graph, plan.sizes, plan.shape)
         return finished + self._finish_done()
+
+    def _observe_cycle(self) -> None:
+        """A step starts: the pure decode step started last ran for the time since (its
+        cycle, host included), which refines adaptive speculation's costs on one rank."""
+        now = self._cycle_start = time.perf_counter()
+        if self._cycle is not None:
+            shape, padded_bs, start = self._cycle
+            self._cycle = None
+            if self.chooser.adaptive and self.chooser.costs.learns:
+                self.chooser.costs.observe(shape, padded_bs, now - start)
 
     def _choose_shape(self, plan: StepPlan) -> StepPlan:
         """The step's drafts (executor/speculation.py): how many it proposes (the chooser's
@@ -629,6 +646,7 @@ class Engine:
             rests=self.chooser.rests_now,
         )  # fmt: skip
         self._settle_catch_up(plan)
+        self._cycle = (shape, plan.padded_bs, self._cycle_start)
         ahead = self._launch(plan, fill=False)
         self.steps_ahead += 1
         self.num_steps += 1

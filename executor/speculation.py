@@ -67,7 +67,18 @@ def step_shape(num_drafts: int, held: int, k: int) -> DraftShape:
 class StepCosts:
     """Seconds of one decode step per (shape, padded batch size), measured on this machine; a
     size between measured ones costs what the next measured size does (it is padded to it on a
-    GPU), one past the largest is scaled linearly."""
+    GPU), one past the largest is scaled linearly.
+
+    The start-up table times graph replays alone. A step as the engine runs it also pays the
+    host's share (filling inputs, reading back, applying each row's tokens), which grows with
+    the tokens a row emits and decides small models' steps. On one rank (`observe`), the
+    engine's measured step cycles refine it: an exponentially weighted mean per (shape, size)
+    once OBSERVED_MIN cycles were seen, else the table's figure plus the host share measured
+    for another shape at that size. Several ranks keep the table (every rank must decide
+    alike)."""
+
+    OBSERVED_MIN = 2
+    DECAY = 0.8
 
     def __init__(self, table: dict[tuple[DraftShape, int], float]):
         self.table = dict(table)
@@ -76,14 +87,44 @@ class StepCosts:
             self.sizes.setdefault(DraftShape(*shape), []).append(bs)
         for sizes in self.sizes.values():
             sizes.sort()
+        self.seen: dict[tuple[DraftShape, int], list] = {}  # (shape, size) -> [mean, cycles]
+        self.learns = False  # the engine observes its steps (one rank)
+        self.version = 0  # grows as observations change the figures (a decision cache's key)
 
-    def __call__(self, shape: DraftShape, bs: int) -> float:
+    def _size(self, shape: DraftShape, bs: int) -> tuple[int, float]:
+        """The measured size a batch of bs runs at, and the scale past the largest."""
         sizes = self.sizes[shape]
         index = bisect.bisect_left(sizes, bs)
         if index < len(sizes):
-            return self.table[(shape, sizes[index])]
-        largest = sizes[-1]
-        return self.table[(shape, largest)] * bs / largest
+            return sizes[index], 1.0
+        return sizes[-1], bs / sizes[-1]
+
+    def __call__(self, shape: DraftShape, bs: int) -> float:
+        size, scale = self._size(shape, bs)
+        seen = self.seen.get((shape, size))
+        if seen is not None and seen[1] >= self.OBSERVED_MIN:
+            return seen[0] * scale
+        base = self.table[(shape, size)]
+        for other in self.sizes:  # the host's share, as measured for another shape
+            known = self.seen.get((other, size))
+            if other != shape and known is not None and known[1] >= self.OBSERVED_MIN:
+                return max(base + known[0] - self.table[(other, size)], 0.5 * base) * scale
+        return base * scale
+
+    def observe(self, shape: DraftShape, bs: int, seconds: float) -> None:
+        """One step's cycle as the engine ran it (start to the next step's start)."""
+        size, scale = self._size(shape, bs)
+        if scale != 1.0:
+            return
+        seen = self.seen.get((shape, size))
+        if seen is None:
+            self.seen[(shape, size)] = [seconds, 1]
+            self.version += 1
+            return
+        seen[0] = self.DECAY * seen[0] + (1 - self.DECAY) * seconds
+        seen[1] += 1
+        if seen[1] <= self.OBSERVED_MIN or seen[1] % 16 == 0:
+            self.version += 1
 
     @classmethod
     def averaged(cls, tables: list[dict]) -> StepCosts:
@@ -132,6 +173,9 @@ class DraftLengthChooser:
     FIRST_PROBE, LAST_PROBE = 8, 256
     REST_AFTER = 2  # lost probes in a row (acceptance losing at batch size 1) before a rest
     REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
+    # while drafting wins and step costs are observed: CHECK_STEPS plain steps after 32, 64, ...
+    # up to 1024 drafting steps, so the plain step's real cost is known too
+    FIRST_CHECK, LAST_CHECK, CHECK_STEPS = 32, 1024, 2
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs
@@ -150,6 +194,7 @@ class DraftLengthChooser:
         self.rest_steps = 0  # steps rested, in all
         self.rests_now = False  # the step just chosen rests the drafter
         self.cold: set[int] = set()  # requests whose drafter state lags (see the module doc)
+        self.draft_streak, self.check_interval, self.check_left = 0, self.FIRST_CHECK, 0
 
     @property
     def adaptive(self) -> bool:
@@ -232,7 +277,7 @@ class DraftLengthChooser:
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
         # host: plain steps of a small model take a fraction of a millisecond)
-        key = (self.batch.samples, len(request_indices), bs, len(self.cold))
+        key = (self.batch.samples, len(request_indices), bs, len(self.cold), self.costs.version)
         if key != self._last_key:
             self._last_key, self._last_prefer = key, self.prefers_drafting(request_indices, bs)
         prefer = self._last_prefer
@@ -250,12 +295,30 @@ class DraftLengthChooser:
         if prefer:
             self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
             self.rest_length = 0
-            return self.k
+            return self._check_plain()
+        self.draft_streak, self.check_interval = 0, self.FIRST_CHECK
         self.plain_streak += 1
         # a probe teaches something only through warm requests
         if self.plain_streak >= self.probe_interval and self._any_warm(request_indices):
             self.plain_streak, self.phase = 0, PROBE_DRAFTED
             return self.k
+        return 0
+
+    def _check_plain(self) -> int:
+        """Drafts of a step while drafting wins: k, but now and then CHECK_STEPS plain steps
+        when step costs are observed (a plain step's real cost, host included, can exceed what
+        its replay time says, and drafting is judged against it)."""
+        if not self.costs.learns:
+            return self.k
+        if self.check_left:
+            self.check_left -= 1
+            return 0
+        self.draft_streak += 1
+        if self.draft_streak < self.check_interval:
+            return self.k
+        self.draft_streak = 0
+        self.check_interval = min(2 * self.check_interval, self.LAST_CHECK)
+        self.check_left = self.CHECK_STEPS - 1
         return 0
 
     def _any_warm(self, request_indices: list[int]) -> bool:

@@ -579,6 +579,70 @@ def test_chooser_uses_each_requests_own_acceptance():
     assert chooser.prefers_drafting([0], 1) and not chooser.prefers_drafting([1], 1)
 
 
+def test_observed_step_cycles_refine_the_start_up_table():
+    plain, spec = DraftShape(0, 0), DraftShape(3, 3)
+    costs = StepCosts({(plain, 8): 1.0, (spec, 8): 1.5, (plain, 16): 2.0, (spec, 16): 3.0})
+    costs.observe(plain, 8, 1.4)
+    assert costs(plain, 8) == 1.0  # one cycle is not enough
+    costs.observe(plain, 8, 1.4)
+    assert costs(plain, 5) == pytest.approx(1.4)  # padded to 8: the observed mean
+    assert costs(spec, 8) == pytest.approx(1.9)  # the table plus the host share seen for plain
+    assert costs(spec, 16) == 3.0 and costs(plain, 32) == 4.0  # other sizes keep the table
+    costs.observe(spec, 8, 4.0)
+    costs.observe(spec, 8, 4.0)
+    assert costs(spec, 8) == pytest.approx(4.0)  # its own cycles once seen
+    version = costs.version
+    costs.observe(plain, 64, 9.0)  # past the largest size: not a cycle of any measured size
+    assert costs.version == version and costs(plain, 64) == 8.0
+
+
+def feed_costed(chooser, real: dict, requests, accepted: int, steps: int) -> list:
+    """As `feed`, with every step's cycle observed at its real cost (real[shape] seconds)."""
+    chosen, holding = [], 3
+    for _ in range(steps):
+        drafts = chooser.choose(requests, len(requests))
+        shape = step_shape(drafts, holding, 3)
+        for index in requests:
+            chooser.observe(index, shape.verify, min(accepted, shape.verify))
+        chooser.costs.observe(shape, len(requests), real[shape])
+        holding = shape.draft
+        chosen.append(shape)
+    return chosen
+
+
+def test_chooser_goes_plain_when_observed_steps_cost_more_than_their_replays():
+    """The replays say drafting pays (two tokens per verify row for 1.3x a plain step), but
+    the steps as run cost 3x (host work per emitted token): plain checks measure the plain
+    step, and the chooser stops drafting."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3, sizes=(8,)))
+    chooser.costs.learns = True
+    chooser.REST_AFTER = 10**6
+    real = {DraftShape(0, 0): 1.0, DraftShape(3, 3): 3.0, DraftShape(0, 3): 3.0}
+    requests = list(range(8))
+    chosen = feed_costed(chooser, real, requests, accepted=1, steps=400)
+    assert chosen[1] == DraftShape(3, 3)  # drafting first, as the replays say
+    assert sum(s == DraftShape(0, 0) for s in chosen[-200:]) > 190
+
+
+def test_plain_checks_are_rare_while_drafting_really_wins():
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3, sizes=(8,)))
+    chooser.costs.learns = True
+    real = {DraftShape(0, 0): 1.2, DraftShape(3, 3): 1.3 * 1.2, DraftShape(0, 3): 1.3 * 1.2}
+    chosen = feed_costed(chooser, real, list(range(8)), accepted=3, steps=3000)
+    plain = [i for i, s in enumerate(chosen) if s == DraftShape(0, 0)]
+    assert 4 <= len(plain) <= 30  # pairs of checks after 32, 64, ... 1024 drafting steps
+    assert sum(s == DraftShape(3, 3) for s in chosen) > 0.97 * len(chosen)
+
+
+def test_one_rank_engine_learns_its_step_cycles(plain, prompts):
+    engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
+    assert engine.chooser.costs.learns  # one rank (several keep the shared table)
+    ours = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    seen = engine.chooser.costs.seen
+    assert seen and all(mean > 0 and cycles >= 1 for mean, cycles in seen.values())
+
+
 def test_step_costs_pad_up_and_extrapolate_and_average_over_ranks():
     shape = DraftShape(0, 0)
     table = StepCosts({(shape, 8): 2.0, (shape, 16): 3.0})
