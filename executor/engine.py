@@ -181,8 +181,10 @@ class Engine:
         if costs is not None:  # one rank: its step cycles refine the table (StepCosts)
             costs.learns = self.pctx.world_size == 1
         self.chooser = DraftLengthChooser(k, speculation, costs)
-        self._cycle: tuple | None = None  # the last pure decode step: (shape, padded bs, start)
-        self._cycle_start = 0.0
+        # the pure decode steps launched by the last step and the one before: (shape, size)
+        self._cycle: tuple | None = None
+        self._cycle_before: tuple | None = None
+        self._cycle_start = 0.0  # when the last step started
         self._resting = False  # whether the last step rested the drafter
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
@@ -550,7 +552,7 @@ class Engine:
         self.decode_rows += len(plan.decode)
         start = time.perf_counter()
         if plan.is_pure_decode:
-            self._cycle = (plan.shape, plan.padded_bs or len(plan.decode), self._cycle_start)
+            self._cycle = (plan.shape, plan.padded_bs or len(plan.decode))
             self._decode(plan)
             self.step_seconds["decode"] += time.perf_counter() - start
         elif plan.requests:
@@ -564,14 +566,16 @@ class Engine:
         return finished + self._finish_done()
 
     def _observe_cycle(self) -> None:
-        """A step starts: the pure decode step started last ran for the time since (its
-        cycle, host included), which refines adaptive speculation's costs on one rank."""
-        now = self._cycle_start = time.perf_counter()
-        if self._cycle is not None:
-            shape, padded_bs, start = self._cycle
-            self._cycle = None
+        """A step starts: the time since the last one started is a step's cycle, host
+        included, which refines adaptive speculation's costs on one rank. With overlap that
+        time holds one step's launch and the previous one's read-back, so it counts only when
+        both were pure decode steps of the same shape and size (a steady run)."""
+        now = time.perf_counter()
+        last, before = self._cycle, self._cycle_before
+        if last is not None and before is not None and last[:2] == before[:2]:
             if self.chooser.adaptive and self.chooser.costs.learns:
-                self.chooser.costs.observe(shape, padded_bs, now - start)
+                self.chooser.costs.observe(last[0], last[1], now - self._cycle_start)
+        self._cycle_before, self._cycle, self._cycle_start = last, None, now
 
     def _choose_shape(self, plan: StepPlan) -> StepPlan:
         """The step's drafts (executor/speculation.py): how many it proposes (the chooser's
@@ -646,7 +650,7 @@ class Engine:
             rests=self.chooser.rests_now,
         )  # fmt: skip
         self._settle_catch_up(plan)
-        self._cycle = (shape, plan.padded_bs, self._cycle_start)
+        self._cycle = (shape, plan.padded_bs)
         ahead = self._launch(plan, fill=False)
         self.steps_ahead += 1
         self.num_steps += 1

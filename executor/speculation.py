@@ -174,8 +174,9 @@ class DraftLengthChooser:
     REST_AFTER = 2  # lost probes in a row (acceptance losing at batch size 1) before a rest
     REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
     # while drafting wins and step costs are observed: CHECK_STEPS plain steps after 32, 64, ...
-    # up to 1024 drafting steps, so the plain step's real cost is known too
-    FIRST_CHECK, LAST_CHECK, CHECK_STEPS = 32, 1024, 2
+    # up to 1024 drafting steps, so the plain step's real cost is known too (the first of them
+    # is not a steady cycle, see Engine._observe_cycle)
+    FIRST_CHECK, LAST_CHECK, CHECK_STEPS = 32, 1024, 3
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs
