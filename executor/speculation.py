@@ -9,23 +9,25 @@ that proposed nothing has nothing to verify, so the shapes are (k, k), (0, k) an
 that proposes nothing drops the drafts its rows hold and runs as a plain step (0, 0), in which
 the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
 those positions, the draft model runs its LM over them), so a later step can draft again.
-While plain steps win, a probe (one step that drafts, then one that verifies) refreshes the
-acceptance estimate every `probe_interval` steps, doubling while probes keep losing.
+While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
+verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
+`probe_interval` steps, doubling while probes keep losing.
 
 When the drafter's acceptance would not pay even at batch size 1 (the cheapest verify relative
-to a plain step) and REST_AFTER probes in a row have lost, the drafter rests for REST_STEPS
-steps (after a rest one more lost probe starts the next, twice as long, up to LAST_REST): no
-drafter work at all (no catch-up records kept, no drafter forward over prefill chunks, no
-probes), so a drafter that accepts nothing costs nothing. Its state then lags for
-every request that ran a step while it rested: such requests are `cold`: their drafts are
-still verified exactly (output stays lossless), but they count as accepting nothing, and
-their verify outcomes teach the estimate nothing. A request whose context starts again
-(admitted, or resumed after a preemption) outside a rest is warm."""
+to a plain step), REST_AFTER probes in a row have lost and REST_MIN_SAMPLES rows were verified,
+the drafter rests for REST_STEPS steps (after a rest one more lost probe starts the next,
+twice as long, up to LAST_REST): no drafter work at all (no catch-up records kept, no drafter
+forward over prefill chunks, no probes), so a drafter that accepts nothing costs nothing. Its
+state then lags for every request that ran a step while it rested: such requests are `cold`:
+their drafts are still verified exactly (output stays lossless), but they count as accepting
+nothing, and their verify outcomes teach the estimate nothing. A request whose context starts
+again (admitted, or resumed after a preemption) outside a rest is warm."""
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from typing import NamedTuple
 
 FIXED, AUTO = "fixed", "auto"
@@ -72,13 +74,13 @@ class StepCosts:
     The start-up table times graph replays alone. A step as the engine runs it also pays the
     host's share (filling inputs, reading back, applying each row's tokens), which grows with
     the tokens a row emits and decides small models' steps. On one rank (`observe`), the
-    engine's measured step cycles refine it: an exponentially weighted mean per (shape, size)
-    once OBSERVED_MIN cycles were seen, else the table's figure plus the host share measured
+    engine's measured step cycles refine it: the median of the last WINDOW cycles per (shape,
+    size) once OBSERVED_MIN were seen, else the table's figure plus the host share measured
     for another shape at that size. Several ranks keep the table (every rank must decide
     alike)."""
 
     OBSERVED_MIN = 2
-    DECAY = 0.8
+    WINDOW = 16  # the median of a (shape, size)'s last WINDOW cycles: one stall moves it little
 
     def __init__(self, table: dict[tuple[DraftShape, int], float]):
         self.table = dict(table)
@@ -87,7 +89,8 @@ class StepCosts:
             self.sizes.setdefault(DraftShape(*shape), []).append(bs)
         for sizes in self.sizes.values():
             sizes.sort()
-        self.seen: dict[tuple[DraftShape, int], list] = {}  # (shape, size) -> [mean, cycles]
+        self.cycles: dict[tuple[DraftShape, int], deque] = {}  # the last WINDOW cycles
+        self.seen: dict[tuple[DraftShape, int], float] = {}  # their median, once OBSERVED_MIN
         self.learns = False  # the engine observes its steps (one rank)
         self.version = 0  # grows as observations change the figures (a decision cache's key)
 
@@ -102,13 +105,13 @@ class StepCosts:
     def __call__(self, shape: DraftShape, bs: int) -> float:
         size, scale = self._size(shape, bs)
         seen = self.seen.get((shape, size))
-        if seen is not None and seen[1] >= self.OBSERVED_MIN:
-            return seen[0] * scale
+        if seen is not None:
+            return seen * scale
         base = self.table[(shape, size)]
         for other in self.sizes:  # the host's share, as measured for another shape
             known = self.seen.get((other, size))
-            if other != shape and known is not None and known[1] >= self.OBSERVED_MIN:
-                return max(base + known[0] - self.table[(other, size)], 0.5 * base) * scale
+            if other != shape and known is not None:
+                return max(base + known - self.table[(other, size)], 0.5 * base) * scale
         return base * scale
 
     def observe(self, shape: DraftShape, bs: int, seconds: float) -> None:
@@ -116,14 +119,17 @@ class StepCosts:
         size, scale = self._size(shape, bs)
         if scale != 1.0:
             return
-        seen = self.seen.get((shape, size))
-        if seen is None:
-            self.seen[(shape, size)] = [seconds, 1]
-            self.version += 1
+        key = (shape, size)
+        cycles = self.cycles.get(key)
+        if cycles is None:
+            cycles = self.cycles[key] = deque(maxlen=self.WINDOW)
+        cycles.append(seconds)
+        if len(cycles) < self.OBSERVED_MIN:
             return
-        seen[0] = self.DECAY * seen[0] + (1 - self.DECAY) * seconds
-        seen[1] += 1
-        if seen[1] <= self.OBSERVED_MIN or seen[1] % 16 == 0:
+        median = statistics.median(cycles)
+        old = self.seen.get(key)
+        self.seen[key] = median
+        if old is None or abs(median - old) > 0.02 * old:  # decisions may change
             self.version += 1
 
     @classmethod
@@ -171,7 +177,9 @@ class DraftLengthChooser:
 
     MIN_SAMPLES = 2  # a request's own estimate counts once it has verified this often
     FIRST_PROBE, LAST_PROBE = 8, 256
+    PROBE_ROWS = 8  # verify rows a probe gathers (a small batch verifies several steps)
     REST_AFTER = 2  # lost probes in a row (acceptance losing at batch size 1) before a rest
+    REST_MIN_SAMPLES = 16  # verify rows seen, at least, before a rest
     REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
     # while drafting wins and step costs are observed: CHECK_STEPS plain steps after 32, 64, ...
     # up to 1024 drafting steps, so the plain step's real cost is known too (the first of them
@@ -185,7 +193,7 @@ class DraftLengthChooser:
         self.plain_streak = 0
         self.probe_interval = self.FIRST_PROBE
         self.phase: str | None = None  # a probe in progress: PROBE_DRAFTED, then PROBE_VERIFYING
-        self.probe_mark = 0
+        self.probe_mark = self.probe_steps = 0
         self._last_key: tuple | None = None
         self._last_prefer = False
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
@@ -270,10 +278,16 @@ class DraftLengthChooser:
             self.rests_now = True
             return 0
         if self.phase == PROBE_DRAFTED:  # the probe's drafts must be verified once
-            self.phase, self.probe_mark = PROBE_VERIFYING, self.batch.samples
+            self.phase, self.probe_mark, self.probe_steps = PROBE_VERIFYING, self.batch.samples, 1
             return self.k
-        if self.phase == PROBE_VERIFYING and self.batch.samples == self.probe_mark:
-            return 0  # its outcome is not read back yet (a step launched ahead)
+        if self.phase == PROBE_VERIFYING:
+            # a small batch verifies on until the probe has PROBE_ROWS rows (one row is noise)
+            steps = self.probe_steps
+            if steps * max(bs, 1) < self.PROBE_ROWS and steps < self.PROBE_ROWS:
+                self.probe_steps += 1
+                return self.k
+            if self.batch.samples == self.probe_mark:
+                return 0  # its outcome is not read back yet (a step launched ahead)
         if not request_indices:
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
@@ -287,7 +301,9 @@ class DraftLengthChooser:
             if not prefer:  # the probe lost: wait longer before the next one
                 self.probe_interval = min(2 * self.probe_interval, self.LAST_PROBE)
                 self.lost_probes += 1
-                if self.lost_probes >= self.REST_AFTER and not self.pays_at_smallest_batch():
+                known = self.batch.samples >= self.REST_MIN_SAMPLES
+                lost = self.lost_probes >= self.REST_AFTER
+                if lost and known and not self.pays_at_smallest_batch():
                     # rests double while they keep being followed by a lost probe (one suffices)
                     length = 2 * self.rest_length if self.rest_length else self.REST_STEPS
                     self.rest_length = self.rest_left = min(length, self.LAST_REST)
