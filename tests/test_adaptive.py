@@ -44,8 +44,8 @@ REST = "rest"  # a forced pattern's step that rests the drafter
 
 
 class ForcedChooser(DraftLengthChooser):
-    """Drafts per step from a fixed pattern (or a seeded random choice), whatever the costs;
-    REST entries rest the drafter (no drafts, no drafter work)."""
+    """Drafts per step from a fixed pattern (or a seeded random choice of 0, k and rest),
+    whatever the costs; REST entries rest the drafter (no drafts, no drafter work)."""
 
     def __init__(self, k: int, pattern: list | None = None, seed: int = 0):
         super().__init__(k, AUTO, StepCosts({(DraftShape(k, k), 1): 1.0}))
@@ -54,8 +54,9 @@ class ForcedChooser(DraftLengthChooser):
     def _choose(self, request_indices, bs):
         self.steps += 1
         if self.pattern is None:
-            return self.rng.choice([0, self.k])
-        drafts = self.pattern[(self.steps - 1) % len(self.pattern)]
+            drafts = self.rng.choice([0, self.k, self.k, REST])
+        else:
+            drafts = self.pattern[(self.steps - 1) % len(self.pattern)]
         if drafts == REST:
             self.rest_steps += 1
             self.rests_now = True
@@ -433,7 +434,7 @@ def switching_in_rank(tp: int, dp: int, drafter: str, prompts, params) -> dict:
     source = pctx.rank == 0
     outs = engine.generate(prompts if source else None, params if source else None)
     pctx.close()
-    return {o.index: o.token_ids for o in outs}
+    return {o.index: o.token_ids for o in outs}, engine.chooser.rest_steps
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
@@ -442,7 +443,9 @@ def test_switching_under_tp2_and_dp2_equals_plain(plain, prompts, tp, dp):
     for drafter in ("eagle3", "dflash"):
         ranks = run_ranks(switching_in_rank, tp * dp, (tp, dp, drafter, prompts, GREEDY),
                           timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
-        assert ranks[0] == expected, drafter
+        tokens, rest_steps = ranks[0]
+        assert tokens == expected, drafter
+        assert rest_steps > 0  # the drafter rested in some steps (on every TP rank alike)
 
 
 # ------------------------------------------------------------------------------ the chooser
