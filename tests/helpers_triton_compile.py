@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -30,12 +31,22 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import speculant
-from speculant.kernels import activation, catch_up, gemv, norm, paged_attention, rope
+from speculant.kernels import (
+    activation,
+    catch_up,
+    fp8,
+    fp8_table,
+    gemv,
+    norm,
+    paged_attention,
+    rope,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BF16, FP16, FP32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64
-MODULES = (activation, catch_up, gemv, norm, paged_attention, rope)
+MODULES = (activation, catch_up, fp8, gemv, norm, paged_attention, rope)
+H200 = "NVIDIA H200"
 
 
 @triton.jit
@@ -139,6 +150,104 @@ def _prefill(seq_lens, heads, kv_heads, d, kv_len, dtype):
     return _attention(0, 0, heads, kv_heads, d, kv_len, dtype, seq_lens=seq_lens)
 
 
+# FP8 linears (kernels/fp8.py): the Llama-3.1-8B projections (N, K) with an e4m3 weight
+QKV, O_PROJ, GATE_UP, DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+LLAMA_8B_FP8 = {"qkv": QKV, "o": O_PROJ, "gate_up": GATE_UP, "down": DOWN}
+RAGGED = (1000, 328)  # partial 128-blocks: the launchers' EVEN=False variants
+FP8_MS = (1, 2, 4, 16, 64, 256)
+
+
+def _fp8_operands(m, n, k, mode, dtype):
+    scale = t(-(-n // 128), -(-k // 128), dtype=FP32) if mode == "block" else t(n, dtype=FP32)
+    return t(m, k, dtype=dtype), t(n, k, dtype=fp8.FP8), scale
+
+
+def fp8_h200_route(m, n, k, mode):
+    """(path, config) fp8.route takes on an H200 for M rows (the tuned table's row for the
+    shape, scaled_mm included, else fp8.choice): the meta tensors' own route sees no GPU."""
+    saved = fp8_table.device_name
+    fp8_table.device_name = lambda device: H200
+    try:
+        return fp8.route(SimpleNamespace(shape=(m, k), device=torch.device("cuda")), n, k, mode)
+    finally:
+        fp8_table.device_name = saved
+
+
+def _fp8_linear(m, shape, mode, dtype=BF16):
+    """kernels/fp8.linear on the path an H200 routes M rows to; scaled_mm (cuBLASLt, no
+    Triton GEMM) launches its activation quantisation (column-major scales)."""
+
+    def run():
+        x, w, scale = _fp8_operands(m, *shape, mode, dtype)
+        path, config = fp8_h200_route(m, *shape, mode)
+        if path == "scaled_mm":  # linear takes it on CUDA tensors only
+            fp8.scaled_mm(x, w, scale, config or fp8.SCALED_MM_CONFIG)
+        else:
+            fp8.linear(x, w, scale, mode, path=path, config=config)
+
+    return run
+
+
+def _fp8(wrapper, m, shape, mode, dtype=BF16, **options):
+    """One kernels/fp8.py launcher (fma_gemv, dot_gemm, sk_gemm, ...) on M x K times `shape`
+    (N, K)."""
+
+    def run():
+        x, w, scale = _fp8_operands(m, *shape, mode, dtype)
+        if wrapper is fp8.dequantize:
+            wrapper(w, scale, mode, dtype)
+        elif wrapper is fp8.quantize_activations:
+            wrapper(x, **options)
+        else:
+            wrapper(x, w, scale, mode, **options)
+
+    return run
+
+
+def _fp8_routes():
+    """A case per Llama-8B projection, M and scale mode, labelled with the H200's path."""
+    cases = []
+    for mode in fp8.MODES:
+        for proj, shape in LLAMA_8B_FP8.items():
+            for m in FP8_MS:
+                path = fp8_h200_route(m, *shape, mode)[0]
+                cases.append((f"fp8 {proj} M{m} {mode} {path}", 1, _fp8_linear(m, shape, mode)))
+    return cases
+
+
+# each launcher directly: configs and split-K ways the routes above miss, ragged shapes, fp16,
+# both activation-scale layouts, PDL modes 0 and 2
+SK = fp8.sk_gemm
+FP8_CASES = [
+    ("fp8 o M1 block fp16 splitk", 1, _fp8_linear(1, O_PROJ, "block", FP16)),
+    ("fp8 o M2 block fma", 2, _fp8(fp8.fma_gemv, 2, O_PROJ, "block")),
+    ("fp8 ragged M3 row fma", 0, _fp8(fp8.fma_gemv, 3, RAGGED, "row")),
+    ("fp8 o M16 block dot 1 split", 1, _fp8(fp8.dot_gemm, 16, O_PROJ, "block", split_k=1)),
+    ("fp8 qkv M4 block dot split-K 2", 1, _fp8(fp8.dot_gemm, 4, QKV, "block", split_k=2)),
+    ("fp8 ragged M24 row dot", 1, _fp8(fp8.dot_gemm, 24, RAGGED, "row")),
+    ("fp8 o M256 block w8a16", 1, _fp8(fp8.linear, 256, O_PROJ, "block", path="w8a16")),
+    ("fp8 qkv M1 row splitk atomic", 1, _fp8(fp8.splitk_gemv, 1, QKV, "row")),
+    ("fp8 down M4 row splitk kernel", 1,
+     _fp8(fp8.splitk_gemv, 4, DOWN, "row", config=(16, 1024, 4, "kernel"))),
+    ("fp8 ragged M2 block splitk", 0,
+     _fp8(fp8.splitk_gemv, 2, (200, 320), "block", config=(8, 256, 4, "atomic"))),
+    *[(f"fp8 o M{m} block {path}", 1, _fp8(SK, m, O_PROJ, "block", path=path))
+      for path in fp8.SK_PATHS for m in (4, 64)],
+    *[(f"fp8 down M16 row {path}", 2, _fp8(SK, 16, DOWN, "row", path=path))
+      for path in fp8.SK_PATHS],
+    ("fp8 gate_up M256 block sk_w8a16 1 split", 1,
+     _fp8(SK, 256, GATE_UP, "block", config=(128, 128, 8, 3, 1))),
+    ("fp8 ragged M5 block sk_w8a8 no PDL", 0, _fp8(SK, 5, (130, 200), "block", path="sk_w8a8")),
+    ("fp8 o dequant block", 0, _fp8(fp8.dequantize, 0, O_PROJ, "block")),
+    ("fp8 o dequant block fp16", 0, _fp8(fp8.dequantize, 0, O_PROJ, "block", FP16)),
+    ("fp8 act quant M256 row-major", 0, _fp8(fp8.quantize_activations, 256, O_PROJ, "row")),
+    ("fp8 act quant M16 column-major", 0,
+     _fp8(fp8.quantize_activations, 16, O_PROJ, "row", column_major=True)),
+    ("fp8 o M256 block w8a8", 0, _fp8(fp8.w8a8_gemm, 256, O_PROJ, "block")),
+    ("fp8 down M64 row w8a8", 0, _fp8(fp8.w8a8_gemm, 64, DOWN, "row")),
+]  # fmt: skip
+
+
 # (label, PDL mode, the launch site to run); each distinct launch compiles once
 CASES = [
     ("norm bf16 4096", 1, _norm((5, 4096), BF16, False)),
@@ -184,6 +293,8 @@ CASES = [
     ("record bf16 eagle-3 3x4096", 0, _record(5, (4096, 4096, 4096), BF16)),
     ("record fp16 dflash 2x4096", 0, _record(5, (4096, 4096), FP16, ids=False)),
     ("record draft model ids only", 0, _record(1, (), BF16)),
+    *_fp8_routes(),
+    *FP8_CASES,
 ]
 
 
