@@ -95,31 +95,19 @@ def test_forced_switching_greedy_equals_plain(plain, prompts, drafter, pattern):
     assert len(engine.kv.free_pages) == engine.kv.num_pages - 1
 
 
-@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_forced_switching_in_chunked_preempted_overlapped_jobs(plain, drafter):
-    vocab = plain.model_config.vocab_size
-    prompts = prompts_of((30, 3, 50, 17, 8, 61), seed=9, vocab=vocab)
-    tight = dict(max_num_batched_tokens=24, num_pages=40, overlap=True)
-    engine = forced_engine(drafter, None, **tight)
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    ours = engine.generate(prompts, params)
-    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
-    stats = engine.stats()
-    assert stats["extend_steps"] > 1 and stats["preemptions"] > 0, stats
-
-
 REST_PATTERN = [3, 3, REST, REST, REST, 0, 3, 3, REST, 0, 0, 3]
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_rested_drafter_stays_lossless_in_chunked_preempted_overlapped_jobs(plain, drafter):
-    """Steps that rest the drafter (no drafter work: its state lags) among drafting and plain
-    steps, in a job with chunked prefill, preemption and overlap: greedy output equals plain;
-    requests that ran a rest step are cold, and the rest steps are counted."""
+@pytest.mark.parametrize("pattern", ["random", "rests"])
+def test_forced_switching_in_chunked_preempted_overlapped_jobs(plain, drafter, pattern):
+    """Drafting, plain and rest steps (a resting drafter does no work: its state lags), seeded
+    random or in runs, in a job with chunked prefill, preemption and overlap: greedy output
+    equals plain."""
     vocab = plain.model_config.vocab_size
     prompts = prompts_of((30, 3, 50, 17, 8, 61), seed=9, vocab=vocab)
     tight = dict(max_num_batched_tokens=24, num_pages=40, overlap=True, catch_up_depth=3)
-    engine = forced_engine(drafter, REST_PATTERN, **tight)
+    engine = forced_engine(drafter, None if pattern == "random" else REST_PATTERN, **tight)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ours = engine.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
@@ -191,21 +179,22 @@ def test_after_a_rest_the_drafter_state_of_new_positions_is_right_again(prompts,
     assert lagging  # the rest's positions were not written
 
 
-def test_resting_sampled_output_follows_the_target_distribution():
-    """Drafts from a lagging drafter are still verified exactly: the token a run with rest
-    steps emits at a fixed position follows the plain run's distribution over seeds."""
+def follows_plain_distribution(pattern, position: int, seed0: int) -> None:
+    """The token a forced-pattern run emits at `position` follows the plain run's distribution
+    over 300 seeds (chi-square over the tokens both see often enough)."""
     from scipy.stats import chisquare
 
     prompt = prompts_of((7,), seed=4, vocab=256)[0]
     n = 300
     params = [
-        SamplingParams(max_new_tokens=5, temperature=1.0, seed=2000 + i, ignore_eos=True)
+        SamplingParams(max_new_tokens=position + 1, temperature=1.0, seed=seed0 + i,
+                       ignore_eos=True)
         for i in range(n)
-    ]
-    resting = forced_engine("eagle3", [REST, REST, 3, 3, 3], max_num_seqs=64)
+    ]  # fmt: skip
+    forced = forced_engine("eagle3", pattern, max_num_seqs=64)
     plain = Engine(TARGET, **{**ENGINE, "max_num_seqs": 64})
-    ours = [o.token_ids[4] for o in resting.generate([prompt] * n, params)]
-    theirs = [o.token_ids[4] for o in plain.generate([prompt] * n, params)]
+    ours = [o.token_ids[position] for o in forced.generate([prompt] * n, params)]
+    theirs = [o.token_ids[position] for o in plain.generate([prompt] * n, params)]
     tokens = sorted(set(ours) | set(theirs))
     counts = [ours.count(t) for t in tokens]
     expected = [max(theirs.count(t), 0.5) for t in tokens]
@@ -215,6 +204,12 @@ def test_resting_sampled_output_follows_the_target_distribution():
     c, e = zip(*common, strict=True)
     e = [x * sum(c) / sum(e) for x in e]
     assert chisquare(c, e).pvalue > 1e-3
+
+
+def test_resting_sampled_output_follows_the_target_distribution():
+    """Drafts from a lagging drafter are still verified exactly: the token a run with rest
+    steps emits at a fixed position follows the plain run's distribution over seeds."""
+    follows_plain_distribution([REST, REST, 3, 3, 3], position=4, seed0=2000)
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
@@ -234,27 +229,7 @@ def test_seeded_switching_is_reproducible_and_batch_invariant_per_pattern(prompt
 def test_switching_sampled_output_follows_the_target_distribution():
     """First tokens after a plain step and after a drafting step: the empirical distribution of
     the token a switching run emits at a fixed position matches the plain run's over seeds."""
-    from scipy.stats import chisquare
-
-    prompt = prompts_of((7,), seed=4, vocab=256)[0]
-    n = 300
-    params = [
-        SamplingParams(max_new_tokens=4, temperature=1.0, seed=1000 + i, ignore_eos=True)
-        for i in range(n)
-    ]
-    switching = forced_engine("eagle3", [0, 3, 3], max_num_seqs=64)
-    plain = Engine(TARGET, **{**ENGINE, "max_num_seqs": 64})
-    ours = [o.token_ids[3] for o in switching.generate([prompt] * n, params)]
-    theirs = [o.token_ids[3] for o in plain.generate([prompt] * n, params)]
-    tokens = sorted(set(ours) | set(theirs))
-    counts = [ours.count(t) for t in tokens]
-    expected = [max(theirs.count(t), 0.5) for t in tokens]
-    scale = sum(counts) / sum(expected)
-    common = [(c, e * scale) for c, e in zip(counts, expected, strict=True) if e * scale >= 5]
-    if len(common) >= 2:
-        c, e = zip(*common, strict=True)
-        e = [x * sum(c) / sum(e) for x in e]
-        assert chisquare(c, e).pvalue > 1e-3
+    follows_plain_distribution([0, 3, 3], position=3, seed0=1000)
 
 
 def drafter_state_at_finish(engine: Engine, length: int) -> list[torch.Tensor]:
@@ -462,14 +437,19 @@ def costs(plain_s: float, spec_s: float, resume_s: float | None = None, sizes=(1
     return StepCosts(table)
 
 
-def feed(chooser: DraftLengthChooser, requests: list[int], accepted: int, steps: int) -> list:
-    """Run `steps` decisions; every verify step accepts `accepted` of 3 drafts per request."""
+def feed(
+    chooser: DraftLengthChooser, requests: list[int], accepted: int, steps: int, real=None
+) -> list:
+    """Run `steps` decisions; every verify step accepts `accepted` of 3 drafts per request;
+    with `real`, every step's cycle is observed at its real cost (real[shape] seconds)."""
     chosen, holding = [], 3
     for _ in range(steps):
         drafts = chooser.choose(requests, len(requests))
         shape = step_shape(drafts, holding, 3)
         for index in requests:
             chooser.observe(index, shape.verify, min(accepted, shape.verify))
+        if real is not None:
+            chooser.costs.observe(shape, len(requests), real[shape])
         holding = shape.draft
         chosen.append(shape)
     return chosen
@@ -619,20 +599,6 @@ def test_observed_step_cycles_refine_the_start_up_table():
     assert costs.version == version and costs(plain, 64) == 8.0
 
 
-def feed_costed(chooser, real: dict, requests, accepted: int, steps: int) -> list:
-    """As `feed`, with every step's cycle observed at its real cost (real[shape] seconds)."""
-    chosen, holding = [], 3
-    for _ in range(steps):
-        drafts = chooser.choose(requests, len(requests))
-        shape = step_shape(drafts, holding, 3)
-        for index in requests:
-            chooser.observe(index, shape.verify, min(accepted, shape.verify))
-        chooser.costs.observe(shape, len(requests), real[shape])
-        holding = shape.draft
-        chosen.append(shape)
-    return chosen
-
-
 def test_chooser_goes_plain_when_observed_steps_cost_more_than_their_replays():
     """The replays say drafting pays (two tokens per verify row for 1.3x a plain step), but
     the steps as run cost 3x (host work per emitted token): plain checks measure the plain
@@ -642,7 +608,7 @@ def test_chooser_goes_plain_when_observed_steps_cost_more_than_their_replays():
     chooser.REST_AFTER = 10**6
     real = {DraftShape(0, 0): 1.0, DraftShape(3, 3): 3.0, DraftShape(0, 3): 3.0}
     requests = list(range(8))
-    chosen = feed_costed(chooser, real, requests, accepted=1, steps=400)
+    chosen = feed(chooser, requests, accepted=1, steps=400, real=real)
     assert chosen[1] == DraftShape(3, 3)  # drafting first, as the replays say
     assert sum(s == DraftShape(0, 0) for s in chosen[-200:]) > 190
 
@@ -651,7 +617,7 @@ def test_plain_checks_are_rare_while_drafting_really_wins():
     chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3, sizes=(8,)))
     chooser.costs.learns = True
     real = {DraftShape(0, 0): 1.2, DraftShape(3, 3): 1.3 * 1.2, DraftShape(0, 3): 1.3 * 1.2}
-    chosen = feed_costed(chooser, real, list(range(8)), accepted=3, steps=3000)
+    chosen = feed(chooser, list(range(8)), accepted=3, steps=3000, real=real)
     plain = [i for i, s in enumerate(chosen) if s == DraftShape(0, 0)]
     assert 4 <= len(plain) <= 30  # pairs of checks after 32, 64, ... 1024 drafting steps
     assert sum(s == DraftShape(3, 3) for s in chosen) > 0.97 * len(chosen)
