@@ -313,7 +313,7 @@ class DraftLengthChooser:
             self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
             self.rest_length = 0
             return self._check_plain()
-        self.draft_streak, self.check_interval = 0, self.FIRST_CHECK
+        self.draft_streak, self.check_interval, self.check_left = 0, self.FIRST_CHECK, 0
         self.plain_streak += 1
         # a probe teaches something only through warm requests
         if self.plain_streak >= self.probe_interval and self._any_warm(request_indices):
