@@ -584,11 +584,14 @@ class Engine:
         exchange then settles one shape for every rank."""
         k, adaptive = self.chooser.k, self.chooser.adaptive
         bs = len(plan.decode) + sum(c.last for c in plan.chunks)
-        # fixed speculation: k drafts every step, every row holds k (no per-row work per step)
-        indices = [r.index for r in plan.requests] if adaptive else []
+        # fixed speculation: k drafts every step, every row holds k; a rest decides nothing: no
+        # per-row work per step for either (held drafts matter only to a step that drafts)
         resting = self.chooser.rest_left > 0  # a step that samples nothing keeps a rest going
+        indices = [r.index for r in plan.requests] if adaptive and not resting else []
         drafts = self.chooser.choose(indices, bs) if bs else (0 if resting else k)
-        held = min((len(r.next_input) - 1 for r in plan.decode), default=k) if adaptive else k
+        held = k
+        if adaptive and drafts:
+            held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
         plan.shape = step_shape(drafts, held, k)
         plan.tokens_per_req = plan.shape.tokens_per_req
         plan.rests = self.chooser.rests_now if bs else resting
@@ -642,7 +645,9 @@ class Engine:
         writes on the device, then read that one back; a request that ended in it is dropped
         from the step ahead (its wasted rows stay within its KV pages)."""
         k = self.chooser.k
-        drafts = self.chooser.choose([r.index for r in launched.requests], len(launched.requests))
+        chooser = self.chooser
+        indices = [] if chooser.rest_left else [r.index for r in launched.requests]
+        drafts = chooser.choose(indices, len(launched.requests))
         shape = step_shape(drafts, launched.shape.draft, k)  # what the step in flight proposes
         plan = StepPlan(
             decode=launched.requests, tokens_per_req=shape.tokens_per_req, shape=shape,
