@@ -9,7 +9,9 @@
    >= max(plain, fixed) - 3% at every size. All engines are built first and each size is timed
    round-robin over them (5 rounds, median), so drift hits every configuration alike.
 `auto_d0` rows are auto with --catch-up-depth 0 (the drafter caught up in every plain step, as
-before the deferred catch-up), for comparison in the same run.
+before the deferred catch-up), `auto_nolend` auto whose unobserved shapes keep their replay
+times (`StepCosts.lend_host` off), for comparison in the same run. Each bundled row records every
+round's rate and, for auto rows, what the chooser decided from (`chooser_state`).
 
 Each generate is timed REPEATS times (median); greedy outputs of auto and fixed are checked
 equal to plain. Every row is wrapped: a failure is recorded and the rest still runs.
@@ -120,6 +122,27 @@ def part_8b(report: dict) -> None:
             rows.get(name, {}).get(f"bs{bs}", {}).pop("tokens", None)
 
 
+def chooser_state(engine: Engine, sizes) -> dict | None:
+    """What adaptive speculation decides from, after a batch size's rounds (cumulative
+    counts): the start-up table and the observed cycles (ms) at the benchmark's sizes, the
+    batch's expected tokens per verify row, and where probes and plain checks stand."""
+    chooser = engine.chooser
+    if not chooser.adaptive:
+        return None
+    costs = chooser.costs
+
+    def ms(table):
+        return {f"{tuple(s)}@{b}": round(t * 1e3, 3) for (s, b), t in table.items() if b in sizes}
+
+    return {
+        "drafts_chosen": chooser.summary(), "rest_steps": chooser.rest_steps,
+        "rest_left": chooser.rest_left, "probe_interval": chooser.probe_interval,
+        "check_interval": chooser.check_interval, "samples": chooser.batch.samples,
+        "expected_tokens": round(chooser.batch.expected_tokens(), 3),
+        "table_ms": ms(costs.table), "seen_ms": ms(costs.seen),
+    }  # fmt: skip
+
+
 def part_bundled(report: dict) -> None:
     """Every engine is built first, then each batch size is timed round-robin over the engines
     (ROUND_ROBIN rounds, the median counts), so drift of this host-bound regime (0.2 ms steps)
@@ -135,9 +158,9 @@ def part_bundled(report: dict) -> None:
     rows = report.setdefault("bundled", {})
     configs = [("plain", {})]
     for name, (algo, folder, k) in BUNDLED.items():
-        for mode in ("fixed", "auto", "auto_d0"):
+        for mode in ("fixed", "auto", "auto_d0", "auto_nolend"):
             options = dict(algo=algo, draft=str(assets / folder), num_draft_tokens=k,
-                           speculation=mode.removesuffix("_d0"))  # fmt: skip
+                           speculation="fixed" if mode == "fixed" else "auto")  # fmt: skip
             if mode == "auto_d0":  # caught up every plain step
                 options["catch_up_depth"] = 0
             configs.append((f"{name} {mode}", options))
@@ -145,11 +168,13 @@ def part_bundled(report: dict) -> None:
     for name, options in configs:
         try:
             engines[name] = Engine(str(assets / "target"), **common, **options)
+            if name.endswith("auto_nolend"):  # unobserved shapes keep their replay times
+                engines[name].chooser.costs.lend_host = False
             engines[name].generate(prompts[:1], params)  # warm-up
         except Exception as exc:  # noqa: BLE001
             rows[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     rates = {name: {bs: [] for bs in sizes} for name in engines}
-    outs = {}
+    outs, states = {}, {}
     for bs in sizes:
         for _ in range(ROUND_ROBIN):
             for name, engine in engines.items():
@@ -160,6 +185,8 @@ def part_bundled(report: dict) -> None:
                 seconds = time.perf_counter() - start
                 rates[name][bs].append(sum(len(o.token_ids) for o in result) / seconds)
                 outs[(name, bs)] = result
+        for name, engine in engines.items():
+            states[(name, bs)] = chooser_state(engine, sizes)
     for name in engines:
         row = rows.setdefault(name, {})
         row["engine_stats"] = {key: str(value) for key, value in engines[name].stats().items()}
@@ -170,6 +197,8 @@ def part_bundled(report: dict) -> None:
                 "spread": round(min(rates[name][bs]) / max(rates[name][bs]), 3),
                 "plain_rows": sum(o.stats.get("num_plain_steps", 0) for o in result),
                 "verify_rows": sum(o.stats.get("num_verify_steps", 0) for o in result),
+                "rounds": [round(rate) for rate in rates[name][bs]],
+                **({"chooser": states[(name, bs)]} if states.get((name, bs)) else {}),
             }
             if name != "plain" and ("plain", bs) in outs:
                 plain = [o.token_ids for o in outs[("plain", bs)]]
@@ -181,8 +210,10 @@ def part_bundled(report: dict) -> None:
                 best = max(rows["plain"][bs]["tok_s"], rows[f"{name} fixed"][bs]["tok_s"])
                 auto = rows[f"{name} auto"][bs]["tok_s"]
                 d0 = rows[f"{name} auto_d0"][bs]["tok_s"]
+                nolend = rows[f"{name} auto_nolend"][bs]["tok_s"]
                 verdict[f"{name}@{bs}"] = {"auto_vs_best": round(auto / best, 3),
                                            "auto_d0_vs_best": round(d0 / best, 3),
+                                           "auto_nolend_vs_best": round(nolend / best, 3),
                                            "meets_bar": auto >= 0.97 * best}  # fmt: skip
             except (KeyError, TypeError):
                 verdict[f"{name}@{bs}"] = "missing"

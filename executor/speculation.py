@@ -92,6 +92,7 @@ class StepCosts:
         self.cycles: dict[tuple[DraftShape, int], deque] = {}  # the last WINDOW cycles
         self.seen: dict[tuple[DraftShape, int], float] = {}  # their median, once OBSERVED_MIN
         self.learns = False  # the engine observes its steps (one rank)
+        self.lend_host = True  # an unobserved shape takes the host share seen for another
         self.version = 0  # grows as observations change the figures (a decision cache's key)
 
     def _size(self, shape: DraftShape, bs: int) -> tuple[int, float]:
@@ -108,7 +109,8 @@ class StepCosts:
         if seen is not None:
             return seen * scale
         base = self.table[(shape, size)]
-        for other in self.sizes:  # the host's share, as measured for another shape
+        # the host's share, as measured for another shape
+        for other in self.sizes if self.lend_host else ():
             known = self.seen.get((other, size))
             if other != shape and known is not None:
                 return max(base + known - self.table[(other, size)], 0.5 * base) * scale
