@@ -7,11 +7,12 @@
 2. `bundled`: the bundled target with its trained EAGLE-3 (k 4), DFLASH (k 7) and draft LM
    (k 4), greedy on the held-out prompts at bs 1, 8, 32 and 64 (128 new tokens). The bar: auto
    >= max(plain, fixed) - 3% at every size. All engines are built first and each size is timed
-   round-robin over them (5 rounds, median), so drift hits every configuration alike.
-`auto_d0` rows are auto with --catch-up-depth 0 (the drafter caught up in every plain step, as
-before the deferred catch-up), `auto_nolend` auto whose unobserved shapes keep their replay
-times (`StepCosts.lend_host` off), for comparison in the same run. Each bundled row records every
-round's rate and, for auto rows, what the chooser decided from (`chooser_state`).
+   round-robin over them (7 rounds, median), so drift hits every configuration alike.
+`auto_d0` rows (8B part) are auto with --catch-up-depth 0 (the drafter caught up in every plain
+step, as before the deferred catch-up), `auto_nolend` rows (bundled part) auto whose unobserved
+shapes keep their replay times (`StepCosts.lend_host` off), for comparison in the same run.
+Each bundled row records every round's rate, the seconds its rounds spent in extend steps and
+launching decode steps and, for auto rows, what the chooser decided from (`chooser_state`).
 
 Each generate is timed REPEATS times (median); greedy outputs of auto and fixed are checked
 equal to plain. Every row is wrapped: a failure is recorded and the rest still runs.
@@ -40,7 +41,7 @@ from speculant import Engine, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REPEATS = 3
-ROUND_ROBIN = 5  # bundled: rounds over all engines per batch size
+ROUND_ROBIN = 7  # bundled: rounds over all engines per batch size
 BUNDLED = {  # name -> (algo, folder, k)
     "eagle3": ("eagle3", "eagle3", 4),
     "dflash": ("dflash", "dflash", 7),
@@ -122,6 +123,13 @@ def part_8b(report: dict) -> None:
             rows.get(name, {}).get(f"bs{bs}", {}).pop("tokens", None)
 
 
+def spent_so_far(engine: Engine) -> dict:
+    """Seconds in extend steps and in launching decode steps, and steps, so far."""
+    seconds = engine.step_seconds
+    return {"extend_s": seconds["extend"], "decode_s": seconds["decode"],
+            "steps": engine.num_steps, "extend_steps": engine.extend_steps}  # fmt: skip
+
+
 def chooser_state(engine: Engine, sizes) -> dict | None:
     """What adaptive speculation decides from, after a batch size's rounds (cumulative
     counts): the start-up table and the observed cycles (ms) at the benchmark's sizes, the
@@ -158,7 +166,7 @@ def part_bundled(report: dict) -> None:
     rows = report.setdefault("bundled", {})
     configs = [("plain", {})]
     for name, (algo, folder, k) in BUNDLED.items():
-        for mode in ("fixed", "auto", "auto_d0", "auto_nolend"):
+        for mode in ("fixed", "auto", "auto_nolend"):
             options = dict(algo=algo, draft=str(assets / folder), num_draft_tokens=k,
                            speculation="fixed" if mode == "fixed" else "auto")  # fmt: skip
             if mode == "auto_d0":  # caught up every plain step
@@ -174,8 +182,9 @@ def part_bundled(report: dict) -> None:
         except Exception as exc:  # noqa: BLE001
             rows[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     rates = {name: {bs: [] for bs in sizes} for name in engines}
-    outs, states = {}, {}
+    outs, states, spent = {}, {}, {}
     for bs in sizes:
+        before = {name: spent_so_far(engine) for name, engine in engines.items()}
         for _ in range(ROUND_ROBIN):
             for name, engine in engines.items():
                 torch.cuda.synchronize()
@@ -187,6 +196,8 @@ def part_bundled(report: dict) -> None:
                 outs[(name, bs)] = result
         for name, engine in engines.items():
             states[(name, bs)] = chooser_state(engine, sizes)
+            after = spent_so_far(engine)
+            spent[(name, bs)] = {key: round(after[key] - before[name][key], 4) for key in after}
     for name in engines:
         row = rows.setdefault(name, {})
         row["engine_stats"] = {key: str(value) for key, value in engines[name].stats().items()}
@@ -198,6 +209,7 @@ def part_bundled(report: dict) -> None:
                 "plain_rows": sum(o.stats.get("num_plain_steps", 0) for o in result),
                 "verify_rows": sum(o.stats.get("num_verify_steps", 0) for o in result),
                 "rounds": [round(rate) for rate in rates[name][bs]],
+                "rounds_spent": spent[(name, bs)],
                 **({"chooser": states[(name, bs)]} if states.get((name, bs)) else {}),
             }
             if name != "plain" and ("plain", bs) in outs:
@@ -209,10 +221,8 @@ def part_bundled(report: dict) -> None:
             try:
                 best = max(rows["plain"][bs]["tok_s"], rows[f"{name} fixed"][bs]["tok_s"])
                 auto = rows[f"{name} auto"][bs]["tok_s"]
-                d0 = rows[f"{name} auto_d0"][bs]["tok_s"]
                 nolend = rows[f"{name} auto_nolend"][bs]["tok_s"]
                 verdict[f"{name}@{bs}"] = {"auto_vs_best": round(auto / best, 3),
-                                           "auto_d0_vs_best": round(d0 / best, 3),
                                            "auto_nolend_vs_best": round(nolend / best, 3),
                                            "meets_bar": auto >= 0.97 * best}  # fmt: skip
             except (KeyError, TypeError):

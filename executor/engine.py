@@ -588,11 +588,15 @@ class Engine:
         # per-row work per step for either (held drafts matter only to a step that drafts)
         resting = self.chooser.rest_left > 0  # a step that samples nothing keeps a rest going
         indices = [r.index for r in plan.requests] if adaptive and not resting else []
-        drafts = self.chooser.choose(indices, bs) if bs else (0 if resting else k)
+        # adaptive: an extend step proposes none; the next decode step's graph does
+        proposes = not (adaptive and plan.chunks)
+        drafts = self.chooser.choose(indices, bs, proposes) if bs else (0 if resting else k)
         held = k
         if adaptive and drafts:
             held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
         plan.shape = step_shape(drafts, held, k)
+        if not proposes:  # its rows verify what they hold (when drafting wins), nothing new
+            plan.shape = DraftShape(plan.shape.verify, 0)
         plan.tokens_per_req = plan.shape.tokens_per_req
         plan.rests = self.chooser.rests_now if bs else resting
         return plan

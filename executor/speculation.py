@@ -9,6 +9,12 @@ that proposed nothing has nothing to verify, so the shapes are (k, k), (0, k) an
 that proposes nothing drops the drafts its rows hold and runs as a plain step (0, 0), in which
 the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
 those positions, the draft model runs its LM over them), so a later step can draft again.
+An extend step (prefill chunks, with or without verify rows) proposes nothing under `auto`: its
+rows verify the drafts they hold when drafting wins (shape (k, 0)), and the next decode step, a
+captured (0, k) graph, proposes. The drafter's per-sequence part of an extend step runs eagerly
+(EAGLE-3's last-position layer and chain, DFLASH's block, the draft model's k decodes: about 3,
+5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md), which costs more than the one
+round of acceptance the (0, k) step gives up.
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -263,15 +269,17 @@ class DraftLengthChooser:
         spec = self.batch.expected_tokens() / self.costs(DraftShape(self.k, self.k), 1)
         return spec > 1.0 / self.costs(DraftShape(0, 0), 1)
 
-    def choose(self, request_indices: list[int], bs: int) -> int:
+    def choose(self, request_indices: list[int], bs: int, proposes: bool = True) -> int:
         """Drafts the step proposes (0 or k) for a batch of these requests run at size bs;
-        `rests_now` then says whether the step rests the drafter."""
+        `rests_now` then says whether the step rests the drafter. `proposes` False: an extend
+        step, which proposes none (see the module doc): the answer is whether its rows verify
+        the k drafts they hold (k) or drop them (0); it starts no probe and no plain check."""
         self.rests_now = False
-        drafts = self._choose(request_indices, bs)
-        self.chosen[drafts] += 1
+        drafts = self._choose(request_indices, bs, proposes)
+        self.chosen[drafts if proposes else 0] += 1
         return drafts
 
-    def _choose(self, request_indices: list[int], bs: int) -> int:
+    def _choose(self, request_indices: list[int], bs: int, proposes: bool = True) -> int:
         if not self.adaptive:
             return self.k
         if self.rest_left:
@@ -314,11 +322,13 @@ class DraftLengthChooser:
         if prefer:
             self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
             self.rest_length = 0
-            return self._check_plain()
+            return self._check_plain() if proposes else self.k
         self.draft_streak, self.check_interval, self.check_left = 0, self.FIRST_CHECK, 0
         self.plain_streak += 1
-        # a probe teaches something only through warm requests
-        if self.plain_streak >= self.probe_interval and self._any_warm(request_indices):
+        # a probe teaches something only through warm requests, and starts with a step that
+        # proposes
+        warm = proposes and self._any_warm(request_indices)
+        if self.plain_streak >= self.probe_interval and warm:
             self.plain_streak, self.phase = 0, PROBE_DRAFTED
             return self.k
         return 0

@@ -51,7 +51,7 @@ class ForcedChooser(DraftLengthChooser):
         super().__init__(k, AUTO, StepCosts({(DraftShape(k, k), 1): 1.0}))
         self.pattern, self.rng, self.steps = pattern, random.Random(seed), 0
 
-    def _choose(self, request_indices, bs):
+    def _choose(self, request_indices, bs, proposes=True):
         self.steps += 1
         if self.pattern is None:
             drafts = self.rng.choice([0, self.k, self.k, REST])
@@ -139,6 +139,58 @@ def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
     assert calls == [] and engine.pending.flushes == 0
     assert cold == [True] * len(prompts)
     assert engine.chooser.summary() == {0: engine.stats()["rest_steps"]}  # every step rested
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_auto_extend_steps_propose_nothing_and_verify_what_their_rows_hold(plain, drafter):
+    """Under auto an extend step proposes no drafts (the drafter's eager per-sequence part is
+    dearer than the (0, k) graph step after it): its decode rows verify the k drafts they hold
+    (shape (k, 0)), chunks only write the drafter's state; greedy output equals plain in a
+    chunked job with mixed steps."""
+    vocab = plain.model_config.vocab_size
+    prompts = prompts_of((30, 3, 50, 17, 8, 61, 25), seed=5, vocab=vocab)
+    engine = forced_engine(drafter, [3], max_num_batched_tokens=24, max_num_seqs=4)
+    shapes, proposed = [], []
+    extend, propose = engine.runner.extend, engine.drafter.propose
+
+    def spy_extend(seqs, *args):
+        shapes.append((args[3], sum(s.verify for s in seqs)))
+        return extend(seqs, *args)
+
+    def spy_propose(inputs, sampling, variant, num_drafts):
+        proposed.append((inputs.batch.mode, num_drafts))
+        return propose(inputs, sampling, variant, num_drafts)
+
+    engine.runner.extend, engine.drafter.propose = spy_extend, spy_propose
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ours = engine.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert shapes and all(shape.draft == 0 for shape, _ in shapes), shapes
+    assert any(shape == DraftShape(3, 0) and rows for shape, rows in shapes), shapes  # mixed
+    decode = [n for mode, n in proposed if mode.name == "DECODE"]
+    assert all(n == 0 for mode, n in proposed if mode.name != "DECODE"), proposed
+    assert 3 in decode or not decode  # decode steps propose through their graphs (or eagerly)
+    assert sum(o.stats["num_verify_steps"] for o in ours) > 0
+
+
+def test_an_extend_step_starts_no_probe_and_no_plain_check():
+    """The chooser at an extend step (`proposes` False): a probe that is due waits for the next
+    decode step; while drafting wins it verifies (k), without counting towards a plain check."""
+    costs = StepCosts({(DraftShape(3, 3), 1): 3.0, (DraftShape(0, 0), 1): 1.0})
+    chooser = DraftLengthChooser(3, AUTO, costs)
+    chooser.batch.rates = [0.0] * 3  # nothing accepted: plain wins
+    chooser.batch.expected = chooser.batch._expected()
+    for _ in range(chooser.FIRST_PROBE - 1):
+        assert chooser.choose([0], 1) == 0
+    assert chooser.choose([0], 1, proposes=False) == 0 and chooser.phase is None
+    assert chooser.choose([0], 1) == 3 and chooser.phase is not None  # the probe, now
+    good = DraftLengthChooser(3, AUTO, costs)
+    good.batch.rates = [1.0] * 3  # everything accepted: drafting wins
+    good.batch.expected = good.batch._expected()
+    costs.learns = True
+    streak = good.draft_streak
+    assert [good.choose([0], 1, proposes=False) for _ in range(50)] == [3] * 50
+    assert good.draft_streak == streak and good.summary() == {0: 50}
 
 
 def test_waking_after_a_rest_empties_the_record_and_new_requests_are_warm(plain, prompts):
