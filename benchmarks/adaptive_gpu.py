@@ -9,8 +9,7 @@
    >= max(plain, fixed) - 3% at every size. All engines are built first and each size is timed
    round-robin over them (7 rounds, median), so drift hits every configuration alike.
 `auto_d0` rows (8B part) are auto with --catch-up-depth 0 (the drafter caught up in every plain
-step, as before the deferred catch-up), `auto_nolend` rows (bundled part) auto whose unobserved
-shapes keep their replay times (`StepCosts.lend_host` off), for comparison in the same run.
+step, as before the deferred catch-up), for comparison in the same run.
 Each bundled row records every round's rate, the seconds its rounds spent in extend steps and
 launching decode steps and, for auto rows, what the chooser decided from (`chooser_state`).
 
@@ -166,7 +165,7 @@ def part_bundled(report: dict) -> None:
     rows = report.setdefault("bundled", {})
     configs = [("plain", {})]
     for name, (algo, folder, k) in BUNDLED.items():
-        for mode in ("fixed", "auto", "auto_nolend"):
+        for mode in ("fixed", "auto"):
             options = dict(algo=algo, draft=str(assets / folder), num_draft_tokens=k,
                            speculation="fixed" if mode == "fixed" else "auto")  # fmt: skip
             if mode == "auto_d0":  # caught up every plain step
@@ -176,8 +175,6 @@ def part_bundled(report: dict) -> None:
     for name, options in configs:
         try:
             engines[name] = Engine(str(assets / "target"), **common, **options)
-            if name.endswith("auto_nolend"):  # unobserved shapes keep their replay times
-                engines[name].chooser.costs.lend_host = False
             engines[name].generate(prompts[:1], params)  # warm-up
         except Exception as exc:  # noqa: BLE001
             rows[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
@@ -221,9 +218,7 @@ def part_bundled(report: dict) -> None:
             try:
                 best = max(rows["plain"][bs]["tok_s"], rows[f"{name} fixed"][bs]["tok_s"])
                 auto = rows[f"{name} auto"][bs]["tok_s"]
-                nolend = rows[f"{name} auto_nolend"][bs]["tok_s"]
                 verdict[f"{name}@{bs}"] = {"auto_vs_best": round(auto / best, 3),
-                                           "auto_nolend_vs_best": round(nolend / best, 3),
                                            "meets_bar": auto >= 0.97 * best}  # fmt: skip
             except (KeyError, TypeError):
                 verdict[f"{name}@{bs}"] = "missing"

@@ -173,6 +173,20 @@ def test_auto_extend_steps_propose_nothing_and_verify_what_their_rows_hold(plain
     assert sum(o.stats["num_verify_steps"] for o in ours) > 0
 
 
+def test_drafting_must_beat_plain_by_the_margin():
+    """A modelled gain below MARGIN keeps plain steps (drafting pays costs outside its step
+    cycles); a larger one drafts."""
+    costs = StepCosts({(DraftShape(3, 3), 1): 2.0, (DraftShape(0, 0), 1): 1.0})
+    chooser = DraftLengthChooser(3, AUTO, costs)
+    margin = chooser.MARGIN
+    assert margin > 1.0
+    for gain, drafts in ((0.5 * (1 + margin), False), (1.1 * margin, True)):
+        chooser.batch.expected = 2.0 * gain  # tokens per verify row: gain x plain's tokens/s
+        chooser._last_key = None
+        assert chooser.prefers_drafting([0], 1) is drafts, gain
+        assert chooser.pays_at_smallest_batch() is drafts, gain
+
+
 def test_an_extend_step_starts_no_probe_and_no_plain_check():
     """The chooser at an extend step (`proposes` False): a probe that is due waits for the next
     decode step; while drafting wins it verifies (k), without counting towards a plain check."""
