@@ -446,6 +446,10 @@ class SpecConfig:
     # auto: plain steps record the drafter's inputs and catch it up every this many steps
     # (executor/catch_up.py); 0 catches up in every plain step
     catch_up_depth: int = 8
+    # sampled rows: "rejection" accepts a draft with probability min(1, p/q) (resampling from
+    # the residual); "match" accepts it when it equals the token plain sampling draws at its
+    # position, so seeded output is the plain run's whatever was drafted (executor/verify.py)
+    sampled_verify: str = "rejection"
 
 
 @dataclass

@@ -49,6 +49,10 @@ class Drafter(ABC):
     # features per position a deferred catch-up records (executor/catch_up.py); None: the
     # drafter catches up in every plain step instead
     catch_up_width: int | None = None
+    # the random stream sampled drafts are drawn with: the drafter's own, or (sampled verify by
+    # `match`, set by the engine) the one plain sampling draws the position's token with, so a
+    # draft equals that token as often as the two distributions allow
+    draft_stream = STREAM_DRAFT
 
     def __init__(
         self,
@@ -140,13 +144,14 @@ class Drafter(ABC):
         self, logits: torch.Tensor, sampling: SamplingInfo, positions: torch.Tensor, variant: str
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft token per row (target ids) from draft logits [bs, V_draft]: argmax for greedy
-        rows, else a sample from q (temperature, top-k, top-p applied) drawn with the draft
-        random stream at the drafted token's `positions`; q is returned in target space."""
+        rows, else a sample from q (temperature, top-k, top-p applied) drawn with
+        `draft_stream` at the drafted token's `positions`; q is returned in target space."""
         greedy = self.to_target_ids(logits.argmax(-1))
         if variant == GREEDY:
             return greedy, None
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        drawn = self.to_target_ids(sample_from(q, uniform(sampling.seed, positions, STREAM_DRAFT)))
+        u = uniform(sampling.seed, positions, self.draft_stream)
+        drawn = self.to_target_ids(sample_from(q, u))
         return torch.where(sampling.is_greedy, greedy, drawn), self.probs_to_target(q)
 
     @staticmethod

@@ -124,8 +124,12 @@ def engine_config(target: str, **options) -> EngineConfig:
             },
         ),
         "spec": (
-            SpecConfig, {"algo", "draft", "num_draft_tokens", "speculation", "catch_up_depth"}
-        ),
+            SpecConfig,
+            {
+                "algo", "draft", "num_draft_tokens", "speculation", "catch_up_depth",
+                "sampled_verify",
+            },
+        ),  # fmt: skip
         "parallel": (ParallelConfig, {"tp", "dp"}),
         "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
     }
@@ -154,6 +158,11 @@ def check_spec(spec: SpecConfig) -> None:
     k = spec.num_draft_tokens
     if spec.speculation not in ("auto", "fixed"):
         raise SpeculantError(f"speculation={spec.speculation!r} must be 'auto' or 'fixed'")
+    if spec.sampled_verify not in ("rejection", "match"):
+        raise SpeculantError(
+            f"sampled_verify={spec.sampled_verify!r} must be 'rejection' or 'match' "
+            "(--sampled-verify)"
+        )
     depth = spec.catch_up_depth
     if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= 256:
         raise SpeculantError(

@@ -37,7 +37,7 @@ from speculant.executor.input_buffers import PendingResults, Readback, ReadResul
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import Request, RequestOutput, SamplingParams
-from speculant.executor.sampling import FULL, GREEDY, batch_variant
+from speculant.executor.sampling import FULL, GREEDY, STREAM_SAMPLE, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.speculation import (
     PLAIN,
@@ -165,6 +165,10 @@ class Engine:
         # one rank only: several ranks agree on every step's batch before it runs
         self.overlap = cfg.overlap and self.pctx.world_size == 1
         self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
+        if cfg.spec.sampled_verify == "match":  # likewise
+            self.runner.match_samples = True
+            if self.drafter is not None:
+                self.drafter.draft_stream = STREAM_SAMPLE
         k, speculation = cfg.spec.num_draft_tokens, cfg.spec.speculation
         self.graphs = GraphRunner(
             self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe,

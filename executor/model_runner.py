@@ -59,6 +59,7 @@ class ModelRunner:
         self.device = kv.req_to_page.device
         self.k = num_draft_tokens
         self.writes_next_inputs = False  # set by the engine with overlap on, before capture
+        self.match_samples = False  # sampled verify by `match` (executor/verify.py), likewise
         self.tokens_per_req = num_draft_tokens + 1
         if drafter is not None:
             model.aux_layer_ids = drafter.aux_layer_ids
@@ -136,8 +137,9 @@ class ModelRunner:
         sampled_drafts = self.drafter is not None and variant != GREEDY and num_verify > 0
         q = self.draft_probs[rows, :num_verify] if sampled_drafts else None
         tokens, accept_len = verify(
-            logits, buf.input_ids[:bs, 1:T], q, batch.sampling, positions, variant
-        )
+            logits, buf.input_ids[:bs, 1:T], q, batch.sampling, positions, variant,
+            self.match_samples,
+        )  # fmt: skip
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
         last_flat = flat_index(bs, T, accept_len - 1)
@@ -265,8 +267,9 @@ class ModelRunner:
             sampled_drafts = self.drafter is not None and variant != GREEDY and shape.verify
             q = self.draft_probs[v_rows, : shape.verify] if sampled_drafts else None
             tokens, v_accept = verify(
-                logits[: num_verify * T].view(num_verify, T, -1), drafts, q, v_info, v_pos, variant
-            )
+                logits[: num_verify * T].view(num_verify, T, -1), drafts, q, v_info, v_pos, variant,
+                self.match_samples,
+            )  # fmt: skip
             emitted[:num_verify, :T] = tokens
             accept_len[:num_verify] = v_accept
             next_tokens[: num_verify * T] = tokens.reshape(-1)

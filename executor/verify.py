@@ -1,6 +1,12 @@
 """Verify k draft tokens against the target: greedy (longest prefix equal to the target argmax,
-then the target's own token) or rejection sampling (accept d with probability min(1, p(d)/q(d)),
-else resample from norm(max(p - q, 0)); the bonus token comes from p). k = 0 is plain sampling."""
+then the target's own token) or, for sampled rows, rejection sampling (accept d with probability
+min(1, p(d)/q(d)), else resample from norm(max(p - q, 0)); the bonus token comes from p) or, with
+`match`, the token plain sampling draws at each position (the same random number of the same
+seed and position, executor/sampling.py): a draft is accepted when it equals it, and the first
+that does not is replaced by it. Both are lossless; `match` also makes a seeded request's output
+the plain run's whatever was drafted (any k, any mix of drafting and plain steps), at the price
+of accepting a draft only when the drafter drew that very token (drafters draw with the same
+random number then, `Drafter.draft_stream`). k = 0 is plain sampling."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ def verify(
     info: SamplingInfo,
     positions: torch.Tensor,
     variant: str,
+    match: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [bs, T, V] at input positions [bs, T]; drafts [bs, T-1] are the inputs 1..T-1;
     draft_probs [bs, T-1, V] when drafts were sampled, None when they were argmax (one-hot q).
@@ -40,20 +47,12 @@ def verify(
         p = filtered_probs(
             logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None]
         )
-        p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        u_accept = uniform(info.seed[:, None], out_pos[:, 1:], STREAM_ACCEPT)
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-            residual = p[:, :k].scatter(-1, drafts.unsqueeze(-1), 0.0)
+        u_sample = uniform(info.seed[:, None], out_pos, STREAM_SAMPLE)
+        if match:  # what plain sampling draws at each position decides, not the drafts
+            sampled = sample_from(p, u_sample)
+            sampled_accepted = drafts == sampled[:, :k]
         else:
-            q_draft = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            residual = (p[:, :k] - draft_probs).clamp_(min=0.0)
-        # If p == q exactly the residual is empty, and a rejection cannot happen; keep p there.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, p[:, :k], residual)
-        pick_from = torch.cat([residual, p[:, k:]], dim=1)
-        sampled = sample_from(pick_from, uniform(info.seed[:, None], out_pos, STREAM_SAMPLE))
-        sampled_accepted = u_accept * q_draft < p_draft
+            sampled, sampled_accepted = _rejection(p, drafts, draft_probs, info, out_pos, u_sample)
         greedy_row = info.is_greedy[:, None]
         accepted = torch.where(greedy_row, accepted, sampled_accepted)
         candidates = torch.where(greedy_row, target_argmax, sampled)
@@ -63,3 +62,22 @@ def verify(
     out = torch.where(index < num_accepted[:, None], padded_drafts, candidates)
     out = torch.where(index <= num_accepted[:, None], out, torch.full_like(out, -1))
     return out, num_accepted + 1
+
+
+def _rejection(p, drafts, draft_probs, info, out_pos, u_sample):
+    """Rejection sampling: the candidates [bs, T] (the residual's sample at each draft position,
+    p's after the last) and which drafts pass their accept test [bs, k]."""
+    k = drafts.shape[1]
+    p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    u_accept = uniform(info.seed[:, None], out_pos[:, 1:], STREAM_ACCEPT)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+        residual = p[:, :k].scatter(-1, drafts.unsqueeze(-1), 0.0)
+    else:
+        q_draft = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        residual = (p[:, :k] - draft_probs).clamp_(min=0.0)
+    # If p == q exactly the residual is empty, and a rejection cannot happen; keep p there.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p[:, :k], residual)
+    pick_from = torch.cat([residual, p[:, k:]], dim=1)
+    return sample_from(pick_from, u_sample), u_accept * q_draft < p_draft

@@ -231,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s)",
     )
     spec.add_argument(
+        "--sampled-verify",
+        choices=["rejection", "match"],
+        default="rejection",
+        help="how sampled requests verify drafts: rejection sampling (accepts the most drafts), "
+        "or match: a draft is accepted when it equals the token plain sampling draws there, "
+        "so seeded output equals the plain run's for any drafter, K and --speculation "
+        "(default: %(default)s)",
+    )
+    spec.add_argument(
         "--catch-up-depth",
         type=_nonnegative_int,
         default=8,
@@ -544,6 +553,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_draft_tokens=args.num_draft_tokens,
         speculation=args.speculation,
         catch_up_depth=args.catch_up_depth,
+        sampled_verify=args.sampled_verify,
         capture_sizes=args.capture_sizes,
         max_capture_size=args.max_capture_size,
         disable_graph_padding=args.disable_graph_padding,

@@ -292,6 +292,76 @@ def test_seeded_switching_is_reproducible_and_batch_invariant_per_pattern(prompt
     assert [o.token_ids for o in never] == [o.token_ids for o in plain]
 
 
+def seeded_params(n: int, **options) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, top_k=40, seed=7 + 3 * i,
+                       ignore_eos=True, **options)  # fmt: skip
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_match_verify_gives_seeded_output_equal_to_plain_fixed_and_any_switching(plain, drafter):
+    """`sampled_verify="match"`: a sampled draft is accepted when it equals the token plain
+    sampling draws at its position, so seeded output is the same for the plain engine, fixed-k
+    speculation, and forced switching between drafting, plain and resting steps (in a chunked,
+    preempted, overlapped job), while drafts are still accepted (the drafter draws with the
+    same random number)."""
+    vocab = plain.model_config.vocab_size
+    prompts = prompts_of((30, 3, 50, 17, 8, 61), seed=9, vocab=vocab)
+    params = seeded_params(len(prompts))
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    fixed = Engine(TARGET, **ENGINE, **DRAFTERS[drafter], sampled_verify="match")
+    fixed_out = fixed.generate(prompts, params)
+    assert [o.token_ids for o in fixed_out] == expected
+    verified = sum(o.stats["num_verify_steps"] for o in fixed_out)
+    emitted = sum(len(o.token_ids) - 1 for o in fixed_out)  # the first token is the prefill's
+    assert verified and emitted > 1.2 * verified, (emitted, verified)  # drafts were accepted
+    tight = dict(max_num_batched_tokens=24, num_pages=40, overlap=True, catch_up_depth=3)
+    for pattern in (None, REST_PATTERN):
+        engine = forced_engine(drafter, pattern, sampled_verify="match", **tight)
+        ours = engine.generate(prompts, params)
+        assert [o.token_ids for o in ours] == expected, pattern
+        assert engine.stats()["preemptions"] > 0 and engine.chooser.summary().get(3)
+
+
+def test_match_verify_emits_what_plain_sampling_draws_whatever_the_drafts():
+    """executor/verify.py with `match`: for any drafts the emitted tokens are the plain sampler's
+    at their positions; drafts equal to those are all accepted, others cut the run there."""
+    from speculant.executor.forward_batch import SamplingInfo
+    from speculant.executor.sampling import FULL, sample
+    from speculant.executor.verify import verify
+
+    gen = torch.Generator().manual_seed(0)
+    bs, T, V = 6, 4, 50
+    logits = torch.randn(bs, T, V, generator=gen) * 2
+    info = SamplingInfo(
+        torch.full((bs,), 0.8), torch.zeros(bs, dtype=torch.int64), torch.full((bs,), 0.9),
+        torch.arange(bs, dtype=torch.int64) * 1000 + 5,
+    )  # fmt: skip
+    positions = torch.arange(T)[None, :] + torch.arange(bs)[:, None] * 7 + 10
+    plain = torch.stack(
+        [sample(logits[:, t], info, positions[:, t] + 1, FULL) for t in range(T)], dim=1
+    )
+    for drafts in (torch.randint(0, V, (bs, T - 1), generator=gen), plain[:, : T - 1].clone()):
+        out, accept_len = verify(logits, drafts, None, info, positions, FULL, match=True)
+        for row in range(bs):
+            n = int(accept_len[row])
+            assert out[row, :n].tolist() == plain[row, :n].tolist()
+            run = 0
+            while run < T - 1 and drafts[row, run] == plain[row, run]:
+                run += 1
+            assert n == run + 1
+    assert (accept_len == T).all()  # the last drafts were the plain sampler's own tokens
+
+
+def test_bad_sampled_verify_value_is_one_clear_error():
+    from speculant import SpeculantError
+
+    with pytest.raises(SpeculantError, match=r"sampled_verify='exact' must be 'rejection' or"):
+        Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], sampled_verify="exact")
+
+
 def test_switching_sampled_output_follows_the_target_distribution():
     """First tokens after a plain step and after a drafting step: the empirical distribution of
     the token a switching run emits at a fixed position matches the plain run's over seeds."""

@@ -141,6 +141,7 @@ def run_main(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str]:
         (["--prompt", "x", "--output", "/no/such/dir/out.jsonl"], "/no/such/dir/out.jsonl"),
         (["--prompts", "/no/such/p.jsonl"], "/no/such/p.jsonl"),
         ([], "--prompt TEXT"),
+        (["--prompt", "x", "--sampled-verify", "exact"], "--sampled-verify"),
     ],
 )
 def test_more_bad_flags(capsys, tmp_path, args, needle):
@@ -204,3 +205,27 @@ def test_demo_checkpoint_is_reproducible_and_loads_in_transformers(tmp_path):
     assert tokenizer.decode(ids) == "def fibonacci(n):"
     with torch.no_grad():
         assert model(torch.tensor([ids])).logits.shape == (1, len(ids), len(tokenizer.get_vocab()))
+
+
+def test_sampled_verify_match_gives_the_plain_runs_seeded_output(tmp_path):
+    """`--sampled-verify match` with the bundled EAGLE-3 head: seeded sampled output equals the
+    plain run's, request for request, through the CLI."""
+    from speculant import bundled
+
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": "def fib(n):", "seed": 3}, {"prompt": "import numpy as np", "seed": 4}],
+    )
+    common = ["--target", bundled("target"), "--prompts", prompts, "--temperature", "0.8",
+              "--max-new-tokens", 24, "--ignore-eos"]  # fmt: skip
+    runs = {}
+    for name, extra in (
+        ("plain", []),
+        ("match", ["--algo", "eagle3", "--draft", bundled("eagle3"), "--sampled-verify", "match"]),
+    ):
+        out = tmp_path / f"{name}.jsonl"
+        proc = run_cli(*common, *extra, "--output", out)
+        assert proc.returncode == 0, proc.stderr
+        rows = [json.loads(line) for line in out.read_text().splitlines()]  # as they finish
+        runs[name] = [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])]
+    assert runs["match"] == runs["plain"] and len(runs["plain"]) == 2
