@@ -536,11 +536,13 @@ def test_bad_speculation_value_is_one_clear_error():
 # ------------------------------------------------------------------------------ TP=2 and DP=2
 
 
-def switching_in_rank(tp: int, dp: int, drafter: str, prompts, params) -> dict:
+def switching_in_rank(tp: int, dp: int, drafter: str, prompts, params, **options) -> dict:
     from speculant.comm.groups import ParallelContext
 
     pctx = ParallelContext.from_env(tp, dp, "cpu", timeout_s=60)
-    engine = Engine(str(TARGET), pctx=pctx, **ENGINE, **DRAFTERS[drafter], speculation=AUTO)
+    engine = Engine(
+        str(TARGET), pctx=pctx, **ENGINE, **DRAFTERS[drafter], speculation=AUTO, **options
+    )
     engine.chooser = ForcedChooser(engine.chooser.k, None, seed=pctx.dp_rank)
     source = pctx.rank == 0
     outs = engine.generate(prompts if source else None, params if source else None)
@@ -557,6 +559,21 @@ def test_switching_under_tp2_and_dp2_equals_plain(plain, prompts, tp, dp):
         tokens, rest_steps = ranks[0]
         assert tokens == expected, drafter
         assert rest_steps > 0  # the drafter rested in some steps (on every TP rank alike)
+
+
+def match_switching_in_rank(tp, dp, drafter, prompts, params):
+    return switching_in_rank(tp, dp, drafter, prompts, params, sampled_verify="match")
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
+def test_seeded_switching_with_match_verify_under_tp2_and_dp2_equals_plain(plain, prompts, tp, dp):
+    """Seeded sampling with `sampled_verify="match"` and random switching (rests included)
+    under TP=2 and DP=2: the plain engine's tokens, seed for seed."""
+    params = seeded_params(len(prompts))
+    expected = {o.index: o.token_ids for o in plain.generate(prompts, params)}
+    ranks = run_ranks(match_switching_in_rank, tp * dp, (tp, dp, "eagle3", prompts, params),
+                      timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert ranks[0][0] == expected
 
 
 # ------------------------------------------------------------------------------ the chooser
@@ -839,6 +856,28 @@ def test_gpu_graphs_of_every_shape_replay_and_switching_equals_plain(drafter):
         forced.chooser = ForcedChooser(forced.chooser.k, [3, 3, 0])
         runs.append([o.token_ids for o in forced.generate(prompts, sampled)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_gpu_match_verify_in_graphs_gives_the_plain_seeded_output(drafter):
+    """`sampled_verify="match"` baked into the graphs: seeded sampled output of fixed and of
+    forced switching equals the plain engine's on the GPU (float32), drafts being accepted."""
+    options = dict(device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256)
+    plain = Engine(TARGET, **options)
+    prompts = prompts_of((5, 23, 1, 40, 12, 7, 30, 2), seed=8, vocab=plain.model_config.vocab_size)
+    params = seeded_params(len(prompts))
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    fixed = Engine(TARGET, **options, **DRAFTERS[drafter], sampled_verify="match")
+    out = fixed.generate(prompts, params)
+    assert [o.token_ids for o in out] == expected and fixed.graphs.num_replays > 0
+    assert sum(len(o.token_ids) - 1 for o in out) > 1.2 * sum(
+        o.stats["num_verify_steps"] for o in out
+    )
+    forced = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO,
+                    sampled_verify="match")  # fmt: skip
+    forced.chooser = ForcedChooser(forced.chooser.k, None, seed=2)
+    assert [o.token_ids for o in forced.generate(prompts, params)] == expected
 
 
 def test_moe_dp_ranks_agree_on_the_fewest_drafts():
