@@ -592,15 +592,17 @@ class Engine:
         # per-row work per step for either (held drafts matter only to a step that drafts)
         resting = self.chooser.rest_left > 0  # a step that samples nothing keeps a rest going
         indices = [r.index for r in plan.requests] if adaptive and not resting else []
-        # adaptive: an extend step proposes none; the next decode step's graph does
-        proposes = not (adaptive and plan.chunks)
+        # adaptive: a step of prefill chunks alone proposes none; the next decode step's graph
+        # does (a mixed step proposes for its decode rows: back-to-back mixed steps would else
+        # never verify)
+        proposes = not (adaptive and plan.chunks and not plan.decode)
         drafts = self.chooser.choose(indices, bs, proposes) if bs else (0 if resting else k)
         held = k
         if adaptive and drafts:
             held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
         plan.shape = step_shape(drafts, held, k)
-        if not proposes:  # its rows verify what they hold (when drafting wins), nothing new
-            plan.shape = DraftShape(plan.shape.verify, 0)
+        if not proposes:
+            plan.shape = PLAIN
         plan.tokens_per_req = plan.shape.tokens_per_req
         plan.rests = self.chooser.rests_now if bs else resting
         return plan

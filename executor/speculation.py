@@ -9,12 +9,14 @@ that proposed nothing has nothing to verify, so the shapes are (k, k), (0, k) an
 that proposes nothing drops the drafts its rows hold and runs as a plain step (0, 0), in which
 the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
 those positions, the draft model runs its LM over them), so a later step can draft again.
-An extend step (prefill chunks, with or without verify rows) proposes nothing under `auto`: its
-rows verify the drafts they hold when drafting wins (shape (k, 0)), and the next decode step, a
-captured (0, k) graph, proposes. The drafter's per-sequence part of an extend step runs eagerly
-(EAGLE-3's last-position layer and chain, DFLASH's block, the draft model's k decodes: about 3,
-5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md), which costs more than the one
-round of acceptance the (0, k) step gives up.
+A step of prefill chunks alone proposes nothing under `auto` (the chooser is asked with
+`proposes` False): the next decode step, a captured (0, k) graph, proposes. The drafter's
+per-sequence part of an extend step runs eagerly (EAGLE-3's last-position layer and chain,
+DFLASH's block, the draft model's k decodes: 7-11 ms on the bundled models on an H200, about 3,
+5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md): on the bundled models more than
+the one round of acceptance the new requests' first decode step then gives up. A mixed step
+(decode rows and chunks) still proposes when drafting wins: its decode rows would otherwise lose
+their next verify, and back-to-back mixed steps would never verify at all.
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -275,9 +277,9 @@ class DraftLengthChooser:
 
     def choose(self, request_indices: list[int], bs: int, proposes: bool = True) -> int:
         """Drafts the step proposes (0 or k) for a batch of these requests run at size bs;
-        `rests_now` then says whether the step rests the drafter. `proposes` False: an extend
-        step, which proposes none (see the module doc): the answer is whether its rows verify
-        the k drafts they hold (k) or drop them (0); it starts no probe and no plain check."""
+        `rests_now` then says whether the step rests the drafter. `proposes` False: a step of
+        prefill chunks alone, which proposes none (see the module doc) and starts no probe and
+        no plain check."""
         self.rests_now = False
         drafts = self._choose(request_indices, bs, proposes)
         self.chosen[drafts if proposes else 0] += 1

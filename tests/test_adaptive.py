@@ -142,11 +142,11 @@ def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_auto_extend_steps_propose_nothing_and_verify_what_their_rows_hold(plain, drafter):
-    """Under auto an extend step proposes no drafts (the drafter's eager per-sequence part is
-    dearer than the (0, k) graph step after it): its decode rows verify the k drafts they hold
-    (shape (k, 0)), chunks only write the drafter's state; greedy output equals plain in a
-    chunked job with mixed steps."""
+def test_auto_prefill_only_steps_propose_nothing_mixed_steps_do(plain, drafter):
+    """Under auto a step of prefill chunks alone proposes no drafts (the drafter's eager
+    per-sequence part is dearer than the (0, k) graph step after it) and only writes the
+    drafter's state; a mixed step whose decode rows verify proposes for every sequence, so
+    back-to-back mixed steps keep verifying; greedy output equals plain in a chunked job."""
     vocab = plain.model_config.vocab_size
     prompts = prompts_of((30, 3, 50, 17, 8, 61, 25), seed=5, vocab=vocab)
     engine = forced_engine(drafter, [3], max_num_batched_tokens=24, max_num_seqs=4)
@@ -158,18 +158,19 @@ def test_auto_extend_steps_propose_nothing_and_verify_what_their_rows_hold(plain
         return extend(seqs, *args)
 
     def spy_propose(inputs, sampling, variant, num_drafts):
-        proposed.append((inputs.batch.mode, num_drafts))
+        proposed.append((inputs.batch.mode.name, num_drafts))
         return propose(inputs, sampling, variant, num_drafts)
 
     engine.runner.extend, engine.drafter.propose = spy_extend, spy_propose
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ours = engine.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
-    assert shapes and all(shape.draft == 0 for shape, _ in shapes), shapes
-    assert any(shape == DraftShape(3, 0) and rows for shape, rows in shapes), shapes  # mixed
-    decode = [n for mode, n in proposed if mode.name == "DECODE"]
-    assert all(n == 0 for mode, n in proposed if mode.name != "DECODE"), proposed
-    assert 3 in decode or not decode  # decode steps propose through their graphs (or eagerly)
+    prefill_only = [shape for shape, rows in shapes if rows == 0]
+    mixed = [shape for shape, rows in shapes if rows]
+    assert prefill_only and all(shape == DraftShape(0, 0) for shape in prefill_only), shapes
+    assert mixed and all(shape.draft == 3 for shape in mixed), shapes
+    assert DraftShape(3, 3) in mixed
+    assert sum(1 for mode, n in proposed if mode != "DECODE" and n == 3) == len(mixed)
     assert sum(o.stats["num_verify_steps"] for o in ours) > 0
 
 
