@@ -191,6 +191,7 @@ class DraftLengthChooser:
     MARGIN = 1.2
     FIRST_PROBE, LAST_PROBE = 8, 256
     PROBE_ROWS = 8  # verify rows a probe gathers (a small batch verifies several steps)
+    PROBE_WAITS = 2  # steps a probe waits for its verify outcome before it is abandoned
     REST_AFTER = 2  # lost probes in a row (acceptance losing at batch size 1) before a rest
     REST_MIN_SAMPLES = 16  # verify rows seen, at least, before a rest
     REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
@@ -206,7 +207,7 @@ class DraftLengthChooser:
         self.plain_streak = 0
         self.probe_interval = self.FIRST_PROBE
         self.phase: str | None = None  # a probe in progress: PROBE_DRAFTED, then PROBE_VERIFYING
-        self.probe_mark = self.probe_steps = 0
+        self.probe_mark = self.probe_steps = self.probe_waits = 0
         self._last_key: tuple | None = None
         self._last_prefer = False
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
@@ -278,8 +279,8 @@ class DraftLengthChooser:
     def choose(self, request_indices: list[int], bs: int, proposes: bool = True) -> int:
         """Drafts the step proposes (0 or k) for a batch of these requests run at size bs;
         `rests_now` then says whether the step rests the drafter. `proposes` False: a step of
-        prefill chunks alone, which proposes none (see the module doc) and starts no probe and
-        no plain check."""
+        prefill chunks alone, which proposes none (see the module doc), starts no probe and no
+        plain check, and leaves a probe in progress where it was."""
         self.rests_now = False
         drafts = self._choose(request_indices, bs, proposes)
         self.chosen[drafts if proposes else 0] += 1
@@ -293,8 +294,11 @@ class DraftLengthChooser:
             self.rest_steps += 1
             self.rests_now = True
             return 0
+        if self.phase is not None and not proposes:
+            return 0  # a step of prefill chunks alone verifies nothing: the probe waits
         if self.phase == PROBE_DRAFTED:  # the probe's drafts must be verified once
             self.phase, self.probe_mark, self.probe_steps = PROBE_VERIFYING, self.batch.samples, 1
+            self.probe_waits = 0
             return self.k
         if self.phase == PROBE_VERIFYING:
             # a small batch verifies on until the probe has PROBE_ROWS rows (one row is noise)
@@ -303,7 +307,13 @@ class DraftLengthChooser:
                 self.probe_steps += 1
                 return self.k
             if self.batch.samples == self.probe_mark:
-                return 0  # its outcome is not read back yet (a step launched ahead)
+                # its outcome is not read back yet (a step launched ahead); after PROBE_WAITS
+                # steps it never will be (its step ran plain: drafts dropped because a row held
+                # none, or a DP peer's plain step): the probe is abandoned
+                self.probe_waits += 1
+                if self.probe_waits > self.PROBE_WAITS:
+                    self.phase = None
+                return 0
         if not request_indices:
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the

@@ -4,7 +4,8 @@ min(1, p(d)/q(d)), else resample from norm(max(p - q, 0)); the bonus token comes
 `match`, the token plain sampling draws at each position (the same random number of the same
 seed and position, executor/sampling.py): a draft is accepted when it equals it, and the first
 that does not is replaced by it. Both are lossless; `match` also makes a seeded request's output
-the plain run's whatever was drafted (any k, any mix of drafting and plain steps), at the price
+the plain run's whatever was drafted (any k, any mix of drafting and plain steps; where the
+verify forward's logits equal the plain step's, as greedy equality needs too), at the price
 of accepting a draft only when the drafter drew that very token (drafters draw with the same
 random number then, `Drafter.draft_stream`). k = 0 is plain sampling."""
 

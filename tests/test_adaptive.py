@@ -188,9 +188,10 @@ def test_drafting_must_beat_plain_by_the_margin():
         assert chooser.pays_at_smallest_batch() is drafts, gain
 
 
-def test_an_extend_step_starts_no_probe_and_no_plain_check():
-    """The chooser at an extend step (`proposes` False): a probe that is due waits for the next
-    decode step; while drafting wins it verifies (k), without counting towards a plain check."""
+def test_a_prefill_only_step_starts_no_probe_and_no_plain_check():
+    """The chooser at a step of prefill chunks alone (`proposes` False): a probe that is due
+    waits for the next decode step; while drafting wins it answers k, without counting towards a
+    plain check."""
     costs = StepCosts({(DraftShape(3, 3), 1): 3.0, (DraftShape(0, 0), 1): 1.0})
     chooser = DraftLengthChooser(3, AUTO, costs)
     chooser.batch.rates = [0.0] * 3  # nothing accepted: plain wins
@@ -206,6 +207,30 @@ def test_an_extend_step_starts_no_probe_and_no_plain_check():
     streak = good.draft_streak
     assert [good.choose([0], 1, proposes=False) for _ in range(50)] == [3] * 50
     assert good.draft_streak == streak and good.summary() == {0: 50}
+
+
+def test_a_probe_whose_verify_never_runs_is_abandoned_and_probes_go_on():
+    """A probe started on the last decode step before a step of prefill chunks alone (or whose
+    verify step ran plain: a row held no drafts, a DP peer chose plain) waits PROBE_WAITS steps
+    for an outcome that never comes, then is abandoned: later probes still run (the chooser
+    used to wait for ever, choosing 0 for the rest of the engine's life)."""
+    costs = StepCosts({(DraftShape(3, 3), 8): 3.0, (DraftShape(0, 0), 8): 1.0})
+    chooser = DraftLengthChooser(3, AUTO, costs)
+    rows = list(range(8))
+    drafts = None
+    while chooser.phase is None:
+        drafts = chooser.choose(rows, 8)
+    assert drafts == 3  # the probe drafts on the wave's last decode step
+    assert chooser.choose(list(range(8, 16)), 8, proposes=False) == 0  # the next wave's prefill
+    assert chooser.phase is not None  # the probe still waits to verify
+    later = [chooser.choose(rows, 8) for _ in range(100)]  # its verify step ran plain: no rows
+    assert 3 in later[chooser.PROBE_WAITS + 2 :], later  # a later probe drafts again
+    stuck = DraftLengthChooser(3, AUTO, costs)
+    while stuck.phase is None:
+        stuck.choose(rows, 8)
+    stuck.choose(rows, 8)  # the probe's verify step, which the engine ran plain
+    assert [stuck.choose(rows, 8) for _ in range(stuck.PROBE_WAITS)] == [0] * stuck.PROBE_WAITS
+    assert stuck.choose(rows, 8) == 0 and stuck.phase is None
 
 
 def test_waking_after_a_rest_empties_the_record_and_new_requests_are_warm(plain, prompts):
