@@ -16,7 +16,14 @@ import torch
 from speculant.executor.attention import paged_attention_backend
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.sampling import GREEDY, STREAM_DRAFT, filtered_probs, sample_from, uniform
+from speculant.executor.sampling import (
+    GREEDY,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    filtered_probs,
+    sample_from,
+    uniform,
+)
 
 
 @dataclass
@@ -49,10 +56,15 @@ class Drafter(ABC):
     # features per position a deferred catch-up records (executor/catch_up.py); None: the
     # drafter catches up in every plain step instead
     catch_up_width: int | None = None
-    # the random stream sampled drafts are drawn with: the drafter's own, or (sampled verify by
-    # `match`, set by the engine) the one plain sampling draws the position's token with, so a
-    # draft equals that token as often as the two distributions allow
-    draft_stream = STREAM_DRAFT
+    # sampled verify by `match` (set by the engine before capture): sampled drafts are drawn
+    # with the random number plain sampling draws the position's token with (so a draft equals
+    # that token as often as the two distributions allow), and no q is kept (verify needs none)
+    match_samples = False
+
+    @property
+    def draft_stream(self) -> int:
+        """The random stream sampled drafts are drawn with."""
+        return STREAM_SAMPLE if self.match_samples else STREAM_DRAFT
 
     def __init__(
         self,
@@ -145,14 +157,16 @@ class Drafter(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft token per row (target ids) from draft logits [bs, V_draft]: argmax for greedy
         rows, else a sample from q (temperature, top-k, top-p applied) drawn with
-        `draft_stream` at the drafted token's `positions`; q is returned in target space."""
+        `draft_stream` at the drafted token's `positions`; q is returned in target space (None
+        under `match_samples`)."""
         greedy = self.to_target_ids(logits.argmax(-1))
         if variant == GREEDY:
             return greedy, None
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         u = uniform(sampling.seed, positions, self.draft_stream)
         drawn = self.to_target_ids(sample_from(q, u))
-        return torch.where(sampling.is_greedy, greedy, drawn), self.probs_to_target(q)
+        kept = None if self.match_samples else self.probs_to_target(q)
+        return torch.where(sampling.is_greedy, greedy, drawn), kept
 
     @staticmethod
     def no_drafts(batch: ForwardBatch) -> Proposal:

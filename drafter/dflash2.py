@@ -242,7 +242,8 @@ class DFlash2Drafter(DFlashDrafter):
                 q = filtered_probs(scores, sampling.temperature, no_top_k, no_top_p)
                 u = uniform(sampling.seed, block_positions[:, i + 1], self.draft_stream)
                 index = torch.where(sampling.is_greedy, index, sample_from(q, u))
-                probs.append(torch.zeros_like(logits[:, i]).scatter_(-1, candidates[:, i], q))
+                if not self.match_samples:  # verify by match needs no q
+                    probs.append(torch.zeros_like(logits[:, i]).scatter_(-1, candidates[:, i], q))
             previous = candidates[:, i].gather(-1, index[:, None])[:, 0]
             drafts.append(previous)
         return self.proposal(drafts, probs or [None])

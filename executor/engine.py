@@ -37,7 +37,7 @@ from speculant.executor.input_buffers import PendingResults, Readback, ReadResul
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import Request, RequestOutput, SamplingParams
-from speculant.executor.sampling import FULL, GREEDY, STREAM_SAMPLE, batch_variant
+from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.speculation import (
     PLAIN,
@@ -168,7 +168,7 @@ class Engine:
         if cfg.spec.sampled_verify == "match":  # likewise
             self.runner.match_samples = True
             if self.drafter is not None:
-                self.drafter.draft_stream = STREAM_SAMPLE
+                self.drafter.match_samples = True
         k, speculation = cfg.spec.num_draft_tokens, cfg.spec.speculation
         self.graphs = GraphRunner(
             self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe,
@@ -597,12 +597,11 @@ class Engine:
         # never verify)
         proposes = not (adaptive and plan.chunks and not plan.decode)
         drafts = self.chooser.choose(indices, bs, proposes) if bs else (0 if resting else k)
+        drafts = drafts if proposes else 0  # a plain step (0, 0)
         held = k
         if adaptive and drafts:
             held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
         plan.shape = step_shape(drafts, held, k)
-        if not proposes:
-            plan.shape = PLAIN
         plan.tokens_per_req = plan.shape.tokens_per_req
         plan.rests = self.chooser.rests_now if bs else resting
         return plan

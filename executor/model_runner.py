@@ -135,6 +135,7 @@ class ModelRunner:
         hidden, aux = self.model(batch.input_ids, batch.positions, self.attn, tokens_per_rank)
         logits = self.model.compute_logits(hidden).view(bs, T, -1)
         sampled_drafts = self.drafter is not None and variant != GREEDY and num_verify > 0
+        sampled_drafts = sampled_drafts and not self.match_samples  # match needs no q
         q = self.draft_probs[rows, :num_verify] if sampled_drafts else None
         tokens, accept_len = verify(
             logits, buf.input_ids[:bs, 1:T], q, batch.sampling, positions, variant,
@@ -265,6 +266,7 @@ class ModelRunner:
             v_pos = pos_t[: num_verify * T].view(num_verify, T)
             drafts = ids_t[: num_verify * T].view(num_verify, T)[:, 1:]
             sampled_drafts = self.drafter is not None and variant != GREEDY and shape.verify
+            sampled_drafts = sampled_drafts and not self.match_samples  # match needs no q
             q = self.draft_probs[v_rows, : shape.verify] if sampled_drafts else None
             tokens, v_accept = verify(
                 logits[: num_verify * T].view(num_verify, T, -1), drafts, q, v_info, v_pos, variant,

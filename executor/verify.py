@@ -7,7 +7,7 @@ that does not is replaced by it. Both are lossless; `match` also makes a seeded 
 the plain run's whatever was drafted (any k, any mix of drafting and plain steps; where the
 verify forward's logits equal the plain step's, as greedy equality needs too), at the price
 of accepting a draft only when the drafter drew that very token (drafters draw with the same
-random number then, `Drafter.draft_stream`). k = 0 is plain sampling."""
+random number then, `Drafter.match_samples`). k = 0 is plain sampling."""
 
 from __future__ import annotations
 
