@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -185,9 +186,10 @@ class Engine:
         if costs is not None:  # one rank: its step cycles refine the table (StepCosts)
             costs.learns = self.pctx.world_size == 1
         self.chooser = DraftLengthChooser(k, speculation, costs)
-        # the pure decode steps launched by the last step and the one before: (shape, size)
+        # the pure decode step launched by the last step, (shape, size), and those launched by
+        # the steps before it, newest last (None: a step that launched none)
         self._cycle: tuple | None = None
-        self._cycle_before: tuple | None = None
+        self._cycles_before: deque = deque(maxlen=8)
         self._cycle_start = 0.0  # when the last step started
         self._resting = False  # whether the last step rested the drafter
         self.piecewise = PiecewiseRunner(
@@ -445,6 +447,7 @@ class Engine:
         for request in requests:
             self.scheduler.add(request)
         self._cycle = None  # the time since an earlier run's last step is no step's
+        self._cycles_before.clear()
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
         while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
@@ -572,14 +575,18 @@ class Engine:
     def _observe_cycle(self) -> None:
         """A step starts: the time since the last one started is a step's cycle, host
         included, which refines adaptive speculation's costs on one rank. With overlap that
-        time holds one step's launch and the previous one's read-back, so it counts only when
-        both were pure decode steps of the same shape and size (a steady run)."""
+        time holds one step's launch and the previous one's read-back, and the first steps
+        after a change of shape still wait for the steps before it, so a cycle counts only
+        when the last StepCosts.STEADY steps launched pure decode steps of one shape and size
+        (a steady run)."""
         now = time.perf_counter()
-        last, before = self._cycle, self._cycle_before
-        if last is not None and before is not None and last[:2] == before[:2]:
-            if self.chooser.adaptive and self.chooser.costs.learns:
-                self.chooser.costs.observe(last[0], last[1], now - self._cycle_start)
-        self._cycle_before, self._cycle, self._cycle_start = last, None, now
+        last, before, costs = self._cycle, self._cycles_before, self.chooser.costs
+        if last is not None and self.chooser.adaptive and costs.learns:
+            earlier = list(before)[len(before) - (costs.STEADY - 1) :]
+            if len(earlier) == costs.STEADY - 1 and all(key == last for key in earlier):
+                costs.observe(last[0], last[1], now - self._cycle_start)
+        before.append(last)
+        self._cycle, self._cycle_start = None, now
 
     def _choose_shape(self, plan: StepPlan) -> StepPlan:
         """The step's drafts (executor/speculation.py): how many it proposes (the chooser's

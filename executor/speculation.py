@@ -88,6 +88,9 @@ class StepCosts:
     alike)."""
 
     OBSERVED_MIN = 2
+    # a cycle counts when this many steps in a row launched the same (shape, size): the first
+    # steps after a change still wait on the ones before (Engine._observe_cycle)
+    STEADY = 2
     WINDOW = 16  # the median of a (shape, size)'s last WINDOW cycles: one stall moves it little
 
     def __init__(self, table: dict[tuple[DraftShape, int], float]):
