@@ -7,7 +7,10 @@ side, each set on its engine's chooser after start-up:
 - `auto`: the defaults;
 - `auto steady`: a cycle counts only after STEADY_VARIANT same-shape steps in a row, and a
   plain check runs CHECK_VARIANT steps (so it yields steady cycles);
-- `auto margin`: drafting must beat plain by MARGIN_VARIANT.
+- `auto margin`: drafting must beat plain by MARGIN_VARIANT;
+- `auto steady+margin`: both;
+- `auto steady+batch`: steady, and the batch-wide acceptance estimate decays by BATCH_DECAY per
+  verify row (a memory of ~1 / (1 - BATCH_DECAY) rows instead of the last few rows of a step).
 
 Every auto engine also records its step cycles by (shape, size, place in a run of that shape:
 1, 2, 3, 4+), to show how far the first steps after a change of shape are from steady ones.
@@ -35,16 +38,18 @@ DRAFTERS = {  # name -> (algo, folder, k)
     "dflash": ("dflash", "dflash", 7),
     "draft-lm": ("draft-model", "draft_lm", 4),
 }
-STEADY_VARIANT, CHECK_VARIANT, MARGIN_VARIANT = 3, 4, 1.4
+STEADY_VARIANT, CHECK_VARIANT, MARGIN_VARIANT, BATCH_DECAY = 3, 4, 1.4, 0.97
 
 
 def configure(engine: Engine, variant: str) -> None:
     chooser = engine.chooser
-    if variant in ("auto steady", "auto steady+margin"):
+    if variant in ("auto steady", "auto steady+margin", "auto steady+batch"):
         chooser.costs.STEADY = STEADY_VARIANT
         chooser.CHECK_STEPS = CHECK_VARIANT
     if variant in ("auto margin", "auto steady+margin"):
         chooser.MARGIN = MARGIN_VARIANT
+    if variant == "auto steady+batch":
+        chooser.batch.decay = BATCH_DECAY
 
 
 def record_cycles(engine: Engine, log: dict) -> None:

@@ -822,8 +822,36 @@ def test_with_overlap_a_cycle_counts_only_between_two_launches_of_one_shape(monk
         engine._observe_cycle()
         engine._cycle = None if launched is None else (launched, 1)
     size = costs._size(plain, 1)[0]
-    assert list(costs.cycles[(spec, size)]) == [5.0]
-    assert list(costs.cycles[(plain, size)]) == [1.0, 1.0]  # not the 5 s it waited for spec
+    if costs.STEADY == 2:
+        assert list(costs.cycles[(spec, size)]) == [5.0]
+        assert list(costs.cycles[(plain, size)]) == [1.0, 1.0]  # not the 5 s it waited for spec
+    else:  # STEADY steps in a row before one counts
+        assert (spec, size) not in costs.cycles
+        assert list(costs.cycles[(plain, size)]) == [1.0][: 4 - costs.STEADY]
+
+
+def test_a_cycle_counts_only_after_steady_steps_in_a_row(monkeypatch):
+    """With StepCosts.STEADY = 3 the second step after a change of shape does not count
+    either (it may still wait on the steps before the change); a new run() starts afresh."""
+    import types
+
+    import speculant.executor.engine as engine_module
+
+    engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
+    costs, spec, plain = engine.chooser.costs, DraftShape(3, 3), DraftShape(0, 0)
+    costs.STEADY = 3
+    now = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    engine._cycle = None
+    steps = [(0, spec), (5, spec), (6, spec), (8, plain), (12, plain), (13.5, plain), (14, plain),
+             (15, None)]  # fmt: skip
+    for start, launched in steps:
+        now[0] = float(start)
+        engine._observe_cycle()
+        engine._cycle = None if launched is None else (launched, 1)
+    size = costs._size(plain, 1)[0]
+    assert list(costs.cycles[(spec, size)]) == [2.0]  # the third spec step's: 6 -> 8
+    assert list(costs.cycles[(plain, size)]) == [0.5, 1.0]  # not 4 (8 -> 12) nor 1.5
 
 
 def test_one_rank_engine_learns_its_step_cycles(plain, prompts):
