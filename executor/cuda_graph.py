@@ -35,6 +35,9 @@ WARMUP_RUNS = 3
 GraphKey = tuple[str, int, DraftShape]  # (sampler variant, padded batch size, draft shape)
 # the pseudo-variant of the deferred drafter catch-up's graphs (executor/catch_up.py), one per size
 CATCH_UP = "catch-up"
+# the suffix of a sampler variant whose plain (0, 0) graph runs with the drafter at rest (no
+# drafter work at all: the plain engine's step), captured when steps can rest (`auto`)
+RESTING = "+rest"
 
 
 def capture_sizes(cfg: GraphConfig, max_num_seqs: int, dp: int = 1) -> list[int]:
@@ -100,6 +103,9 @@ class GraphRunner:
         self.sizes = capture_sizes(cfg, max_num_seqs, pctx.dp_size)
         self.variants = variants
         self.shapes = list(shapes or [runner.full_shape()])
+        # steps may rest the drafter (adaptive speculation: several shapes, plain among them):
+        # plain graphs without it too
+        self.rests = PLAIN in self.shapes and len(self.shapes) > 1
         self.use_graphs = not cfg.enforce_eager and runner.device.type == "cuda"
         self.pad = self.use_graphs or cfg.eager_padding
         self.hooks: list[ReplayHook] = []
@@ -113,12 +119,15 @@ class GraphRunner:
         self.num_replays = 0  # CUDA graph replays
         self.num_stand_ins = 0  # eager steps at a captured size standing in for a replay
         self.num_catch_up_replays = 0  # replays of the deferred drafter catch-up
+        self.num_rest_steps = 0  # plain steps run with the drafter at rest (replayed or eager)
 
     def capture_plan(self) -> list[GraphKey]:
         """Every (variant, bs, shape) to capture, in capture order: per variant and shape,
         largest size first."""
         sizes = sorted(self.sizes, reverse=True)
         plan = [(v, bs, shape) for v in self.variants for shape in self.shapes for bs in sizes]
+        if self.rests:
+            plan += [(v + RESTING, bs, PLAIN) for v in self.variants for bs in sizes]
         if self.runner.catch_up is not None:
             plan += [(CATCH_UP, bs, PLAIN) for bs in sizes]
         return plan
@@ -160,23 +169,28 @@ class GraphRunner:
         allow_graph: bool = True,
         sizes: DPStepSizes | None = None,
         shape: DraftShape | None = None,
+        drafter_rests: bool = False,
     ) -> StepOutput:
         """Run the step for the first padded_bs rows of the input buffers (already filled);
         `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform).
         `sizes`: every rank's forward this step (the step plan's; a MoE target's dispatch plan,
         which a replayed graph must have been captured with). `shape`: drafts verified and
-        proposed (default (k, k))."""
+        proposed (default (k, k)). `drafter_rests`: a plain step with the drafter at rest (its
+        own graph, when steps can rest)."""
         shape = shape or self.runner.full_shape()
-        key = (variant, padded_bs, shape)
+        rests = drafter_rests and self.rests and shape == PLAIN
+        key = (variant + RESTING if rests else variant, padded_bs, shape)
         checked = allow_graph and self.pad and key in self.captured_sizes
         if checked:
             self._check_baked_sizes(key, sizes)  # a replay, or eager padding standing in for one
         if not allow_graph or not self.will_replay(padded_bs):
             self.num_stand_ins += checked
+            self.num_rest_steps += rests
             tokens = None if sizes is None else sizes.tokens_per_rank
-            return self.runner.decode_step(padded_bs, variant, tokens, shape).narrow(bs)
+            return self.runner.decode_step(padded_bs, variant, tokens, shape, rests).narrow(bs)
         if key not in self.graphs:
             variants = sorted({v for v, _, _ in self.graphs if v != CATCH_UP})
+            variant = variant + RESTING if rests else variant
             shapes = sorted({tuple(s) for _, _, s in self.graphs})
             raise SpeculantError(
                 f"no CUDA graph was captured for sampler variant {variant!r} and draft shape "
@@ -186,6 +200,7 @@ class GraphRunner:
             hook.replay()
         self.graphs[key].replay()
         self.num_replays += 1
+        self.num_rest_steps += rests
         return self.outputs[key].narrow(bs)
 
     def run_catch_up(self, rows: list[int]) -> None:
@@ -323,6 +338,9 @@ class GraphRunner:
         if variant == CATCH_UP:
             self.runner.catch_up.rows.fill_(self.runner.kv.sentinel_row)
             return lambda: self.runner.flush_catch_up(bs)
+        if variant.endswith(RESTING):
+            base = variant.removesuffix(RESTING)
+            return lambda: self.runner.decode_step(bs, base, tokens, shape, drafter_rests=True)
         return lambda: self.runner.decode_step(bs, variant, tokens, shape)
 
     def _capture_one(self, key: GraphKey, stream, pool):

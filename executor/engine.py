@@ -776,7 +776,7 @@ class Engine:
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()
         out = self.graphs.run(
-            len(requests), padded_bs, variant, plan.use_graph, plan.sizes, plan.shape
+            len(requests), padded_bs, variant, plan.use_graph, plan.sizes, plan.shape, plan.rests
         )
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         # synchronous steps read back at once; overlapped ones start a copy and read it later

@@ -88,14 +88,20 @@ class ModelRunner:
         variant: str,
         tokens_per_rank: list[int] | None = None,
         shape: DraftShape | None = None,
+        drafter_rests: bool = False,
     ) -> StepOutput:
         """Verify (or plainly decode) the bs rows of the input buffers, then draft the next
         tokens; reads only static buffers and device state, so it is graph-capturable.
         `tokens_per_rank`: every rank's target tokens this step (a MoE target's dispatch plan).
-        `shape`: drafts verified and proposed (executor/speculation.py; default (k, k))."""
+        `shape`: drafts verified and proposed (executor/speculation.py; default (k, k)).
+        `drafter_rests`: a plain step in which the drafter does nothing, not even record for
+        its catch-up (adaptive speculation's rest): the step a plain engine runs."""
         shape = shape or self.full_shape()
         inputs, accept_len = self.verify_step(bs, variant, tokens_per_rank, shape.verify)
-        drafts = self._propose(inputs, variant, shape.draft)
+        if drafter_rests:
+            drafts = inputs.next_tokens.new_empty((bs, 0))
+        else:
+            drafts = self._propose(inputs, variant, shape.draft)
         if self.writes_next_inputs:
             # the next step's input ids (last emitted token, then the drafts), for a step
             # launched before the host has read this one back (overlap)

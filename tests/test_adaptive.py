@@ -120,10 +120,11 @@ def test_forced_switching_in_chunked_preempted_overlapped_jobs(plain, drafter, p
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
     """Resting every step: the drafter never runs (no propose over prefill chunks, no catch-up
-    flush), every request is cold, and greedy output equals plain."""
+    flush, nothing recorded for one: every decode step is the plain engine's step), every
+    request is cold, and greedy output equals plain."""
     engine = forced_engine(drafter, [REST], catch_up_depth=2)
     calls = []
-    for name in ("propose", "catch_up"):
+    for name in ("propose", "catch_up", "catch_up_entry"):
         original = getattr(engine.drafter, name)
 
         def counted(*args, _f=original, _name=name, **kwargs):
@@ -134,11 +135,29 @@ def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
     cold = []
     forget = engine.chooser.forget
     engine.chooser.forget = lambda index: cold.append(index in engine.chooser.cold) or forget(index)
+    launches, run = [], engine.graphs.run
+    engine.graphs.run = lambda *args: launches.append(args[-1]) or run(*args)
     ours = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert calls == [] and engine.pending.flushes == 0
     assert cold == [True] * len(prompts)
     assert engine.chooser.summary() == {0: engine.stats()["rest_steps"]}  # every step rested
+    assert launches and all(launches)  # every decode step launched with the drafter at rest
+    assert engine.graphs.num_rest_steps == len(launches)
+
+
+def test_steps_that_can_rest_capture_resting_plain_graphs():
+    """`auto` captures, per sampler variant and size, a plain graph with the drafter at rest
+    besides the three draft shapes; fixed speculation and plain engines capture none."""
+    from speculant.executor.cuda_graph import RESTING
+
+    auto = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
+    plan = auto.graphs.capture_plan()
+    resting = [key for key in plan if key[0].endswith(RESTING)]
+    assert len(resting) == len(auto.graphs.variants) * len(auto.graphs.sizes)
+    assert all(shape == DraftShape(0, 0) for _, _, shape in resting)
+    fixed = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=FIXED)
+    assert not any(key[0].endswith(RESTING) for key in fixed.graphs.capture_plan())
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
@@ -894,10 +913,16 @@ def test_gpu_graphs_of_every_shape_replay_and_switching_equals_plain(drafter):
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     forced = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO)
     defers = forced.runner.catch_up is not None  # one catch-up graph per size
-    assert len(forced.graphs.graphs) == (3 * 2 + defers) * len(forced.graphs.sizes)
+    # three shapes and a resting plain graph per variant (2) and size, the catch-up's per size
+    assert len(forced.graphs.graphs) == (4 * 2 + defers) * len(forced.graphs.sizes)
     forced.chooser = ForcedChooser(forced.chooser.k, None, seed=1)
     assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
     assert forced.graphs.num_replays > 0
+    forced.chooser = ForcedChooser(forced.chooser.k, REST_PATTERN)  # rests replay their graph
+    replays = forced.graphs.num_replays
+    assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
+    assert forced.graphs.num_rest_steps > 0 and forced.graphs.num_replays > replays
+    assert forced.graphs.num_stand_ins == 0
     forced.chooser = ForcedChooser(forced.chooser.k, [0] * 11 + [3, 3])  # catch-ups by depth
     assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
     assert forced.graphs.num_catch_up_replays > 0 or not defers
