@@ -7,7 +7,7 @@
 2. `bundled`: the bundled target with its trained EAGLE-3 (k 4), DFLASH (k 7) and draft LM
    (k 4), greedy on the held-out prompts at bs 1, 8, 32 and 64 (128 new tokens). The bar: auto
    >= max(plain, fixed) - 3% at every size. All engines are built first and each size is timed
-   round-robin over them (7 rounds, median), so drift hits every configuration alike.
+   round-robin over them (9 rounds, median), so drift hits every configuration alike.
 `auto_d0` rows (8B part) are auto with --catch-up-depth 0 (the drafter caught up in every plain
 step, as before the deferred catch-up), for comparison in the same run.
 Each bundled row records every round's rate, the seconds its rounds spent in extend steps and
@@ -40,7 +40,7 @@ from speculant import Engine, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REPEATS = 3
-ROUND_ROBIN = 7  # bundled: rounds over all engines per batch size
+ROUND_ROBIN = 9  # bundled: rounds over all engines per batch size
 BUNDLED = {  # name -> (algo, folder, k)
     "eagle3": ("eagle3", "eagle3", 4),
     "dflash": ("dflash", "dflash", 7),
