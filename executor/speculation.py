@@ -101,9 +101,34 @@ class StepCosts:
         for sizes in self.sizes.values():
             sizes.sort()
         self.cycles: dict[tuple[DraftShape, int], deque] = {}  # the last WINDOW cycles
-        self.seen: dict[tuple[DraftShape, int], float] = {}  # their median, once OBSERVED_MIN
+        self._seen: dict[tuple[DraftShape, int], float] = {}  # their median, once OBSERVED_MIN
+        self._stale: set[tuple[DraftShape, int]] = set()  # keys observed since their median
         self.learns = False  # the engine observes its steps (one rank)
-        self.version = 0  # grows as observations change the figures (a decision cache's key)
+        self._version = 0  # grows as observations change the figures (a decision cache's key)
+
+    @property
+    def seen(self) -> dict[tuple[DraftShape, int], float]:
+        """The median cycle per (shape, size) once OBSERVED_MIN were seen."""
+        return self._medians()
+
+    @property
+    def version(self) -> int:
+        self._medians()
+        return self._version
+
+    def _medians(self) -> dict[tuple[DraftShape, int], float]:
+        """The medians brought up to date (taken when asked for: a rest's steps observe
+        without anyone asking)."""
+        for key in self._stale:
+            cycles = self.cycles[key]
+            if len(cycles) < self.OBSERVED_MIN:
+                continue
+            median, old = statistics.median(cycles), self._seen.get(key)
+            self._seen[key] = median
+            if old is None or abs(median - old) > 0.02 * old:  # decisions may change
+                self._version += 1
+        self._stale.clear()
+        return self._seen
 
     def _size(self, shape: DraftShape, bs: int) -> tuple[int, float]:
         """The measured size a batch of bs runs at, and the scale past the largest."""
@@ -115,12 +140,13 @@ class StepCosts:
 
     def __call__(self, shape: DraftShape, bs: int) -> float:
         size, scale = self._size(shape, bs)
-        seen = self.seen.get((shape, size))
+        medians = self.seen
+        seen = medians.get((shape, size))
         if seen is not None:
             return seen * scale
         base = self.table[(shape, size)]
         for other in self.sizes:  # the host's share, as measured for another shape
-            known = self.seen.get((other, size))
+            known = medians.get((other, size))
             if other != shape and known is not None:
                 return max(base + known - self.table[(other, size)], 0.5 * base) * scale
         return base * scale
@@ -135,13 +161,7 @@ class StepCosts:
         if cycles is None:
             cycles = self.cycles[key] = deque(maxlen=self.WINDOW)
         cycles.append(seconds)
-        if len(cycles) < self.OBSERVED_MIN:
-            return
-        median = statistics.median(cycles)
-        old = self.seen.get(key)
-        self.seen[key] = median
-        if old is None or abs(median - old) > 0.02 * old:  # decisions may change
-            self.version += 1
+        self._stale.add(key)
 
     @classmethod
     def averaged(cls, tables: list[dict]) -> StepCosts:
