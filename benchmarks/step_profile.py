@@ -113,12 +113,63 @@ def timeline(engine: Engine, prompts, params) -> dict:
     }  # fmt: skip
 
 
+def phases(args, common, params) -> dict:
+    """Plain vs adaptive engines held resting (DFLASH and the draft LM; one DFLASH engine that
+    does not time its cycles): per generate, the wall time and the seconds in extend steps and
+    in launching decode steps, ROUNDS round-robin generates per size, medians (no profiler)."""
+    configs = {
+        "plain": {},
+        "dflash resting": dict(algo="dflash", draft=str(ROOT / "assets" / "dflash"),
+                               num_draft_tokens=7, speculation="auto"),
+        "dflash resting, no cycles": dict(algo="dflash", draft=str(ROOT / "assets" / "dflash"),
+                                          num_draft_tokens=7, speculation="auto"),
+        "draft-lm resting": dict(algo="draft-model", draft=str(ROOT / "assets" / "draft_lm"),
+                                 num_draft_tokens=4, speculation="auto"),
+    }  # fmt: skip
+    engines = {}
+    for name, options in configs.items():
+        engine = engines[name] = Engine(str(ROOT / "assets" / "target"), **common, **options)
+        if engine.chooser.adaptive:
+            engine.chooser.rest_left = 10**9
+            engine.chooser.costs.learns = not name.endswith("no cycles")
+        engine.generate(prompts_of(1), params, use_tqdm=False)
+    report = {}
+    for bs in [int(s) for s in args.sizes.split(",")]:
+        prompts = prompts_of(bs)
+        rows = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                before = dict(engine.step_seconds), engine.num_steps
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                engine.generate(prompts, params, use_tqdm=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+                rows[name].append((wall, engine.step_seconds["extend"] - before[0]["extend"],
+                                   engine.step_seconds["decode"] - before[0]["decode"],
+                                   engine.num_steps - before[1]))  # fmt: skip
+        report[str(bs)] = {
+            name: {
+                "wall_ms": round(statistics.median(r[0] for r in runs) * 1e3, 3),
+                "extend_ms": round(statistics.median(r[1] for r in runs) * 1e3, 3),
+                "decode_launch_ms": round(statistics.median(r[2] for r in runs) * 1e3, 3),
+                "steps": statistics.median(r[3] for r in runs),
+                "paired_vs_plain": round(statistics.median(
+                    p[0] / r[0] for p, r in zip(rows["plain"], runs, strict=True)), 4),
+            }
+            for name, runs in rows.items()
+        }  # fmt: skip
+        print(json.dumps(report[str(bs)], indent=1))
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--sizes", default="8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--mode", choices=["profile", "phases"], default="profile")
     args = parser.parse_args()
     if args.device == "cpu":  # a smoke run on a CPU host
         torch.cuda.synchronize = lambda: None
@@ -131,6 +182,11 @@ def main() -> int:
         max_num_seqs=64,
         num_pages=4096,
     )
+    if args.mode == "phases":
+        report = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "command": " ".join(sys.argv), **phases(args, common, params)}  # fmt: skip
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
     eagle = dict(algo="eagle3", draft=str(ROOT / "assets" / "eagle3"), num_draft_tokens=4)
     configs = {
         "plain": {},
