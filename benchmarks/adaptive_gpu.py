@@ -71,7 +71,7 @@ def free(engine) -> None:
     torch.cuda.empty_cache()
 
 
-def part_8b(report: dict) -> None:
+def part_8b(report: dict, only: str | None = None) -> None:
     shape = SHAPES["llama8b"]
     target, head = write_config(shape), write_head(shape)
     gen = torch.Generator().manual_seed(0)
@@ -87,6 +87,8 @@ def part_8b(report: dict) -> None:
         "auto_d0": dict(algo="eagle3", draft=head, num_draft_tokens=3, speculation="auto",
                         catch_up_depth=0),  # fmt: skip
     }
+    if only:
+        runs = {name: options for name, options in runs.items() if name in only.split(",")}
     rows = report.setdefault("8b", {})
     for name, options in runs.items():
         try:
@@ -112,6 +114,8 @@ def part_8b(report: dict) -> None:
         try:
             plain = rows["plain"][key]
             for name in ("fixed", "auto", "auto_d0"):
+                if name not in rows:
+                    continue
                 row = rows[name][key]
                 row["vs_plain"] = round(row["tok_s"] / plain["tok_s"], 3)
                 row["equal_to_plain"] = row.pop("tokens") == plain["tokens"]
@@ -229,6 +233,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--parts", default="8b,bundled")
+    parser.add_argument("--runs-8b", default=None, help="e.g. plain,auto (default: all four)")
     args = parser.parse_args()
     report = {
         "gpu": torch.cuda.get_device_name(),
@@ -237,7 +242,10 @@ def main() -> int:
         "command": " ".join(["python"] + sys.argv),
     }
     for part in args.parts.split(","):
-        {"8b": part_8b, "bundled": part_bundled}[part](report)
+        if part == "8b":
+            part_8b(report, args.runs_8b)
+        else:
+            part_bundled(report)
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
 
     def no_traces(value):
