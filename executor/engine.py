@@ -580,8 +580,11 @@ class Engine:
         when the last StepCosts.STEADY steps launched pure decode steps of one shape and size
         (a steady run)."""
         now = time.perf_counter()
-        last, before, costs = self._cycle, self._cycles_before, self.chooser.costs
-        if last is not None and self.chooser.adaptive and costs.learns:
+        last, before, chooser = self._cycle, self._cycles_before, self.chooser
+        costs = chooser.costs
+        # a rest decides nothing: its steps' host work stays the plain engine's (a small
+        # model's 0.2 ms step feels every microsecond: benchmarks/results/adaptive.md, wave 6)
+        if last is not None and not chooser.rest_left and chooser.adaptive and costs.learns:
             earlier = list(before)[len(before) - (costs.STEADY - 1) :]
             if len(earlier) == costs.STEADY - 1 and all(key == last for key in earlier):
                 costs.observe(last[0], last[1], now - self._cycle_start)
@@ -630,7 +633,8 @@ class Engine:
             elif self.runner.catch_up is not None:
                 self.runner.catch_up.count.zero_()  # rest steps recorded on the device unread
         if plan.rests:
-            chooser.mark_cold(c.request.index for c in plan.chunks)
+            if plan.chunks:
+                chooser.mark_cold(c.request.index for c in plan.chunks)
             return
         if chooser.cold:
             for chunk in plan.chunks:
