@@ -303,11 +303,12 @@ class GraphRunner:
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         if self.pctx.rank == 0:
             log.info(
-                "captured %d graphs (sizes %s, variants %s, draft shapes %s) using %.2f GiB",
+                "captured %d graphs (sizes %s, variants %s, draft shapes %s%s) using %.2f GiB",
                 len(items),
                 self.sizes,
                 list(self.variants),
                 [tuple(s) for s in self.shapes],
+                ", resting plain graphs" if self.rests else "",
                 self.graph_memory_bytes / 2**30,
             )
 

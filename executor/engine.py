@@ -580,11 +580,13 @@ class Engine:
         when the last StepCosts.STEADY steps launched pure decode steps of one shape and size
         (a steady run)."""
         now = time.perf_counter()
-        last, before, chooser = self._cycle, self._cycles_before, self.chooser
+        chooser, before = self.chooser, self._cycles_before
         costs = chooser.costs
-        # a rest decides nothing: its steps' host work stays the plain engine's (a small
-        # model's 0.2 ms step feels every microsecond: benchmarks/results/adaptive.md, wave 6)
-        if last is not None and not chooser.rest_left and chooser.adaptive and costs.learns:
+        # a rest step (its last one too) is the plain engine's step: no cycle of the costs' (and
+        # no host work for them: a small model's 0.2 ms step feels every microsecond,
+        # benchmarks/results/adaptive.md, wave 6); a steady run starts again after it
+        last = None if self._resting else self._cycle
+        if last is not None and chooser.adaptive and costs.learns:
             earlier = list(before)[len(before) - (costs.STEADY - 1) :]
             if len(earlier) == costs.STEADY - 1 and all(key == last for key in earlier):
                 costs.observe(last[0], last[1], now - self._cycle_start)

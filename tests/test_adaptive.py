@@ -146,6 +146,38 @@ def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
     assert engine.graphs.num_rest_steps == len(launches)
 
 
+def test_no_cycle_of_a_rest_step_is_observed():
+    """A rest's steps (its last one too) are the plain engine's: none of their cycles refines
+    the costs (a rest step records no catch-up, so it is cheaper than a plain step of auto)."""
+    engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
+    prompts = prompts_of((5, 23), seed=3, vocab=engine.model_config.vocab_size)
+    launches, run = [], engine.graphs.run
+    engine.graphs.run = lambda *args: launches.append(args[-1]) or run(*args)
+    observed, observe = [], engine.chooser.costs.observe
+    engine.chooser.costs.observe = lambda *a: observed.append(launches[-1]) or observe(*a)
+    engine.chooser.rest_left = 20
+    engine.generate(prompts, GREEDY)
+    assert any(launches) and observed  # it rested, and cycles were observed after the rest
+    assert not any(observed)  # none of a rest step
+
+
+def test_a_resting_graphs_step_does_no_drafter_work():
+    """What a `+rest` graph captures (GraphRunner._step_of) runs no drafter code at all."""
+    from speculant.executor.cuda_graph import RESTING
+
+    engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO, catch_up_depth=2)
+    calls = []
+    for name in ("propose", "catch_up_entry"):
+        original = getattr(engine.drafter, name)
+        setattr(engine.drafter, name,
+                lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))  # fmt: skip
+    keys = [key for key in engine.graphs.capture_plan() if key[0].endswith(RESTING)]
+    for key in keys:
+        engine.runner.buffers.fill([], [], [], [], [], [], key[1], engine.kv.sentinel_row)
+        engine.graphs._step_of(key, None)()
+    assert keys and calls == []
+
+
 def test_steps_that_can_rest_capture_resting_plain_graphs():
     """`auto` captures, per sampler variant and size, a plain graph with the drafter at rest
     besides the three draft shapes; fixed speculation and plain engines capture none."""
@@ -851,7 +883,7 @@ def test_with_overlap_a_cycle_counts_only_between_two_launches_of_one_shape(monk
 
 def test_a_cycle_counts_only_after_steady_steps_in_a_row(monkeypatch):
     """With StepCosts.STEADY = 3 the second step after a change of shape does not count
-    either (it may still wait on the steps before the change); a new run() starts afresh."""
+    either (it may still wait on the steps before the change)."""
     import types
 
     import speculant.executor.engine as engine_module
