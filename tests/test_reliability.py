@@ -117,10 +117,12 @@ def _left_running(marker: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_keeps_finished_outputs(llama_dir, tmp_path):
-    """One short and two long requests: after the short one is written, Ctrl-C ends the run
-    with 130 and the file holds the finished request's complete line."""
+    """One short and six long requests: after the short one is written, Ctrl-C ends the run
+    with 130 and the file holds the finished request's complete line. (Two long ones of 400
+    tokens once finished, on a fast host, before the signal landed: 3,000 tokens one at a time
+    outlast it.)"""
     rows = [{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 4}]
-    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 400} for i in range(2)]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 500} for i in range(6)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     args = ["--target", str(llama_dir), "--prompts", "p.jsonl", "--output", "out.jsonl"]
@@ -139,7 +141,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_finished_outputs(llama_dir, tmp_path,
     short ones are written, Ctrl-C ends the job with 130, the file holds both, and no rank is
     left running. Outputs reach rank 0's file in the step they finish, on any DP rank."""
     rows = [{"prompt_token_ids": [5 + i, 6, 7], "max_new_tokens": 4} for i in range(2)]
-    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 400} for i in range(2)]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 500} for i in range(2)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, marker = tmp_path / "out.jsonl", str(tmp_path / "p.jsonl")
     args = ["--target", str(llama_dir), "--prompts", marker, "--output", "out.jsonl", *layout]
