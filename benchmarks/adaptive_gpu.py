@@ -65,6 +65,15 @@ def timed_generate(engine: Engine, prompts, params) -> tuple[float, list[list[in
     return statistics.median(rates), [o.token_ids for o in outs], stats
 
 
+def one_generate(engine: Engine, prompts, params) -> tuple[float, list]:
+    """Output tokens/s of one synchronised generate, and its outputs."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    return sum(len(o.token_ids) for o in result) / (time.perf_counter() - start), result
+
+
 def free(engine) -> None:
     del engine
     gc.collect()
@@ -188,13 +197,8 @@ def part_bundled(report: dict) -> None:
         before = {name: spent_so_far(engine) for name, engine in engines.items()}
         for _ in range(ROUND_ROBIN):
             for name, engine in engines.items():
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                result = engine.generate(prompts[:bs], params)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
-                rates[name][bs].append(sum(len(o.token_ids) for o in result) / seconds)
-                outs[(name, bs)] = result
+                rate, outs[(name, bs)] = one_generate(engine, prompts[:bs], params)
+                rates[name][bs].append(rate)
         for name, engine in engines.items():
             states[(name, bs)] = chooser_state(engine, sizes)
             after = spent_so_far(engine)

@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
-from speculant import Engine, SamplingParams
+sys.path.insert(0, str(Path(__file__).parent))
+from adaptive_gpu import one_generate  # noqa: E402
+
+from speculant import Engine, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DRAFTERS = {  # name -> (algo, folder, k)
@@ -115,12 +118,8 @@ def main() -> int:
         rates = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                result = engine.generate(prompts[:bs], params)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
-                rates[name].append(sum(len(o.token_ids) for o in result) / seconds)
+                rate, result = one_generate(engine, prompts[:bs], params)
+                rates[name].append(rate)
                 outs[(name, bs)] = [o.token_ids for o in result]
         for name in engines:
             report["rates"].setdefault(name, {})[bs] = {

@@ -587,8 +587,8 @@ class Engine:
         # benchmarks/results/adaptive.md, wave 6); a steady run starts again after it
         last = None if self._resting else self._cycle
         if last is not None and chooser.adaptive and costs.learns:
-            earlier = list(before)[len(before) - (costs.STEADY - 1) :]
-            if len(earlier) == costs.STEADY - 1 and all(key == last for key in earlier):
+            steady = len(before) >= costs.STEADY - 1
+            if steady and all(before[-i] == last for i in range(1, costs.STEADY)):
                 costs.observe(last[0], last[1], now - self._cycle_start)
         before.append(last)
         self._cycle, self._cycle_start = None, now
