@@ -7,8 +7,10 @@
 2. `bundled`: the bundled target with its trained EAGLE-3 (k 4), DFLASH (k 7) and draft LM
    (k 4), greedy on the held-out prompts at bs 1, 8, 32 and 64 (128 new tokens). The bar: auto
    >= max(plain, fixed) - 3% at every size. All engines are built first and each size is timed
-   round-robin over them (15 rounds, median; the order rotates each round, after one untimed
-   generate per engine at that size), so drift hits every configuration alike.
+   round-robin over them (15 rounds; the order rotates each round, after one untimed generate
+   per engine at that size). The verdict reads the median over rounds of auto / max(plain,
+   fixed) within the round (`paired_auto_vs_best`, robust to the host's drift across rounds);
+   the ratio of the median rates is recorded beside it (`auto_vs_best`, `medians_meet_bar`).
 `auto_d0` rows (8B part) are auto with --catch-up-depth 0 (the drafter caught up in every plain
 step, as before the deferred catch-up), for comparison in the same run.
 Each bundled row records every round's rate, the seconds its rounds spent in extend steps and
@@ -237,9 +239,13 @@ def part_bundled(report: dict) -> None:
                         strict=True,
                     )
                 )  # fmt: skip
+                # the bar reads the paired ratio: under the host's drift within a size's rounds
+                # (10-20% on this regime) the medians of rates can fall on differently drifted
+                # rounds per engine; both are recorded
                 verdict[f"{name}@{bs}"] = {"auto_vs_best": round(auto / best, 3),
                                            "paired_auto_vs_best": round(paired, 3),
-                                           "meets_bar": auto >= 0.97 * best}  # fmt: skip
+                                           "meets_bar": paired >= 0.97,
+                                           "medians_meet_bar": auto >= 0.97 * best}  # fmt: skip
             except (KeyError, TypeError):
                 verdict[f"{name}@{bs}"] = "missing"
     report["bundled_verdict"] = verdict
