@@ -60,6 +60,9 @@ class Drafter(ABC):
     # with the random number plain sampling draws the position's token with (so a draft equals
     # that token as often as the two distributions allow), and no q is kept (verify needs none)
     match_samples = False
+    # whether its extend steps draft from each sequence's last position as a decode batch
+    # (`propose_last`; graphed by executor/propose_graphs.py), after their N-token part
+    drafts_per_sequence = True
 
     @property
     def draft_stream(self) -> int:
@@ -108,6 +111,14 @@ class Drafter(ABC):
         0 (capturable for decode batches). With 0 the drafter only brings its state up to date
         on the batch's positions (a plain step of adaptive speculation), so that a later step
         can draft from them."""
+
+    def propose_last(
+        self, one: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
+        """The per-sequence part of an extend step: `num_drafts` drafts from each sequence's last
+        position, given that position's inputs as a decode batch of one token per row
+        (executor/piecewise_drafter.py `last_position_inputs`; capturable: ProposeGraphs)."""
+        return self.propose(one, sampling, variant, num_drafts)
 
     def extend_piece(self):
         """The part of its extend steps that depends only on their N tokens, which piecewise

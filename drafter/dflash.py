@@ -58,7 +58,7 @@ from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.piecewise_drafter import (
     DFlashContextPiece,
     drafter_extend,
-    last_position_inputs,
+    propose_per_sequence,
 )
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from speculant.models.llama import MLP
@@ -511,7 +511,7 @@ class DFlashDrafter(Drafter):
             drafter_extend(self, inputs)
             if num_drafts == 0:
                 return self.no_drafts(batch)
-            return self.propose(last_position_inputs(inputs), sampling, variant, num_drafts)
+            return propose_per_sequence(self, inputs, sampling, variant, num_drafts)
         features = self.features(inputs)
         if num_drafts == 0:  # the context K/V of the batch's positions, no block forward
             self.model.write_context(features, batch.positions, self.k_pools, self.v_pools,

@@ -11,7 +11,11 @@ from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.piecewise_drafter import DraftModelPiece, drafter_extend
+from speculant.executor.piecewise_drafter import (
+    DraftModelPiece,
+    drafter_extend,
+    propose_per_sequence,
+)
 from speculant.models.llama import CausalLM
 
 
@@ -73,13 +77,28 @@ class DraftModelDrafter(Drafter):
         batch = inputs.batch
         if batch.is_varlen:  # EXTEND: the forward over the chunk, graphed by token bucket
             drafter_extend(self, inputs)
-        else:
-            self.attn.prepare(batch, shared_slots=inputs.target_slots)
-            self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
+            if num_drafts == 0:
+                return self.no_drafts(batch)
+            return propose_per_sequence(self, inputs, sampling, variant, num_drafts)
+        self.attn.prepare(batch, shared_slots=inputs.target_slots)
+        self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
         if num_drafts == 0:
             return self.no_drafts(batch)
         token = inputs.next_tokens.reshape(-1)[inputs.last_flat]
         position = batch.positions[inputs.last_flat] + 1
+        return self._chain(token, position, inputs, sampling, variant, num_drafts)
+
+    def propose_last(
+        self, one: DraftInputs, sampling: SamplingInfo, variant: str, num_drafts: int
+    ) -> Proposal:
+        """After an extend step's forward over its chunks: the chain from each sequence's last
+        position (its K/V is written already)."""
+        token, position = one.next_tokens.reshape(-1), one.batch.positions + 1
+        return self._chain(token, position, one, sampling, variant, num_drafts)
+
+    def _chain(self, token, position, inputs: DraftInputs, sampling, variant, num_drafts):
+        """num_drafts single-token decodes from `token` at `position` in each row."""
+        batch = inputs.batch
         drafts, probs = [], []
         for _ in range(num_drafts):
             one = self.single_token_batch(batch.req_pool_indices, position, token, batch.kv_len)

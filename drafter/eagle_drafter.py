@@ -14,7 +14,7 @@ from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.piecewise_drafter import (
     EagleKVPiece,
     drafter_extend,
-    last_position_inputs,
+    propose_per_sequence,
 )
 
 
@@ -41,6 +41,8 @@ class Eagle3Drafter(Drafter):
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
         if head.num_layers == 1:  # its K/V need only (token, aux): a catch-up can wait
             self.catch_up_width = len(self.aux_layer_ids) * target.config.hidden_size
+        # a deeper head runs over every position of an extend step (propose_whole_head)
+        self.drafts_per_sequence = head.num_layers == 1
 
     def extend_piece(self) -> EagleKVPiece:
         return EagleKVPiece(self)
@@ -70,7 +72,7 @@ class Eagle3Drafter(Drafter):
             drafter_extend(self, inputs)
             if num_drafts == 0:
                 return self.no_drafts(batch)
-            return self.propose(last_position_inputs(inputs), sampling, variant, num_drafts)
+            return propose_per_sequence(self, inputs, sampling, variant, num_drafts)
         return self.propose_whole_head(inputs, sampling, variant, num_drafts)
 
     def propose_whole_head(

@@ -194,7 +194,7 @@ class Engine:
         self._resting = False  # whether the last step rested the drafter
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
-            self.attention_backend, mc.is_moe,
+            self.attention_backend, mc.is_moe, self.graphs.sizes,
         )  # fmt: skip
         self.runner.piecewise = self.piecewise
         self.piecewise.capture()

@@ -28,8 +28,9 @@ after the target's; the machinery both share is executor/bucket_graphs.py): EAGL
 over every position (a one-layer head: fc, norms, K/V and RoPE, no attention), DFLASH's context
 K/V, and the draft model's forward over the chunk (its own attention on the static layout). What
 follows per sequence (bs rows: the layer at each sequence's last position, the chain drafting,
-DFLASH's block forward) runs eagerly, as a decode batch of one token per row
-(`last_position_inputs`)."""
+DFLASH's block forward) is a decode batch of one token per row (`last_position_inputs`), which
+greedy steps replay from graphs by padded row count (executor/propose_graphs.py's
+`ProposeGraphs`, the runner's `per_sequence`, in the same pool, captured last)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from speculant.executor.bucket_graphs import (
 )
 from speculant.executor.forward_batch import ForwardBatch
 from speculant.executor.piecewise_drafter import DrafterPiecewise
+from speculant.executor.propose_graphs import ProposeGraphs
 
 # Measured on an H200, 8B shape (benchmarks/results/piecewise.md): a graph saves the ~13 ms of
 # launches of an eager forward, which a forward hides once its own compute is that long: 2048
@@ -105,6 +107,7 @@ class PiecewiseRunner(BucketGraphs):
         pctx: ParallelContext,
         attention_backend: str,
         is_moe: bool = False,
+        row_sizes: list[int] | None = None,
     ):
         if cfg.piecewise_capture not in CAPTURE_MODES:
             raise SpeculantError(
@@ -135,10 +138,13 @@ class PiecewiseRunner(BucketGraphs):
             n: new_entry(n, min(max_num_seqs, n), self.group, self.sentinel_row, self.device)
             for n in self.sizes
         }
-        self.drafter = None
+        self.drafter = self.per_sequence = None
         if runner.drafter is not None:
             self.drafter = DrafterPiecewise(self, runner.drafter.extend_piece())
             runner.drafter.piecewise = self.drafter
+            if runner.drafter.drafts_per_sequence and runner.k and row_sizes and self.sizes:
+                self.per_sequence = ProposeGraphs(self, row_sizes, runner.k)
+                runner.drafter.per_sequence = self.per_sequence
 
     # ------------------------------------------------------------------ layout
 
@@ -198,19 +204,21 @@ class PiecewiseRunner(BucketGraphs):
     def capture(self) -> None:
         """The target's buckets, then the drafter's (same pool)."""
         super().capture()
-        if self.drafter is not None:
-            self.drafter.capture()
+        for graphs in self._drafter_graphs():
+            graphs.capture()
+
+    def _drafter_graphs(self) -> list[BucketGraphs]:
+        return [g for g in (self.drafter, self.per_sequence) if g is not None]
 
     @property
     def total_capture_seconds(self) -> float:
-        """Capture time of the target's and the drafter's buckets."""
-        drafter = self.drafter.capture_seconds if self.drafter is not None else 0.0
-        return self.capture_seconds + drafter
+        """Capture time of the target's buckets and the drafter's (both parts)."""
+        return self.capture_seconds + sum(g.capture_seconds for g in self._drafter_graphs())
 
     def clear(self) -> None:
         """Release every graph (the drafter's too), their output buffers and the pool; padded
         forwards then run eagerly until `capture` again."""
-        if self.drafter is not None:
-            self.drafter.clear()
+        for graphs in self._drafter_graphs():
+            graphs.clear()
         self._release()
         self.pool = None

@@ -3,14 +3,15 @@ buckets (`DrafterPiecewise`, in the target's pool, captured after the target's):
 over every position (a one-layer head: fc, norms, K/V and RoPE, no attention), DFLASH's context
 K/V, and the draft model's forward over the chunk (its own attention on the static layout). What
 follows per sequence (bs rows: the layer at each sequence's last position, the chain drafting,
-DFLASH's block forward) runs eagerly, as a decode batch of one token per row
-(`last_position_inputs`). Each drafter names its piece (`Drafter.extend_piece`)."""
+DFLASH's block forward) is a decode batch of one token per row (`last_position_inputs`), drafted
+by `propose_per_sequence`: through executor/propose_graphs.py's graphs by row count for greedy
+steps, else eagerly. Each drafter names its piece (`Drafter.extend_piece`)."""
 
 from __future__ import annotations
 
 import torch
 
-from speculant.drafter.base import DraftInputs
+from speculant.drafter.base import DraftInputs, Proposal
 from speculant.executor.bucket_graphs import (
     BucketEntry,
     BucketGraphs,
@@ -134,6 +135,20 @@ def last_position_inputs(inputs: DraftInputs) -> DraftInputs:
     )
 
 
+def propose_per_sequence(drafter, inputs: DraftInputs, sampling, variant: str, num_drafts: int):
+    """The per-sequence part of an extend step (after its N-token part): the drafts from each
+    sequence's last position, through the drafter's `ProposeGraphs` (executor/propose_graphs.py:
+    a replay, or its padded forward eagerly) when the engine gave it one and the step fits, else
+    eagerly unpadded (`Drafter.propose_last`)."""
+    one = last_position_inputs(inputs)
+    graphs = getattr(drafter, "per_sequence", None)  # set by PiecewiseRunner
+    if graphs is not None:
+        tokens = graphs.forward(one, variant, num_drafts)
+        if tokens is not None:
+            return Proposal(tokens, None)
+    return drafter.propose_last(one, sampling, variant, num_drafts)
+
+
 class DrafterPiecewise(BucketGraphs):
     """The drafter's N-token part of extend steps (`DrafterPiece`) by the target's buckets: its
     entries (tokens, positions, slots, layout) and one extra-input buffer of the largest bucket
@@ -148,9 +163,7 @@ class DrafterPiecewise(BucketGraphs):
         self.kv_len = target.kv_len
         group = piece.group or 1
         self.entries: dict[int, BucketEntry] = {
-            n: new_entry(
-                n, min(target.max_num_seqs, n), group, self.sentinel_row, self.device
-            )
+            n: new_entry(n, min(target.max_num_seqs, n), group, self.sentinel_row, self.device)
             for n in self.sizes
         }
         self.extra = None

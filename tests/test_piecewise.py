@@ -451,6 +451,92 @@ def capture_with_stand_ins(pw):
             runner._capture_one(runner.entries[n])
 
 
+def record_extend_drafts(eng) -> list[list[list[int]]]:
+    """Every later extend step's drafts per sequence, as the engine reads them back."""
+    drafts, extend = [], eng.runner.extend
+
+    def recording(*args, **kwargs):
+        out = extend(*args, **kwargs)
+        drafts.append(out.drafts.tolist())
+        return out
+
+    eng.runner.extend = recording
+    return drafts
+
+
+class StandInPropose:
+    """A CPU stand-in for a per-sequence drafting graph: replay re-runs the drafting from the
+    entry's static buffers and writes the captured output buffer."""
+
+    def __init__(self, graphs, entry, outputs):
+        self.graphs, self.entry, self.outputs = graphs, entry, outputs
+
+    def replay(self):
+        self.outputs.copy_(self.graphs._run(self.graphs._inputs(self.entry).batch))
+
+
+def capture_propose_stand_ins(graphs, log):
+    """`ProposeGraphs.capture`'s graph branch without CUDA: warm-ups, capture order."""
+
+    def capture_one(entry):
+        batch = graphs._fill_dummy(entry)
+        while entry.num_warmups < 2:
+            graphs._run(batch)
+            entry.num_warmups += 1
+        out = graphs._run(batch)
+        entry.graph, entry.outputs, entry.captured = StandInPropose(graphs, entry, out), out, True
+        graphs.capture_order.append(entry.num_tokens)
+        log.append(entry.num_tokens)
+
+    graphs._capture_one = capture_one
+    graphs.graphs_possible = graphs.pad = graphs.use_graphs = True
+    for n in graphs.capture_plan():
+        graphs._capture_one(graphs.entries[n])
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_per_sequence_drafting_runs_by_row_count(llama_dir, tmp_path, kind):
+    """The drafter's per-sequence part of greedy extend steps (the drafts from each sequence's
+    last position: executor/propose_graphs.py) by padded row count, the decode graphs' sizes:
+    padded eagerly, and through stand-in graphs captured at start (largest first) and replayed,
+    the unpadded engine's tokens and acceptance (its K/V too, outside page 0). A step with a
+    sampled row drafts eagerly, unpadded."""
+    spec = drafter_options(kind, llama_dir, tmp_path)
+    greedy = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * len(PROMPTS)
+    plain = engine(llama_dir, piecewise_sizes=[], **spec)
+    ref_drafts = record_extend_drafts(plain)
+    ref = plain.generate(PROMPTS, greedy)
+    assert plain.piecewise.per_sequence is None
+    padded = engine(llama_dir, eager_padding=True, **spec)
+    graphs = padded.piecewise.per_sequence
+    assert graphs.sizes == [1, 2, 4, 7, 8] and graphs.pad and padded.drafter.per_sequence is graphs
+    extends, drafts = padded.extend_steps, record_extend_drafts(padded)
+    out = padded.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert drafts == ref_drafts  # every extend step's drafts (random drafters accept ~nothing)
+    assert [o.stats["accept_len"] for o in out] == [o.stats["accept_len"] for o in ref]
+    assert graphs.stats.padded_eager == padded.extend_steps - extends > 0
+    page = plain.kv.page_size
+    for k_ref, k_pad in zip(drafter_pools(plain), drafter_pools(padded), strict=True):
+        torch.testing.assert_close(k_pad[page:], k_ref[page:], rtol=1e-5, atol=1e-5)
+    eng, log = engine(llama_dir, **spec), []
+    graphs = eng.piecewise.per_sequence
+    capture_propose_stand_ins(graphs, log)
+    assert log == [8, 7, 4, 2, 1] == graphs.capture_order
+    extends, drafts = eng.extend_steps, record_extend_drafts(eng)
+    out = eng.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref] and drafts == ref_drafts
+    assert graphs.stats.replays == eng.extend_steps - extends > 0
+    replays, params = graphs.stats.replays, mixed_params(2)  # a greedy and a sampled request
+    sampled = eng.generate(PROMPTS[:2], params)
+    assert graphs.stats.replays == replays  # drafted eagerly
+    assert [o.token_ids for o in sampled] == [
+        o.token_ids for o in plain.generate(PROMPTS[:2], params)
+    ]
+    eng.clear_graphs()
+    assert graphs.capture_order == [] and not any(e.captured for e in graphs.entries.values())
+
+
 @pytest.mark.parametrize("kind", ["plain", *DRAFTERS])
 def test_lazy_and_eager_capture_give_equal_tokens(llama_dir, tmp_path, kind):
     """Capture at start (largest first) or on each bucket's first use: the same tokens as
@@ -496,9 +582,7 @@ def test_an_uncaptured_drafter_shape_is_refused(llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["plain", *DRAFTERS])
-def test_clear_graphs_releases_every_entry_and_capture_graphs_recaptures(
-    llama_dir, tmp_path, kind
-):
+def test_clear_graphs_releases_every_entry_and_capture_graphs_recaptures(llama_dir, tmp_path, kind):
     eng, log = engine(llama_dir, **drafter_options(kind, llama_dir, tmp_path)), []
     pw = stand_in_graphs(eng, log)
     capture_with_stand_ins(pw)
@@ -651,6 +735,33 @@ def test_gpu_drafter_piecewise_graphs_equal_eager(llama_dir, tmp_path, kind):
     assert dpw.capture_order == [64, 32, 16]
     again = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_gpu_per_sequence_drafting_graphs_equal_eager(llama_dir, tmp_path, kind):
+    """Greedy extend steps draft per sequence through graphs by row count, captured at start
+    after the buckets (largest first): every extend step's drafts, the tokens and the
+    acceptance equal the all-eager engine's; clear and recapture."""
+    spec = drafter_options(kind, llama_dir, tmp_path)
+    greedy = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * len(PROMPTS)
+    ref_engine = gpu_engine(llama_dir, piecewise_sizes=[], **spec)
+    ref_drafts = record_extend_drafts(ref_engine)
+    ref = ref_engine.generate(PROMPTS, greedy)
+    eng = gpu_engine(llama_dir, **spec)
+    graphs = eng.piecewise.per_sequence
+    assert graphs.use_graphs and graphs.capture_order == sorted(graphs.sizes, reverse=True)
+    assert graphs.memory_bytes >= 0 and all(e.captured for e in graphs.entries.values())
+    replays, extends, drafts = graphs.stats.replays, eng.extend_steps, record_extend_drafts(eng)
+    out = eng.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref] and drafts == ref_drafts
+    assert [o.stats["accept_len"] for o in out] == [o.stats["accept_len"] for o in ref]
+    assert graphs.stats.replays - replays == eng.extend_steps - extends > 0
+    eng.clear_graphs()
+    assert not graphs.use_graphs and not any(e.captured for e in graphs.entries.values())
+    eng.capture_graphs()
+    assert graphs.capture_order == sorted(graphs.sizes, reverse=True)
+    assert [o.token_ids for o in eng.generate(PROMPTS, greedy)] == [o.token_ids for o in ref]
 
 
 @pytest.mark.gpu
