@@ -10,11 +10,12 @@ that proposes nothing drops the drafts its rows hold and runs as a plain step (0
 the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
 those positions, the draft model runs its LM over them), so a later step can draft again.
 A step of prefill chunks alone proposes nothing under `auto` (the chooser is asked with
-`proposes` False): the next decode step, a captured (0, k) graph, proposes. The drafter's
-per-sequence part of an extend step runs eagerly (EAGLE-3's last-position layer and chain,
-DFLASH's block, the draft model's k decodes: 7-11 ms on the bundled models on an H200, about 3,
-5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md): on the bundled models more than
-the one round of acceptance the new requests' first decode step then gives up. A mixed step
+`proposes` False): the next decode step, a captured (0, k) graph, proposes. This was decided
+when the drafter's per-sequence part of an extend step ran eagerly (EAGLE-3's last-position
+layer and chain, DFLASH's block, the draft model's k decodes: 7-11 ms on the bundled models on
+an H200, about 3, 5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md), more than the
+one round of acceptance the new requests' first decode step then gives up; greedy steps now
+replay that part from graphs (executor/propose_graphs.py), not yet re-measured here. A mixed step
 (decode rows and chunks) still proposes when drafting wins: its decode rows would otherwise lose
 their next verify, and back-to-back mixed steps would never verify at all.
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
