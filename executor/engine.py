@@ -604,10 +604,12 @@ class Engine:
         # per-row work per step for either (held drafts matter only to a step that drafts)
         resting = self.chooser.rest_left > 0  # a step that samples nothing keeps a rest going
         indices = [r.index for r in plan.requests] if adaptive and not resting else []
-        # adaptive: a step of prefill chunks alone proposes none; the next decode step's graph
-        # does (a mixed step proposes for its decode rows: back-to-back mixed steps would else
-        # never verify)
-        proposes = not (adaptive and plan.chunks and not plan.decode)
+        # adaptive: a step of prefill chunks alone proposes none unless its per-sequence drafting
+        # replays a graph (executor/propose_graphs.py); eagerly it costs more than the round of
+        # acceptance it brings, and the next decode step's graph proposes (a mixed step proposes
+        # for its decode rows: back-to-back mixed steps would else never verify)
+        prefill_only = plan.chunks and not plan.decode
+        proposes = not (adaptive and prefill_only and not self._drafts_cheaply(plan))
         drafts = self.chooser.choose(indices, bs, proposes) if bs else (0 if resting else k)
         drafts = drafts if proposes else 0  # a plain step (0, 0)
         held = k
@@ -617,6 +619,15 @@ class Engine:
         plan.tokens_per_req = plan.shape.tokens_per_req
         plan.rests = self.chooser.rests_now if bs else resting
         return plan
+
+    def _drafts_cheaply(self, plan: StepPlan) -> bool:
+        """Whether an extend step of these sequences would draft per sequence through a graph
+        (a greedy step of at most the largest row count: executor/propose_graphs.py)."""
+        graphs = self.piecewise.per_sequence
+        if graphs is None:
+            return False
+        variant = batch_variant([r.params.temperature for r in plan.requests])
+        return graphs.drafts_cheaply(len(plan.decode) + len(plan.chunks), variant)
 
     def _settle_catch_up(self, plan: StepPlan) -> None:
         """Adaptive speculation's drafter bookkeeping before a step. A step that rests the

@@ -100,6 +100,11 @@ class ProposeGraphs(BucketGraphs):
         inputs = self._inputs(entry)
         return self.drafter.propose_last(inputs, inputs.batch.sampling, GREEDY, self.k).tokens
 
+    def drafts_cheaply(self, num_rows: int, variant: str) -> bool:
+        """Whether a step of num_rows sequences in this sampler variant drafts through a size
+        (replayed, or padded eagerly on the CPU), not eagerly unpadded."""
+        return variant == GREEDY and self.bucket(num_rows) is not None
+
     def forward(self, one: DraftInputs, variant: str, num_drafts: int) -> torch.Tensor | None:
         """The drafts [n, k] of an extend step's last-position inputs `one` through its size (a
         replay, or the padded forward eagerly), or None: the caller drafts eagerly unpadded."""

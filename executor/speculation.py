@@ -9,15 +9,15 @@ that proposed nothing has nothing to verify, so the shapes are (k, k), (0, k) an
 that proposes nothing drops the drafts its rows hold and runs as a plain step (0, 0), in which
 the drafter only catches its state up on the new tokens (EAGLE-3 and DFLASH write their K/V of
 those positions, the draft model runs its LM over them), so a later step can draft again.
-A step of prefill chunks alone proposes nothing under `auto` (the chooser is asked with
-`proposes` False): the next decode step, a captured (0, k) graph, proposes. This was decided
-when the drafter's per-sequence part of an extend step ran eagerly (EAGLE-3's last-position
-layer and chain, DFLASH's block, the draft model's k decodes: 7-11 ms on the bundled models on
-an H200, about 3, 5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md), more than the
-one round of acceptance the new requests' first decode step then gives up; greedy steps now
-replay that part from graphs (executor/propose_graphs.py), not yet re-measured here. A mixed step
-(decode rows and chunks) still proposes when drafting wins: its decode rows would otherwise lose
-their next verify, and back-to-back mixed steps would never verify at all.
+A step of prefill chunks alone proposes under `auto` only where the drafter's per-sequence part
+of an extend step replays a graph (executor/propose_graphs.py: greedy steps of at most the
+largest row count; `Engine._drafts_cheaply`); otherwise the chooser is asked with `proposes`
+False and the next decode step, a captured (0, k) graph, proposes: eagerly that part (EAGLE-3's
+last-position layer and chain, DFLASH's block, the draft model's k decodes) costs 7-11 ms on the
+bundled models on an H200 (about 3, 5 and 36 ms on the 8B shape, benchmarks/results/piecewise.md),
+more than the one round of acceptance the new requests' first decode step then gives up. A
+mixed step (decode rows and chunks) still proposes when drafting wins: its decode rows would
+otherwise lose their next verify, and back-to-back mixed steps would never verify at all.
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.

@@ -225,6 +225,37 @@ def test_auto_prefill_only_steps_propose_nothing_mixed_steps_do(plain, drafter):
     assert sum(o.stats["num_verify_steps"] for o in ours) > 0
 
 
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_auto_prefill_only_steps_propose_where_their_drafting_is_graphed(plain, drafter):
+    """Where a prefill-only step's per-sequence drafting runs through its row-count graphs
+    (executor/propose_graphs.py: greedy steps; padded eagerly on the CPU), auto proposes there
+    as fixed does, and greedy output equals plain; a step with sampled rows, which would draft
+    eagerly, proposes nothing."""
+    vocab = plain.model_config.vocab_size
+    prompts = prompts_of((30, 3, 50, 17), seed=5, vocab=vocab)
+    graphed = dict(piecewise=True, eager_padding=True, piecewise_sizes=[8, 16, 24])
+    engine = forced_engine(drafter, [3], max_num_batched_tokens=24, max_num_seqs=4, **graphed)
+    shapes, extend = [], engine.runner.extend
+
+    def spy_extend(seqs, *args):
+        shapes.append((args[3], sum(s.verify for s in seqs)))
+        return extend(seqs, *args)
+
+    engine.runner.extend = spy_extend
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ours = engine.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
+    prefill_only = [shape for shape, rows in shapes if rows == 0]
+    assert prefill_only and all(shape.draft == 3 for shape in prefill_only), shapes
+    assert engine.piecewise.per_sequence.stats.padded_eager >= len(prefill_only)
+    shapes.clear()
+    sampled = [SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=i)
+               for i in range(len(prompts))]  # fmt: skip
+    engine.generate(prompts, sampled)
+    prefill_only = [shape for shape, rows in shapes if rows == 0]
+    assert prefill_only and all(shape == DraftShape(0, 0) for shape in prefill_only), shapes
+
+
 def test_drafting_must_beat_plain_by_the_margin():
     """A modelled gain below MARGIN keeps plain steps (drafting pays costs outside its step
     cycles); a larger one drafts."""
