@@ -12,8 +12,10 @@ records its own error and the script goes on.
 the 8B shape, a DFLASH dummy (z-lab's 5-layer Qwen3-8B-DFlash shape) and a draft model of the
 Qwen3-0.6B shape (the target's vocabulary): prefill-only extend steps of 16 and 256 tokens
 (`ModelRunner.extend`: target, sampling, the drafter's catch-up and drafts), the drafter's
-graphs on vs off (eagerly, unpadded), the target alone (no drafter) for scale, and EAGLE-3's
-whole head over the chunk (eager, before the restructure); drafts and tokens compared.
+graphs on vs off (eagerly, unpadded), the N-token part's graphs with the per-sequence part
+eager (`per_sequence_eager`: before executor/propose_graphs.py), the target alone (no drafter)
+for scale, and EAGLE-3's whole head over the chunk (eager, before the restructure); drafts and
+tokens compared.
 Buckets 16 and 256 only, so each engine starts quickly.
 
     python benchmarks/piecewise_gpu.py --json OUT.json [--shape llama8b] [--iters 20]
@@ -273,15 +275,17 @@ def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
     no drafter at all, and for EAGLE-3 the whole head over the chunk (eager, before the
     restructure); ms, drafts and tokens."""
     runner, dpw = eng.runner, eng.piecewise.drafter
-    drafter = runner.drafter
+    drafter, per_sequence = runner.drafter, eng.piecewise.per_sequence
     seqs = prefill_seqs(row, n, vocab)
     info = eng._sampling_info([ScratchRequest(SamplingParams())])
     result, outputs = {"tokens": n, "bucket": dpw.bucket(n)}, {}
-    modes = [("drafter_graph", dpw), ("drafter_eager", None), ("target_only", None)]
+    # (mode, the N-token part's graphs, the per-sequence part's graphs)
+    modes = [("drafter_graph", dpw, per_sequence), ("per_sequence_eager", dpw, None),
+             ("drafter_eager", None, None), ("target_only", None, None)]  # fmt: skip
     if hasattr(drafter, "head"):
-        modes.append(("whole_head_eager", None))
-    for mode, attached in modes:
-        drafter.piecewise = attached
+        modes.append(("whole_head_eager", None, None))
+    for mode, attached, attached_rows in modes:
+        drafter.piecewise, drafter.per_sequence = attached, attached_rows
         runner.drafter = None if mode == "target_only" else drafter
         if mode == "whole_head_eager":
             drafter.propose = drafter.propose_whole_head  # the head over every position
@@ -296,13 +300,15 @@ def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
             result[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:400]
             traceback.print_exc()
         finally:
-            drafter.piecewise, runner.drafter = dpw, drafter
+            drafter.piecewise, drafter.per_sequence, runner.drafter = dpw, per_sequence, drafter
             vars(drafter).pop("propose", None)  # the class's again
     if "drafter_graph" in outputs and "drafter_eager" in outputs:
         g_tokens, g_drafts = outputs["drafter_graph"]
         e_tokens, e_drafts = outputs["drafter_eager"]
         result["tokens_equal"] = g_tokens == e_tokens
         result["drafts_equal"] = g_drafts == e_drafts
+        if "per_sequence_eager" in outputs:
+            result["drafts_equal_per_sequence_eager"] = outputs["per_sequence_eager"][1] == e_drafts
         if g_drafts != e_drafts:
             result["drafts"] = {"graph": g_drafts, "eager": e_drafts}
         if "whole_head_eager" in outputs:
@@ -314,6 +320,9 @@ def drafter_case(eng: Engine, n: int, row: int, vocab: int, iters: int) -> dict:
             base = result["target_only_ms"]
             result["drafter_graph_extra_ms"] = round(result["drafter_graph_ms"] - base, 3)
             result["drafter_eager_extra_ms"] = round(result["drafter_eager_ms"] - base, 3)
+            if "per_sequence_eager_ms" in result:
+                extra = result["per_sequence_eager_ms"] - base
+                result["per_sequence_eager_extra_ms"] = round(extra, 3)
     return result
 
 
@@ -341,6 +350,12 @@ def run_drafters(args) -> dict:
                 "drafter_capture_order": list(dpw.capture_order),
                 "drafter_graph_gib": round(dpw.memory_bytes / 2**30, 3),
                 "use_graphs": [pw.use_graphs, dpw.use_graphs],
+                **(
+                    {"per_sequence_capture_s": round(eng.piecewise.per_sequence.capture_seconds, 3),
+                     "per_sequence_sizes": eng.piecewise.per_sequence.sizes}  # fmt: skip
+                    if eng.piecewise.per_sequence is not None
+                    else {}
+                ),
             }
             print(name, "startup", entry["startup"], flush=True)
             row = eng.kv.allocate(max(DRAFTER_SIZES) + 16)
