@@ -285,6 +285,20 @@ class BucketGraphs:
         self.use_graphs = False
 
 
+class InTargetPool:
+    """A drafter's graphs kept in the target runner's (`target`) memory pool."""
+
+    target: BucketGraphs
+
+    @property
+    def pool(self):
+        return self.target.pool
+
+    @pool.setter
+    def pool(self, value) -> None:
+        self.target.pool = value
+
+
 # ------------------------------------------------------------------------------ entries
 
 

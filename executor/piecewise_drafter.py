@@ -15,6 +15,7 @@ from speculant.drafter.base import DraftInputs, Proposal
 from speculant.executor.bucket_graphs import (
     BucketEntry,
     BucketGraphs,
+    InTargetPool,
     bucket_layout,
     fill_tokens,
     new_entry,
@@ -149,7 +150,7 @@ def propose_per_sequence(drafter, inputs: DraftInputs, sampling, variant: str, n
     return drafter.propose_last(one, sampling, variant, num_drafts)
 
 
-class DrafterPiecewise(BucketGraphs):
+class DrafterPiecewise(InTargetPool, BucketGraphs):
     """The drafter's N-token part of extend steps (`DrafterPiece`) by the target's buckets: its
     entries (tokens, positions, slots, layout) and one extra-input buffer of the largest bucket
     shared by all of them (one forward at a time), its graphs in the target's pool."""
@@ -171,14 +172,6 @@ class DrafterPiecewise(BucketGraphs):
             dtype = piece.drafter.pool_layout[3]
             shape = (max(self.sizes), piece.width)
             self.extra = torch.zeros(shape, dtype=dtype, device=self.device)
-
-    @property
-    def pool(self):
-        return self.target.pool
-
-    @pool.setter
-    def pool(self, value) -> None:
-        self.target.pool = value
 
     def _extra(self, n: int) -> torch.Tensor | None:
         return None if self.extra is None else self.extra[:n]

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from speculant.drafter.base import DraftInputs
-from speculant.executor.bucket_graphs import BucketEntry, BucketGraphs, new_entry
+from speculant.executor.bucket_graphs import BucketEntry, BucketGraphs, InTargetPool, new_entry
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.sampling import GREEDY
 
 
-class ProposeGraphs(BucketGraphs):
+class ProposeGraphs(InTargetPool, BucketGraphs):
     """Greedy per-sequence drafting of extend steps, per padded row count, in the target's
     piecewise pool (captured after the target's and the drafter's buckets)."""
 
@@ -60,14 +60,6 @@ class ProposeGraphs(BucketGraphs):
             torch.zeros(top, dtype=torch.int64, device=self.device),
         )
         self.rows_index = torch.arange(top, device=self.device)
-
-    @property
-    def pool(self):
-        return self.target.pool
-
-    @pool.setter
-    def pool(self, value) -> None:
-        self.target.pool = value
 
     def _inputs(self, entry: BucketEntry) -> DraftInputs:
         n, tokens = entry.num_tokens, entry.tokens

@@ -418,8 +418,10 @@ class StandInGraph:
             dst.copy_(src)
 
 
-def stand_in_capture(pw, log):
-    """Turn a bucket runner (the target's or the drafter's) to graph mode with stand-ins."""
+def stand_in_capture(pw, log, stand_in=None):
+    """Turn a bucket runner (the target's, the drafter's, or with `stand_in` StandInPropose its
+    per-sequence graphs) to graph mode with stand-ins."""
+    stand_in = stand_in or StandInGraph
 
     def capture_one(entry):
         batch = pw._fill_dummy(entry)
@@ -427,7 +429,7 @@ def stand_in_capture(pw, log):
             pw._run(batch)
             entry.num_warmups += 1
         out = pw._run(batch)
-        entry.graph, entry.outputs, entry.captured = StandInGraph(pw, entry, out), out, True
+        entry.graph, entry.outputs, entry.captured = stand_in(pw, entry, out), out, True
         pw.capture_order.append(entry.num_tokens)
         log.append(entry.num_tokens)
 
@@ -480,19 +482,8 @@ class StandInPropose:
 
 def capture_propose_stand_ins(graphs, log):
     """`ProposeGraphs.capture`'s graph branch without CUDA: warm-ups, capture order."""
-
-    def capture_one(entry):
-        batch = graphs._fill_dummy(entry)
-        while entry.num_warmups < 2:
-            graphs._run(batch)
-            entry.num_warmups += 1
-        out = graphs._run(batch)
-        entry.graph, entry.outputs, entry.captured = StandInPropose(graphs, entry, out), out, True
-        graphs.capture_order.append(entry.num_tokens)
-        log.append(entry.num_tokens)
-
-    graphs._capture_one = capture_one
-    graphs.graphs_possible = graphs.pad = graphs.use_graphs = True
+    stand_in_capture(graphs, log, StandInPropose)
+    graphs.use_graphs = True
     for n in graphs.capture_plan():
         graphs._capture_one(graphs.entries[n])
 
