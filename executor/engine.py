@@ -608,10 +608,14 @@ class Engine:
         # replays a graph (executor/propose_graphs.py); eagerly it costs more than the round of
         # acceptance it brings, and the next decode step's graph proposes (a mixed step proposes
         # for its decode rows: back-to-back mixed steps would else never verify)
-        prefill_only = plan.chunks and not plan.decode
-        proposes = not (adaptive and prefill_only and not self._drafts_cheaply(plan))
-        drafts = self.chooser.choose(indices, bs, proposes) if bs else (0 if resting else k)
-        drafts = drafts if proposes else 0  # a plain step (0, 0)
+        # (a step none of whose chunks ends its context samples nothing: no drafts either)
+        prefill_only = bool(plan.chunks and not plan.decode)
+        proposes = not (adaptive and prefill_only)
+        cheaply = adaptive and prefill_only and bs > 0 and self._drafts_cheaply(plan)
+        if not bs:
+            drafts = 0 if resting or adaptive else k
+        else:
+            drafts = self.chooser.choose(indices, bs, proposes, cheaply)
         held = k
         if adaptive and drafts:
             held = min((len(r.next_input) - 1 for r in plan.decode), default=k)

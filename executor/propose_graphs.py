@@ -93,9 +93,12 @@ class ProposeGraphs(InTargetPool, BucketGraphs):
         return self.drafter.propose_last(inputs, inputs.batch.sampling, GREEDY, self.k).tokens
 
     def drafts_cheaply(self, num_rows: int, variant: str) -> bool:
-        """Whether a step of num_rows sequences in this sampler variant drafts through a size
-        (replayed, or padded eagerly on the CPU), not eagerly unpadded."""
-        return variant == GREEDY and self.bucket(num_rows) is not None
+        """Whether a step of num_rows sequences in this sampler variant drafts through a size:
+        a replay (or, where graphs are impossible, the CPU, the padded forward that stands in
+        for one in tests), not eagerly unpadded, nor padded eagerly between `clear_graphs` and
+        `capture_graphs`."""
+        stands_in = self.use_graphs or not self.graphs_possible
+        return stands_in and variant == GREEDY and self.bucket(num_rows) is not None
 
     def forward(self, one: DraftInputs, variant: str, num_drafts: int) -> torch.Tensor | None:
         """The drafts [n, k] of an extend step's last-position inputs `one` through its size (a

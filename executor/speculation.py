@@ -300,14 +300,19 @@ class DraftLengthChooser:
         spec = self.batch.expected_tokens() / self.costs(DraftShape(self.k, self.k), 1)
         return spec > self.MARGIN / self.costs(DraftShape(0, 0), 1)
 
-    def choose(self, request_indices: list[int], bs: int, proposes: bool = True) -> int:
+    def choose(
+        self, request_indices: list[int], bs: int, proposes: bool = True, cheaply: bool = False
+    ) -> int:
         """Drafts the step proposes (0 or k) for a batch of these requests run at size bs;
         `rests_now` then says whether the step rests the drafter. `proposes` False: a step of
-        prefill chunks alone, which proposes none (see the module doc), starts no probe and no
-        plain check, and leaves a probe in progress where it was."""
+        prefill chunks alone, which starts no probe and no plain check, and leaves a probe in
+        progress where it was; it proposes none (see the module doc) unless `cheaply` (its
+        per-sequence drafting replays a graph) and drafting wins."""
         self.rests_now = False
         drafts = self._choose(request_indices, bs, proposes)
-        self.chosen[drafts if proposes else 0] += 1
+        if not proposes and not cheaply:
+            drafts = 0
+        self.chosen[drafts] += 1
         return drafts
 
     def _choose(self, request_indices: list[int], bs: int, proposes: bool = True) -> int:

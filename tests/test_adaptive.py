@@ -237,22 +237,26 @@ def test_auto_prefill_only_steps_propose_where_their_drafting_is_graphed(plain, 
     engine = forced_engine(drafter, [3], max_num_batched_tokens=24, max_num_seqs=4, **graphed)
     shapes, extend = [], engine.runner.extend
 
-    def spy_extend(seqs, *args):
-        shapes.append((args[3], sum(s.verify for s in seqs)))
+    def spy_extend(seqs, *args):  # (shape, verify rows, whether a chunk ends its context)
+        shapes.append((args[3], sum(s.verify for s in seqs), any(s.samples for s in seqs)))
         return extend(seqs, *args)
 
     engine.runner.extend = spy_extend
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     ours = engine.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
-    prefill_only = [shape for shape, rows in shapes if rows == 0]
-    assert prefill_only and all(shape.draft == 3 for shape in prefill_only), shapes
-    assert engine.piecewise.per_sequence.stats.padded_eager >= len(prefill_only)
+    ending = [shape for shape, rows, ends in shapes if rows == 0 and ends]
+    assert ending and all(shape.draft == 3 for shape in ending), shapes
+    # a step none of whose chunks ends its context samples nothing: it drafts nothing either
+    middle = [shape for shape, rows, ends in shapes if rows == 0 and not ends]
+    assert middle and all(shape == DraftShape(0, 0) for shape in middle), shapes
+    drafting = sum(1 for shape, _, _ in shapes if shape.draft)  # each ran its sequences padded
+    assert engine.piecewise.per_sequence.stats.padded_eager == drafting
     shapes.clear()
     sampled = [SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=i)
                for i in range(len(prompts))]  # fmt: skip
     engine.generate(prompts, sampled)
-    prefill_only = [shape for shape, rows in shapes if rows == 0]
+    prefill_only = [shape for shape, rows, _ in shapes if rows == 0]
     assert prefill_only and all(shape == DraftShape(0, 0) for shape in prefill_only), shapes
 
 
@@ -272,8 +276,9 @@ def test_drafting_must_beat_plain_by_the_margin():
 
 def test_a_prefill_only_step_starts_no_probe_and_no_plain_check():
     """The chooser at a step of prefill chunks alone (`proposes` False): a probe that is due
-    waits for the next decode step; while drafting wins it answers k, without counting towards a
-    plain check."""
+    waits for the next decode step; while drafting wins it answers 0, or k where the step drafts
+    `cheaply` (its per-sequence drafting replays a graph), never counting towards a plain
+    check."""
     costs = StepCosts({(DraftShape(3, 3), 1): 3.0, (DraftShape(0, 0), 1): 1.0})
     chooser = DraftLengthChooser(3, AUTO, costs)
     chooser.batch.rates = [0.0] * 3  # nothing accepted: plain wins
@@ -287,8 +292,9 @@ def test_a_prefill_only_step_starts_no_probe_and_no_plain_check():
     good.batch.expected = good.batch._expected()
     costs.learns = True
     streak = good.draft_streak
-    assert [good.choose([0], 1, proposes=False) for _ in range(50)] == [3] * 50
-    assert good.draft_streak == streak and good.summary() == {0: 50}
+    assert [good.choose([0], 1, proposes=False) for _ in range(5)] == [0] * 5  # eagerly: none
+    assert [good.choose([0], 1, proposes=False, cheaply=True) for _ in range(50)] == [3] * 50
+    assert good.draft_streak == streak and good.summary() == {0: 5, 3: 50}
 
 
 def test_a_probe_whose_verify_never_runs_is_abandoned_and_probes_go_on():
