@@ -119,6 +119,11 @@ class BucketGraphs:
     forward (`_entry`, `_fill_dummy`, `_run`) and hold the pool (`pool`)."""
 
     label = ""  # in messages: " drafter" for the drafter's graphs
+    unit = "tokens"  # what a size counts
+    oom_advice = (
+        "lower --max-num-batched-tokens or --kv-cache-memory-fraction, or pass "
+        "--piecewise-sizes with smaller sizes"
+    )
     pool = None
 
     def _setup(self, cfg: GraphConfig, pctx: ParallelContext, device, sizes, graphs_possible):
@@ -149,7 +154,7 @@ class BucketGraphs:
             if not entry.captured:
                 if not self.lazy:
                     raise SpeculantError(
-                        f"no{self.label} piecewise graph was captured for {size} tokens "
+                        f"no{self.label} piecewise graph was captured for {size} {self.unit} "
                         f"(captured: {self.capture_order}); call Engine.capture_graphs()"
                     )
                 self._capture_lazily(entry)
@@ -197,7 +202,7 @@ class BucketGraphs:
         try:
             for n in bar:
                 free = torch.cuda.mem_get_info(device)[0] / 2**30
-                bar.set_description(f"capturing{self.label} tokens={n} free={free:.1f} GiB")
+                bar.set_description(f"capturing{self.label} {self.unit}={n} free={free:.1f} GiB")
                 self._capture_one(self.entries[n])
         finally:
             gc.unfreeze()
@@ -207,9 +212,10 @@ class BucketGraphs:
         self.capture_seconds = time.perf_counter() - start
         if self.pctx.rank == 0:
             log.info(
-                "captured %d%s piecewise graphs (tokens %s) in %.1f s using %.2f GiB",
+                "captured %d%s piecewise graphs (%s %s) in %.1f s using %.2f GiB",
                 len(plan),
                 self.label,
+                self.unit,
                 sorted(plan),
                 self.capture_seconds,
                 self.memory_bytes / 2**30,
@@ -239,9 +245,10 @@ class BucketGraphs:
         self.capture_seconds += time.perf_counter() - start
         if self.pctx.rank == 0:
             log.info(
-                "captured the%s piecewise graph for %d tokens in %.2f s using %.2f GiB",
+                "captured the%s piecewise graph for %d %s in %.2f s using %.2f GiB",
                 self.label,
                 entry.num_tokens,
+                self.unit,
                 time.perf_counter() - start,
                 taken / 2**30,
             )
@@ -266,8 +273,7 @@ class BucketGraphs:
         except torch.OutOfMemoryError as exc:
             raise SpeculantError(
                 f"out of GPU memory capturing the{self.label} piecewise graph for "
-                f"{entry.num_tokens} tokens; lower --max-num-batched-tokens or "
-                "--kv-cache-memory-fraction, or pass --piecewise-sizes with smaller sizes"
+                f"{entry.num_tokens} {self.unit}; {self.oom_advice}"
             ) from exc
         torch.cuda.synchronize()
         self.pctx.barrier()

@@ -31,6 +31,11 @@ class ProposeGraphs(InTargetPool, BucketGraphs):
     piecewise pool (captured after the target's and the drafter's buckets)."""
 
     label = " drafting"
+    unit = "rows"
+    oom_advice = (
+        "lower --max-num-seqs or --kv-cache-memory-fraction, or pass --capture-sizes with "
+        "smaller sizes (these graphs take the decode graphs' sizes)"
+    )
 
     def __init__(self, target, row_sizes: list[int], num_drafts: int):  # the PiecewiseRunner
         runner = target.runner

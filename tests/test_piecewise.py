@@ -575,6 +575,14 @@ def test_an_uncaptured_drafter_shape_is_refused(llama_dir, tmp_path):
         eng.generate(PROMPTS[:1], mixed_params(1))
 
 
+def test_an_uncaptured_per_sequence_size_is_refused(llama_dir, tmp_path):
+    eng = engine(llama_dir, **drafter_options("eagle3", llama_dir, tmp_path))
+    graphs = eng.piecewise.per_sequence
+    graphs.use_graphs = graphs.pad = True  # graph mode, nothing captured
+    with pytest.raises(SpeculantError, match=r"no drafting piecewise graph .* for 1 rows"):
+        eng.generate(PROMPTS[:1], [SamplingParams(max_new_tokens=4, ignore_eos=True)])
+
+
 @pytest.mark.parametrize("kind", ["plain", *DRAFTERS])
 def test_clear_graphs_releases_every_entry_and_capture_graphs_recaptures(llama_dir, tmp_path, kind):
     eng, log = engine(llama_dir, **drafter_options(kind, llama_dir, tmp_path)), []
