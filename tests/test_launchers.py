@@ -39,6 +39,15 @@ KILL_BOUND_S = 60  # a run with a dead rank must end within this
 RAY_OBJECT_STORE = 100 * 2**20
 
 
+def written(path) -> str:
+    """What a running job has written to `path` so far ("" before it exists: the CLI's output
+    checks create and remove the file once, so it can vanish between an exists() and a read)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 @pytest.fixture(scope="module")
 def eagle_dir(tmp_path_factory, llama_dir):
     path = tmp_path_factory.mktemp("eagle3_launch")
@@ -281,7 +290,7 @@ def test_torchrun_node_killed_fails_the_job_naming_it(two_nodes, llama_dir, tmp_
                         "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
                         "--max-num-seqs", "1", "--dist-timeout", "30"])  # fmt: skip
     deadline = time.monotonic() + NODE_BOUND_S
-    while not (out.exists() and out.read_text().endswith("\n")):
+    while not written(out).endswith("\n"):
         assert time.monotonic() < deadline, job.stderr(0) + job.stderr(1)
         time.sleep(0.1)
     start = time.monotonic()
@@ -433,7 +442,7 @@ class TestRayDriver:
         driver = threading.Thread(target=lambda: result.update(code=main(args)), daemon=True)
         driver.start()
         deadline = time.monotonic() + KILL_BOUND_S
-        while not (out.exists() and out.read_text().count("\n") >= 2):
+        while not written(out).count("\n") >= 2:
             assert driver.is_alive() and time.monotonic() < deadline, "short outputs not streamed"
             time.sleep(0.05)
         os.kill(actor_processes()[-1], signal.SIGKILL)
@@ -523,7 +532,7 @@ def test_killing_the_ray_driver_stops_every_actor(llama_dir, tmp_path, sig):
     actors: list[int] = []
     try:
         deadline = time.monotonic() + 120  # Ray's start-up included
-        while not (out.exists() and out.read_text().count("\n") >= 2):
+        while not written(out).count("\n") >= 2:
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         actors = actor_processes(driver.pid)
