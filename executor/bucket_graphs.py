@@ -282,6 +282,11 @@ class BucketGraphs:
         entry.graph, entry.outputs, entry.captured = graph, out, True
         self.capture_order.append(entry.num_tokens)
 
+    def clear(self) -> None:
+        """Release every graph and its output buffers; padded forwards then run eagerly until
+        `capture` again (the PiecewiseRunner also releases its pool)."""
+        self._release()
+
     def _release(self) -> None:
         for entry in self.entries.values():
             entry.graph = entry.outputs = None

@@ -232,6 +232,3 @@ class DrafterPiecewise(InTargetPool, BucketGraphs):
         padded = self._fill(entry, inputs)
         self._forward_entry(entry, padded, lambda: self._fill(entry, inputs))
         return True
-
-    def clear(self) -> None:
-        self._release()

@@ -136,6 +136,3 @@ class ProposeGraphs(InTargetPool, BucketGraphs):
             tokens[2, n:size].fill_(self.sentinel_slot)
             entry.rows[n:size].fill_(self.sentinel_row)
             self.next_tokens[n:size].zero_()
-
-    def clear(self) -> None:
-        self._release()

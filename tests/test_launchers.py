@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from helpers_eagle import write_random_eagle3
+from helpers_io import written
 
 from speculant.launch import cli
 from speculant.launch.spawn import free_port
@@ -37,15 +38,6 @@ from speculant.launch.spawn import free_port
 RUN_TIMEOUT_S = 180  # every launcher subprocess is killed after this
 KILL_BOUND_S = 60  # a run with a dead rank must end within this
 RAY_OBJECT_STORE = 100 * 2**20
-
-
-def written(path) -> str:
-    """What a running job has written to `path` so far ("" before it exists: the CLI's output
-    checks create and remove the file once, so it can vanish between an exists() and a read)."""
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return ""
 
 
 @pytest.fixture(scope="module")

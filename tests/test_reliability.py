@@ -17,15 +17,7 @@ from pathlib import Path
 import pytest
 from helpers_dflash import write_random_dflash
 from helpers_eagle import write_random_eagle3
-
-
-def written(path) -> str:
-    """What a running job has written to `path` so far ("" before it exists: the CLI's output
-    checks create and remove the file once, so it can vanish between an exists() and a read)."""
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return ""
+from helpers_io import written
 
 
 @pytest.fixture(scope="module")
