@@ -1,22 +1,19 @@
 """[adaptive] chooser variants on the bundled models, measured in one run (one GPU).
 
 adaptive_gpu.py's bundled part (plain, fixed and auto for EAGLE-3, DFLASH and the draft LM at
-bs 1, 8, 32, 64, round-robin, median of ROUNDS) with auto in several chooser settings side by
-side, each set on its engine's chooser after start-up:
-
-- `auto`: the defaults;
-- `auto steady`: a cycle counts only after STEADY_VARIANT same-shape steps in a row, and a
-  plain check runs CHECK_VARIANT steps (so it yields steady cycles);
-- `auto margin`: drafting must beat plain by MARGIN_VARIANT;
-- `auto steady+margin`: both;
-- `auto steady+batch`: steady, and the batch-wide acceptance estimate decays by BATCH_DECAY per
-  verify row (a memory of ~1 / (1 - BATCH_DECAY) rows instead of the last few rows of a step).
+bs 1, 8, 32, 64; one untimed generate per engine and size, then ROUNDS rounds in an order that
+rotates every round) with auto in several chooser settings side by side, each set on its
+engine's chooser after start-up. A variant is `NAME:ATTR=VALUE[,ATTR=VALUE...]`: chooser
+attributes (`DECAY`, `MARGIN`, `CHECK_STEPS`, ...; `costs.STEADY` for the cost table's);
+`auto` (always run) is the defaults.
 
 Every auto engine also records its step cycles by (shape, size, place in a run of that shape:
 1, 2, 3, 4+), to show how far the first steps after a change of shape are from steady ones.
-The bar per variant: auto >= max(plain, fixed) - 3% at every size.
+The bar per variant: auto >= max(plain, fixed) - 3% at every size, read as in adaptive_gpu.py
+from the paired ratio (the median over rounds of auto / max(plain, fixed) within the round).
 
-    python benchmarks/adaptive_variants.py --json OUT.json [--rounds 7] [--sizes 1,8,32,64]
+    python benchmarks/adaptive_variants.py --json OUT.json [--rounds 15] [--sizes 1,8,32,64] \
+        [--variant d9:DECAY=0.9 ...] [--drafters eagle3,dflash,draft-lm]
 """
 
 from __future__ import annotations
@@ -41,18 +38,26 @@ DRAFTERS = {  # name -> (algo, folder, k)
     "dflash": ("dflash", "dflash", 7),
     "draft-lm": ("draft-model", "draft_lm", 4),
 }
-STEADY_VARIANT, CHECK_VARIANT, MARGIN_VARIANT, BATCH_DECAY = 3, 4, 1.4, 0.97
 
 
-def configure(engine: Engine, variant: str) -> None:
+def parse_variant(spec: str) -> tuple[str, dict[str, float]]:
+    """`NAME:ATTR=VALUE,...` -> ("auto NAME", {ATTR: VALUE})."""
+    name, _, settings = spec.partition(":")
+    values = {}
+    for item in filter(None, settings.split(",")):
+        attr, _, value = item.partition("=")
+        values[attr] = float(value)
+    return f"auto {name}", values
+
+
+def configure(engine: Engine, settings: dict[str, float]) -> None:
     chooser = engine.chooser
-    if variant in ("auto steady", "auto steady+margin", "auto steady+batch"):
-        chooser.costs.STEADY = STEADY_VARIANT
-        chooser.CHECK_STEPS = CHECK_VARIANT
-    if variant in ("auto margin", "auto steady+margin"):
-        chooser.MARGIN = MARGIN_VARIANT
-    if variant == "auto steady+batch":
-        chooser.batch.decay = BATCH_DECAY
+    for attr, value in settings.items():
+        owner, _, leaf = attr.rpartition(".")
+        target = chooser.costs if owner == "costs" else chooser
+        kind = type(getattr(target, leaf))
+        setattr(target, leaf, kind(value))
+    chooser.batch.decay = chooser.DECAY  # the estimate built at start-up
 
 
 def record_cycles(engine: Engine, log: dict) -> None:
@@ -77,9 +82,9 @@ def record_cycles(engine: Engine, log: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--sizes", default="1,8,32,64")
-    parser.add_argument("--variants", default="auto,auto steady,auto margin")
+    parser.add_argument("--variant", action="append", default=[])
     parser.add_argument("--drafters", default="eagle3,dflash,draft-lm")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
@@ -87,7 +92,7 @@ def main() -> int:
         torch.cuda.synchronize = lambda: None
         torch.cuda.get_device_name = lambda: "cpu"
     sizes = [int(s) for s in args.sizes.split(",")]
-    variants = args.variants.split(",")
+    variants = [("auto", {})] + [parse_variant(spec) for spec in args.variant]
     lines = (ROOT / "assets" / "prompts" / "heldout_prompts.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     while len(prompts) < max(sizes):
@@ -100,8 +105,8 @@ def main() -> int:
         algo, folder, k = DRAFTERS[name]
         options = dict(algo=algo, draft=str(ROOT / "assets" / folder), num_draft_tokens=k)
         configs.append((f"{name} fixed", dict(options, speculation="fixed"), None))
-        for variant in variants:
-            configs.append((f"{name} {variant}", dict(options, speculation="auto"), variant))
+        for variant, settings in variants:
+            configs.append((f"{name} {variant}", dict(options, speculation="auto"), settings))
     engines, cycles = {}, {}
     for name, options, variant in configs:
         engine = Engine(str(ROOT / "assets" / "target"), **common, **options)
@@ -114,11 +119,14 @@ def main() -> int:
               "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
               "rates": {}, "verdict": {}, "cycles_ms": {}, "drafts_chosen": {}}  # fmt: skip
     outs = {}
+    names = list(engines)
     for bs in sizes:
         rates = {name: [] for name in engines}
-        for _ in range(args.rounds):
-            for name, engine in engines.items():
-                rate, result = one_generate(engine, prompts[:bs], params)
+        for engine in engines.values():  # untimed: first-use costs of this size
+            engine.generate(prompts[:bs], params)
+        for r in range(args.rounds):  # the order rotates: no engine always follows the same one
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                rate, result = one_generate(engines[name], prompts[:bs], params)
                 rates[name].append(rate)
                 outs[(name, bs)] = [o.token_ids for o in result]
         for name in engines:
@@ -136,12 +144,15 @@ def main() -> int:
         if variant is None:
             continue
         drafter = name.split(" ")[0]
-        points = {}
+        points, paired = {}, {}
         for bs in sizes:
             best = max(rates["plain"][bs]["tok_s"], rates[f"{drafter} fixed"][bs]["tok_s"])
             points[bs] = round(rates[name][bs]["tok_s"] / best, 3)
-        report["verdict"][name] = {"auto_vs_best": points,
-                                   "met": sum(v >= 0.97 for v in points.values())}  # fmt: skip
+            rounds = zip(rates[name][bs]["rounds"], rates["plain"][bs]["rounds"],
+                         rates[f"{drafter} fixed"][bs]["rounds"], strict=True)  # fmt: skip
+            paired[bs] = round(statistics.median(a / max(p, f) for a, p, f in rounds), 3)
+        report["verdict"][name] = {"auto_vs_best": points, "paired": paired,
+                                   "met": sum(v >= 0.97 for v in paired.values())}  # fmt: skip
         report["cycles_ms"][name] = {
             key: {"n": len(v), "median": round(statistics.median(v) * 1e3, 3)}
             for key, v in sorted(cycles[name].items())

@@ -2,8 +2,9 @@
 
 A step's `DraftShape` is (drafts it verifies, drafts it proposes). Fixed speculation runs every
 step at (k, k). Adaptive speculation picks, each step, the number of drafts to propose, 0 or k,
-that maximises expected tokens per second: expected tokens from an exponentially weighted
-per-position acceptance (per request once it has verified a few times, the batch's otherwise),
+that maximises expected tokens per second: expected tokens from a per-position acceptance
+weighted over the last ~10 verify rows (per request once it has verified a few times, the
+batch's otherwise; `AcceptanceEstimate`),
 step time from `StepCosts`, replay times measured on this machine at start-up. A step after one
 that proposed nothing has nothing to verify, so the shapes are (k, k), (0, k) and (0, 0); a step
 that proposes nothing drops the drafts its rows hold and runs as a plain step (0, 0), in which
@@ -173,11 +174,21 @@ class StepCosts:
 
 
 class AcceptanceEstimate:
-    """Exponentially weighted conditional acceptance of draft position i (given 1..i-1 were
-    accepted), one per position."""
+    """Conditional acceptance of draft position i (given 1..i-1 were accepted), one per
+    position: the mean of the outcomes seen at that position with the starting rates counted
+    as `prior_weight` of them, until 1 / (1 - decay) were seen, then exponentially weighted with
+    that memory. So a new estimate moves fast, and a long-lived one follows the last ~1 /
+    (1 - decay) rows instead of the last few: one request's acceptance swings from row to row
+    (a few rows of 0 accepted inside a stretch of 3-4), and an estimate that followed the last
+    three rows went plain in those dips and paid for the switch (benchmarks/results/adaptive.md,
+    wave 8)."""
 
-    def __init__(self, k: int, prior: float = 0.5, decay: float = 0.7):
-        self.rates = [prior] * k
+    def __init__(
+        self, k: int, prior: float = 0.5, decay: float = 0.9, rates=None, prior_weight: int = 1
+    ):
+        self.rates = list(rates) if rates is not None else [prior] * k
+        self.prior_weight = prior_weight
+        self.counts = [0] * k  # outcomes seen per position
         self.decay = decay
         self.samples = 0
         self.expected = self._expected()
@@ -186,9 +197,12 @@ class AcceptanceEstimate:
         """One verify row: `verified` drafts checked, the first `accepted` of them accepted.
         Positions past the first rejection were not reached and teach nothing."""
         reached = min(accepted + 1, verified)
+        floor = 1 - self.decay
         for i in range(reached):
             hit = 1.0 if i < accepted else 0.0
-            self.rates[i] = self.decay * self.rates[i] + (1 - self.decay) * hit
+            self.counts[i] += 1
+            weight = max(floor, 1 / (self.counts[i] + self.prior_weight))
+            self.rates[i] += weight * (hit - self.rates[i])
         self.samples += 1
         self.expected = self._expected()
 
@@ -208,6 +222,8 @@ class DraftLengthChooser:
     """Decides each step's number of drafts. `fixed`: always k. `auto`: see the module doc."""
 
     MIN_SAMPLES = 2  # a request's own estimate counts once it has verified this often
+    DECAY = 0.9  # the acceptance estimates' memory: ~1 / (1 - DECAY) verify rows
+    OWN_PRIOR = 5  # verify rows the batch's rates count as in a request's own estimate
     # drafting must beat plain steps by this factor in expected tokens/s: drafting pays costs
     # outside its step cycles (the (0, k) step that starts it, steps that cannot run ahead near
     # a request's end, rows ending at different steps); measured on the bundled models (H200):
@@ -226,7 +242,7 @@ class DraftLengthChooser:
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs
-        self.batch = AcceptanceEstimate(k)
+        self.batch = AcceptanceEstimate(k, decay=self.DECAY)
         self.per_request: dict[int, AcceptanceEstimate] = {}  # by request index
         self.plain_streak = 0
         self.probe_interval = self.FIRST_PROBE
@@ -255,9 +271,11 @@ class DraftLengthChooser:
         self.batch.observe(verified, accepted)
         own = self.per_request.get(request_index)
         if own is None:
-            own = self.per_request[request_index] = AcceptanceEstimate(self.k)
-            own.rates = list(self.batch.rates)
-            own.expected = own._expected()
+            # the batch's rates as its prior
+            own = AcceptanceEstimate(
+                self.k, decay=self.DECAY, rates=self.batch.rates, prior_weight=self.OWN_PRIOR
+            )
+            self.per_request[request_index] = own
         own.observe(verified, accepted)
 
     def forget(self, request_index: int) -> None:

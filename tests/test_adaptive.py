@@ -16,6 +16,7 @@ from speculant import Engine, SamplingParams, bundled
 from speculant.executor.speculation import (
     AUTO,
     FIXED,
+    AcceptanceEstimate,
     DraftLengthChooser,
     DraftShape,
     StepCosts,
@@ -842,11 +843,37 @@ def test_chooser_weighs_batch_size_through_the_cost_table():
 
 def test_chooser_uses_each_requests_own_acceptance():
     chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.5))
-    for _ in range(6):
+    for _ in range(12):  # the batch's rates count as OWN_PRIOR rows of each request's own
         chooser.observe(0, 3, 3)  # request 0 accepts everything
         chooser.observe(1, 3, 0)  # request 1 nothing
     assert chooser.expected_tokens([0]) > 3.0 > 1.5 > chooser.expected_tokens([1])
     assert chooser.prefers_drafting([0], 1) and not chooser.prefers_drafting([1], 1)
+
+
+def test_a_dip_of_two_rejected_rows_keeps_drafting_and_a_collapse_stops_it():
+    """One request's acceptance swings from row to row: two rows accepting nothing inside a
+    long run of full acceptance keep a bs-1 step drafting (the estimate remembers ~10 rows),
+    while acceptance that stays at nothing turns it plain within ten rows."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 2.5))  # drafting needs > 3 tokens a row
+    for i in range(40):
+        chooser.observe(0, 3, 2 if i % 5 == 0 else 3)
+    assert chooser.prefers_drafting([0], 1)
+    chooser.observe(0, 3, 0)
+    chooser.observe(0, 3, 0)
+    assert chooser.prefers_drafting([0], 1)
+    for _ in range(8):
+        chooser.observe(0, 3, 0)
+    assert not chooser.prefers_drafting([0], 1)
+
+
+def test_a_new_estimate_follows_its_first_rows():
+    """The starting rates count as one row of the batch's estimate: a drafter that accepts
+    everything is believed after a few rows, not after the ~10 of the estimate's memory."""
+    estimate = AcceptanceEstimate(3)
+    for _ in range(3):
+        estimate.observe(3, 3)
+    assert estimate.expected_tokens() > 3.0  # the prior (0.5 a position) gave 1.875
+    assert estimate.rates[0] == pytest.approx(1 - 0.5 / 4)
 
 
 def test_observed_step_cycles_refine_the_start_up_table():
