@@ -74,7 +74,7 @@ class Clock:
         def observe_cycle():
             cycle = engine._cycle
             if cycle is not None:
-                self.seconds += cycle_ms(drafter, cycle[0], padded(cycle[1])) / 1e3
+                self.seconds += cycle_ms(self.drafter, cycle[0], padded(cycle[1])) / 1e3
             observe()
 
         def extend_step(plan):

@@ -19,6 +19,8 @@ bundled models on an H200 (about 3, 5 and 36 ms on the 8B shape, benchmarks/resu
 more than the one round of acceptance the new requests' first decode step then gives up. A
 mixed step (decode rows and chunks) still proposes when drafting wins: its decode rows would
 otherwise lose their next verify, and back-to-back mixed steps would never verify at all.
+To start drafting it must win by MARGIN; once drafting (its rows hold drafts) it goes on while
+it wins by STAY_MARGIN: going plain drops the drafts and a (0, k) step must start again.
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -224,11 +226,16 @@ class DraftLengthChooser:
     MIN_SAMPLES = 2  # a request's own estimate counts once it has verified this often
     DECAY = 0.9  # the acceptance estimates' memory: ~1 / (1 - DECAY) verify rows
     OWN_PRIOR = 5  # verify rows the batch's rates count as in a request's own estimate
-    # drafting must beat plain steps by this factor in expected tokens/s: drafting pays costs
-    # outside its step cycles (the (0, k) step that starts it, steps that cannot run ahead near
-    # a request's end, rows ending at different steps); measured on the bundled models (H200):
-    # a 15% modelled gain at bs 8 ran 12% slower than plain, a 27% one at bs 1 ran 9% faster
+    # to start drafting, it must beat plain steps by this factor in expected tokens/s: drafting
+    # pays costs outside its step cycles (the (0, k) step that starts it, steps that cannot run
+    # ahead near a request's end, rows ending at different steps); measured on the bundled
+    # models (H200): a 15% modelled gain at bs 8 ran 12% slower than plain, a 27% one at bs 1
+    # ran 9% faster
     MARGIN = 1.2
+    # while drafting (its rows hold drafts), it goes on above this factor: going plain drops the
+    # drafts and a later (0, k) step must start again, so a one-row dip of the estimate that
+    # turns a step plain costs more than it saves (benchmarks/results/adaptive.md, wave 8)
+    STAY_MARGIN = 1.1
     FIRST_PROBE, LAST_PROBE = 8, 256
     PROBE_ROWS = 8  # verify rows a probe gathers (a small batch verifies several steps)
     PROBE_WAITS = 2  # steps a probe waits for its verify outcome before it is abandoned
@@ -236,8 +243,9 @@ class DraftLengthChooser:
     REST_MIN_SAMPLES = 16  # verify rows seen, at least, before a rest
     REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
     # while drafting wins and step costs are observed: CHECK_STEPS plain steps after 32, 64, ...
-    # up to 1024 drafting steps, so the plain step's real cost is known too (the first of them
-    # is not a steady cycle, see Engine._observe_cycle)
+    # up to 1024 drafting steps in a row (the interval keeps growing across plain stretches), so
+    # the plain step's real cost is known too (the first of them is not a steady cycle, see
+    # Engine._observe_cycle)
     FIRST_CHECK, LAST_CHECK, CHECK_STEPS = 32, 1024, 3
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
@@ -250,6 +258,7 @@ class DraftLengthChooser:
         self.probe_mark = self.probe_steps = self.probe_waits = 0
         self._last_key: tuple | None = None
         self._last_prefer = False
+        self.drafting = False  # the last decision (probes and plain checks aside) drafted
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
         self.lost_probes = 0  # probes lost in a row
         self.rest_left = 0  # steps the drafter still rests
@@ -268,14 +277,15 @@ class DraftLengthChooser:
         any stop token or length limit cut them)."""
         if verified == 0 or not self.adaptive or request_index in self.cold:
             return
-        self.batch.observe(verified, accepted)
         own = self.per_request.get(request_index)
         if own is None:
-            # the batch's rates as its prior
+            # the batch's rates as its prior, weighted by what they know (up to OWN_PRIOR rows)
+            weight = max(1, min(self.OWN_PRIOR, self.batch.samples))
             own = AcceptanceEstimate(
-                self.k, decay=self.DECAY, rates=self.batch.rates, prior_weight=self.OWN_PRIOR
+                self.k, decay=self.DECAY, rates=self.batch.rates, prior_weight=weight
             )
             self.per_request[request_index] = own
+        self.batch.observe(verified, accepted)
         own.observe(verified, accepted)
 
     def forget(self, request_index: int) -> None:
@@ -304,13 +314,15 @@ class DraftLengthChooser:
             total += use.expected_tokens()
         return total
 
-    def prefers_drafting(self, request_indices: list[int], bs: int) -> bool:
+    def prefers_drafting(
+        self, request_indices: list[int], bs: int, margin: float | None = None
+    ) -> bool:
         """Expected tokens per second of speculative steps (k, k) against plain steps (0, 0) at
-        this batch size, drafting by at least MARGIN."""
+        this batch size, drafting by at least `margin` (MARGIN unless given)."""
         bs = max(bs, 1)
         spec = self.expected_tokens(request_indices) / self.costs(DraftShape(self.k, self.k), bs)
         plain = len(request_indices) / self.costs(DraftShape(0, 0), bs)
-        return spec > self.MARGIN * plain
+        return spec > (self.MARGIN if margin is None else margin) * plain
 
     def pays_at_smallest_batch(self) -> bool:
         """Whether the batch-wide acceptance would pay for drafting at batch size 1 (by
@@ -365,10 +377,13 @@ class DraftLengthChooser:
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
         # host: plain steps of a small model take a fraction of a millisecond)
-        key = (self.batch.samples, len(request_indices), bs, len(self.cold), self.costs.version)
+        margin = self.STAY_MARGIN if self.drafting else self.MARGIN
+        key = (self.batch.samples, len(request_indices), bs, len(self.cold), self.costs.version,
+               margin)  # fmt: skip
         if key != self._last_key:
-            self._last_key, self._last_prefer = key, self.prefers_drafting(request_indices, bs)
-        prefer = self._last_prefer
+            prefer = self.prefers_drafting(request_indices, bs, margin)
+            self._last_key, self._last_prefer = key, prefer
+        prefer = self.drafting = self._last_prefer
         if self.phase == PROBE_VERIFYING:
             self.phase = None
             if not prefer:  # the probe lost: wait longer before the next one
@@ -386,7 +401,7 @@ class DraftLengthChooser:
             self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
             self.rest_length = 0
             return self._check_plain() if proposes else self.k
-        self.draft_streak, self.check_interval, self.check_left = 0, self.FIRST_CHECK, 0
+        self.draft_streak, self.check_left = 0, 0
         self.plain_streak += 1
         # a probe teaches something only through warm requests, and starts with a step that
         # proposes

@@ -917,6 +917,42 @@ def test_plain_checks_are_rare_while_drafting_really_wins():
     assert sum(s == DraftShape(3, 3) for s in chosen) > 0.97 * len(chosen)
 
 
+def test_plain_checks_stay_rare_across_plain_stretches():
+    """A plain stretch (here: the estimate dips below the margin every 50th step) does not start
+    the checks' interval again: over 3000 steps the checks stay a few (before, each dip brought
+    one back after 32 drafting steps)."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3, sizes=(8,)))
+    chooser.costs.learns = True
+    dips = iter(i % 50 == 49 for i in range(10**6))
+    chooser.prefers_drafting = lambda indices, bs, margin=None: not next(dips)
+    chosen = []
+    for _ in range(3000):
+        chooser.batch.samples += 1  # something learnt every step: each step compares anew
+        chosen.append(chooser.choose(list(range(8)), 8))
+    checks = chosen.count(0) - 3000 // 50  # plain steps not from a dip
+    assert 0 < checks <= 3 * 8  # runs of CHECK_STEPS after 32, 64, ... drafting steps
+
+
+def test_a_step_that_holds_drafts_keeps_drafting_above_the_lower_margin():
+    """Between STAY_MARGIN and MARGIN the last decision stays: drafting goes on (going plain
+    drops the drafts and a (0, k) step must start again), plain stays plain."""
+    costs = StepCosts({(DraftShape(3, 3), 1): 2.0, (DraftShape(0, 0), 1): 1.0})
+    chooser = DraftLengthChooser(3, AUTO, costs)
+    assert 1.0 < chooser.STAY_MARGIN < chooser.MARGIN
+    between = (chooser.STAY_MARGIN + chooser.MARGIN) / 2
+    chooser.batch.expected = 2.0 * between  # gain `between` over plain steps
+    assert chooser.choose([0], 1) == 0  # plain: not enough to start
+    chooser.batch.expected = 2.0 * 1.1 * chooser.MARGIN
+    chooser.batch.samples += 1
+    assert chooser.choose([0], 1) == 3  # drafting
+    chooser.batch.expected = 2.0 * between
+    chooser.batch.samples += 1
+    assert chooser.choose([0], 1) == 3  # drafting goes on
+    chooser.batch.expected = 2.0 * 0.95 * chooser.STAY_MARGIN
+    chooser.batch.samples += 1
+    assert chooser.choose([0], 1) == 0  # below the lower margin: plain
+
+
 def test_with_overlap_a_cycle_counts_only_between_two_launches_of_one_shape(monkeypatch):
     """The time between two step starts holds one launch and, with overlap, the previous
     step's read-back: the plain step launched right after a drafting one waited for it, so its
