@@ -20,7 +20,7 @@ more than the one round of acceptance the new requests' first decode step then g
 mixed step (decode rows and chunks) still proposes when drafting wins: its decode rows would
 otherwise lose their next verify, and back-to-back mixed steps would never verify at all.
 To start drafting it must win by MARGIN; once drafting (its rows hold drafts) it goes on while
-it wins by STAY_MARGIN: going plain drops the drafts and a (0, k) step must start again.
+it wins by STAY_MARGIN (today equal to MARGIN, see there).
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -88,8 +88,10 @@ class StepCosts:
     the tokens a row emits and decides small models' steps. On one rank (`observe`), the
     engine's measured step cycles refine it: the median of the last WINDOW cycles per (shape,
     size) once OBSERVED_MIN were seen, else the table's figure plus the host share measured
-    for another shape at that size. Several ranks keep the table (every rank must decide
-    alike)."""
+    for another shape at that size, scaled by the tokens a row of each can emit (a (4, 4)
+    step's share at bs 32 on the bundled models, 0.47 ms, lent whole to the plain step made it
+    about 0.75 ms against 0.39 measured, benchmarks/results/adaptive.md, wave 8). Several ranks
+    keep the table (every rank must decide alike)."""
 
     OBSERVED_MIN = 2
     # a cycle counts when this many steps in a row launched the same (shape, size): the first
@@ -134,6 +136,10 @@ class StepCosts:
         self._stale.clear()
         return self._seen
 
+    def padded_size(self, shape: DraftShape, bs: int) -> int:
+        """The measured size a batch of bs of this shape runs at (the largest past it)."""
+        return self._size(shape, bs)[0]
+
     def _size(self, shape: DraftShape, bs: int) -> tuple[int, float]:
         """The measured size a batch of bs runs at, and the scale past the largest."""
         sizes = self.sizes[shape]
@@ -149,10 +155,11 @@ class StepCosts:
         if seen is not None:
             return seen * scale
         base = self.table[(shape, size)]
-        for other in self.sizes:  # the host's share, as measured for another shape
-            known = medians.get((other, size))
+        for other in self.sizes:  # the host's share, as measured for another shape, in
+            known = medians.get((other, size))  # proportion to the tokens a row can emit
             if other != shape and known is not None:
-                return max(base + known - self.table[(other, size)], 0.5 * base) * scale
+                share = (known - self.table[(other, size)]) * shape.tokens_per_req
+                return max(base + share / other.tokens_per_req, 0.5 * base) * scale
         return base * scale
 
     def observe(self, shape: DraftShape, bs: int, seconds: float) -> None:
@@ -233,9 +240,12 @@ class DraftLengthChooser:
     # ran 9% faster
     MARGIN = 1.2
     # while drafting (its rows hold drafts), it goes on above this factor: going plain drops the
-    # drafts and a later (0, k) step must start again, so a one-row dip of the estimate that
-    # turns a step plain costs more than it saves (benchmarks/results/adaptive.md, wave 8)
-    STAY_MARGIN = 1.1
+    # drafts and a later (0, k) step must start again. Measured on the bundled models (H200,
+    # benchmarks/results/adaptive.md, wave 8): 1.1 kept EAGLE-3 at bs 1 drafting through one-row
+    # dips of the estimate (0.98-0.99 of fixed, was 0.95), but held it drafting at bs 8 and 32,
+    # where the model overrates drafting (rows ending at different steps): 0.82-0.92 of plain.
+    # So it equals MARGIN: no hold-on until the model sees those costs.
+    STAY_MARGIN = 1.2
     FIRST_PROBE, LAST_PROBE = 8, 256
     PROBE_ROWS = 8  # verify rows a probe gathers (a small batch verifies several steps)
     PROBE_WAITS = 2  # steps a probe waits for its verify outcome before it is abandoned
@@ -266,7 +276,13 @@ class DraftLengthChooser:
         self.rest_steps = 0  # steps rested, in all
         self.rests_now = False  # the step just chosen rests the drafter
         self.cold: set[int] = set()  # requests whose drafter state lags (see the module doc)
-        self.draft_streak, self.check_interval, self.check_left = 0, self.FIRST_CHECK, 0
+        self.draft_streak, self.check_left = 0, 0
+        self.check_intervals: dict[int, int] = {}  # per padded size: drafting steps to a check
+
+    @property
+    def check_interval(self) -> int:
+        """The largest interval between plain checks so far (a figure for reports)."""
+        return max(self.check_intervals.values(), default=self.FIRST_CHECK)
 
     @property
     def adaptive(self) -> bool:
@@ -400,7 +416,7 @@ class DraftLengthChooser:
         if prefer:
             self.plain_streak, self.probe_interval, self.lost_probes = 0, self.FIRST_PROBE, 0
             self.rest_length = 0
-            return self._check_plain() if proposes else self.k
+            return self._check_plain(bs) if proposes else self.k
         self.draft_streak, self.check_left = 0, 0
         self.plain_streak += 1
         # a probe teaches something only through warm requests, and starts with a step that
@@ -411,20 +427,24 @@ class DraftLengthChooser:
             return self.k
         return 0
 
-    def _check_plain(self) -> int:
+    def _check_plain(self, bs: int) -> int:
         """Drafts of a step while drafting wins: k, but now and then CHECK_STEPS plain steps
         when step costs are observed (a plain step's real cost, host included, can exceed what
-        its replay time says, and drafting is judged against it)."""
+        its replay time says, and drafting is judged against it). The interval is kept per
+        padded size: a size drafting reaches later gets its first check soon (its plain cost is
+        otherwise the replay plus a host share lent by the drafting shape, too large there)."""
         if not self.costs.learns:
             return self.k
         if self.check_left:
             self.check_left -= 1
             return 0
         self.draft_streak += 1
-        if self.draft_streak < self.check_interval:
+        size = self.costs.padded_size(DraftShape(self.k, self.k), max(bs, 1))
+        interval = self.check_intervals.get(size, self.FIRST_CHECK)
+        if self.draft_streak < interval:
             return self.k
         self.draft_streak = 0
-        self.check_interval = min(2 * self.check_interval, self.LAST_CHECK)
+        self.check_intervals[size] = min(2 * interval, self.LAST_CHECK)
         self.check_left = self.CHECK_STEPS - 1
         return 0
 

@@ -883,7 +883,8 @@ def test_observed_step_cycles_refine_the_start_up_table():
     assert costs(plain, 8) == 1.0  # one cycle is not enough
     costs.observe(plain, 8, 1.4)
     assert costs(plain, 5) == pytest.approx(1.4)  # padded to 8: the observed mean
-    assert costs(spec, 8) == pytest.approx(1.9)  # the table plus the host share seen for plain
+    # the table plus the host share seen for plain, for the 4 tokens a (3, 3) row can emit
+    assert costs(spec, 8) == pytest.approx(1.5 + 0.4 * 4)
     assert costs(spec, 16) == 3.0 and costs(plain, 32) == 4.0  # other sizes keep the table
     costs.observe(spec, 8, 4.0)
     costs.observe(spec, 8, 4.0)
@@ -933,12 +934,28 @@ def test_plain_checks_stay_rare_across_plain_stretches():
     assert 0 < checks <= 3 * 8  # runs of CHECK_STEPS after 32, 64, ... drafting steps
 
 
+def test_each_padded_size_gets_its_own_plain_checks():
+    """Drafting that reaches a new size checks the plain step there after FIRST_CHECK drafting
+    steps, however long the interval at another size has grown (its plain cost is otherwise
+    the replay plus a host share lent by the drafting shape)."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3, sizes=(1, 8)))
+    chooser.costs.learns = True
+    chooser.prefers_drafting = lambda indices, bs, margin=None: True
+    at_one = [chooser.choose([0], 1) for _ in range(2000)]
+    assert at_one.count(0) <= 3 * 7 and chooser.check_intervals[1] >= 1024
+    chooser.draft_streak = 0  # as right after a check at size 1
+    at_eight = [chooser.choose(list(range(8)), 8) for _ in range(chooser.FIRST_CHECK + 3)]
+    assert at_eight.count(0) == chooser.CHECK_STEPS  # the first check at size 8, soon
+    assert chooser.check_intervals[8] == 2 * chooser.FIRST_CHECK
+
+
 def test_a_step_that_holds_drafts_keeps_drafting_above_the_lower_margin():
     """Between STAY_MARGIN and MARGIN the last decision stays: drafting goes on (going plain
     drops the drafts and a (0, k) step must start again), plain stays plain."""
     costs = StepCosts({(DraftShape(3, 3), 1): 2.0, (DraftShape(0, 0), 1): 1.0})
     chooser = DraftLengthChooser(3, AUTO, costs)
-    assert 1.0 < chooser.STAY_MARGIN < chooser.MARGIN
+    assert 1.0 < chooser.STAY_MARGIN <= chooser.MARGIN
+    chooser.STAY_MARGIN = 1.1  # the default is MARGIN (no hold-on): the protocol, set lower
     between = (chooser.STAY_MARGIN + chooser.MARGIN) / 2
     chooser.batch.expected = 2.0 * between  # gain `between` over plain steps
     assert chooser.choose([0], 1) == 0  # plain: not enough to start
