@@ -7,7 +7,7 @@
 2. `bundled`: the bundled target with its trained EAGLE-3 (k 4), DFLASH (k 7) and draft LM
    (k 4), greedy on the held-out prompts at bs 1, 8, 32 and 64 (128 new tokens). The bar: auto
    >= max(plain, fixed) - 3% at every size. All engines are built first and each size is timed
-   round-robin over them (15 rounds; the order rotates each round, after one untimed generate
+   round-robin over them (31 rounds; the order rotates each round, after one untimed generate
    per engine at that size). The verdict reads the median over rounds of auto / max(plain,
    fixed) within the round (`paired_auto_vs_best`, robust to the host's drift across rounds);
    the ratio of the median rates is recorded beside it (`auto_vs_best`, `medians_meet_bar`).
@@ -43,7 +43,8 @@ from speculant import Engine, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REPEATS = 3
-ROUND_ROBIN = 15  # bundled: rounds over all engines per batch size (order rotated)
+ROUND_ROBIN = 31  # bundled: rounds over all engines per batch size (order rotated; a bs-64
+# generate of a resting engine, the plain step exactly, varied 60-99k tok/s within one call)
 BUNDLED = {  # name -> (algo, folder, k)
     "eagle3": ("eagle3", "eagle3", 4),
     "dflash": ("dflash", "dflash", 7),

@@ -95,8 +95,11 @@ class StepCosts:
 
     OBSERVED_MIN = 2
     # a cycle counts when this many steps in a row launched the same (shape, size): the first
-    # steps after a change still wait on the ones before (Engine._observe_cycle)
-    STEADY = 2
+    # steps after a change still wait on the ones before (Engine._observe_cycle). With 2, the
+    # plain checks at bs 8 on the bundled models (H200) measured the plain step at 0.37 ms: the
+    # second plain step after a drafting one ran 0.42-0.45 ms against 0.25-0.26 steady, which
+    # made drafting look 40% cheaper there than it was (benchmarks/results/adaptive.md, wave 8)
+    STEADY = 3
     WINDOW = 16  # the median of a (shape, size)'s last WINDOW cycles: one stall moves it little
 
     def __init__(self, table: dict[tuple[DraftShape, int], float]):
@@ -253,10 +256,10 @@ class DraftLengthChooser:
     REST_MIN_SAMPLES = 16  # verify rows seen, at least, before a rest
     REST_STEPS, LAST_REST = 1024, 8192  # steps of a first rest; each next one doubles, up to
     # while drafting wins and step costs are observed: CHECK_STEPS plain steps after 32, 64, ...
-    # up to 1024 drafting steps in a row (the interval keeps growing across plain stretches), so
-    # the plain step's real cost is known too (the first of them is not a steady cycle, see
-    # Engine._observe_cycle)
-    FIRST_CHECK, LAST_CHECK, CHECK_STEPS = 32, 1024, 3
+    # up to 1024 drafting steps in a row at a padded size (the interval keeps growing across
+    # plain stretches), so the plain step's real cost is known too (the first StepCosts.STEADY -
+    # 1 of them are not steady cycles, see Engine._observe_cycle: two of the four count)
+    FIRST_CHECK, LAST_CHECK, CHECK_STEPS = 32, 1024, 4
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs

@@ -931,7 +931,7 @@ def test_plain_checks_stay_rare_across_plain_stretches():
         chooser.batch.samples += 1  # something learnt every step: each step compares anew
         chosen.append(chooser.choose(list(range(8)), 8))
     checks = chosen.count(0) - 3000 // 50  # plain steps not from a dip
-    assert 0 < checks <= 3 * 8  # runs of CHECK_STEPS after 32, 64, ... drafting steps
+    assert 0 < checks <= chooser.CHECK_STEPS * 8  # after 32, 64, ... drafting steps
 
 
 def test_each_padded_size_gets_its_own_plain_checks():
@@ -942,7 +942,7 @@ def test_each_padded_size_gets_its_own_plain_checks():
     chooser.costs.learns = True
     chooser.prefers_drafting = lambda indices, bs, margin=None: True
     at_one = [chooser.choose([0], 1) for _ in range(2000)]
-    assert at_one.count(0) <= 3 * 7 and chooser.check_intervals[1] >= 1024
+    assert at_one.count(0) <= chooser.CHECK_STEPS * 7 and chooser.check_intervals[1] >= 1024
     chooser.draft_streak = 0  # as right after a check at size 1
     at_eight = [chooser.choose(list(range(8)), 8) for _ in range(chooser.FIRST_CHECK + 3)]
     assert at_eight.count(0) == chooser.CHECK_STEPS  # the first check at size 8, soon
