@@ -7,7 +7,7 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 cd "$(dirname "$0")"
 bar() {
-    timeout 130 python3 adaptive_gpu.py --json "$OUT/adaptive_$1.json" --parts bundled 2>&1 \
+    timeout 120 python3 adaptive_gpu.py --json "$OUT/adaptive_$1.json" --parts bundled 2>&1 \
         | grep -v Warning | tail -3 >> "$OUT/wave8_d.log"
     python3 -c "
 import json; d = json.load(open('$OUT/adaptive_$1.json'))
