@@ -9,12 +9,13 @@ count (the decode graphs' sizes) for greedy steps, so a prefill step under fixed
 drafts as cheaply as a decode step does.
 
 Padding: the rows past the step's live ones are the sentinel row at position 0 with token 0 (as
-the decode graphs pad): they write only the dummy page. Their hidden and auxiliary rows keep
-the older finite values of the shared static buffers. Sampled steps (their drafts are drawn
-from q and recorded) and steps of more rows than the largest size run eagerly; so does every
-step when the target's piecewise graphs are off (no drafter graphs either: the two go
-together), and on the CPU, where `eager_padding` runs the same padded forward eagerly (the
-tests). Capture is always at start (all sizes): under DP the ranks' row counts differ."""
+the decode graphs pad; with `--disable-graph-padding` only exact sizes replay, as theirs do):
+they write only the dummy page. Their hidden and auxiliary rows keep the older finite values of
+the shared static buffers. Sampled steps (their drafts are drawn from q and recorded) and steps
+of more rows than the largest size run eagerly; so does every step when the target's piecewise
+graphs are off (no drafter graphs either: the two go together), and on the CPU, where
+`eager_padding` runs the same padded forward eagerly (the tests). Capture is always at start
+(all sizes): under DP the ranks' row counts differ."""
 
 from __future__ import annotations
 
@@ -96,6 +97,14 @@ class ProposeGraphs(InTargetPool, BucketGraphs):
         entry = self.entries[batch.bs]
         inputs = self._inputs(entry)
         return self.drafter.propose_last(inputs, inputs.batch.sampling, GREEDY, self.k).tokens
+
+    def bucket(self, num_tokens: int, num_seqs: int = 1) -> int | None:
+        """The size num_tokens rows run at: with `--disable-graph-padding` only an exact size
+        (as the decode graphs), else the smallest size >= num_tokens (None: eagerly)."""
+        size = super().bucket(num_tokens, num_seqs)
+        if size != num_tokens and self.cfg.disable_padding:
+            return None
+        return size
 
     def drafts_cheaply(self, num_rows: int, variant: str) -> bool:
         """Whether a step of num_rows sequences in this sampler variant drafts through a size:

@@ -575,6 +575,27 @@ def test_an_uncaptured_drafter_shape_is_refused(llama_dir, tmp_path):
         eng.generate(PROMPTS[:1], mixed_params(1))
 
 
+def test_per_sequence_drafting_honours_disabled_graph_padding(llama_dir, tmp_path):
+    """With --disable-graph-padding the per-sequence graphs replay exact row counts only, as
+    the decode graphs do: 3 rows with sizes [1, 4] draft eagerly, unpadded; the tokens stay the
+    unpadded engine's."""
+    from speculant.executor.sampling import GREEDY
+
+    spec = drafter_options("eagle3", llama_dir, tmp_path)
+    greedy = [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3
+    ref = engine(llama_dir, piecewise_sizes=[], **spec).generate(PROMPTS[:3], greedy)
+    eng = engine(llama_dir, eager_padding=True, disable_graph_padding=True, capture_sizes=[1, 4],
+                 **spec)  # fmt: skip
+    graphs = eng.piecewise.per_sequence
+    assert graphs.sizes == [1, 4] and eng.graphs.padded_bs(3) == 3
+    assert [graphs.bucket(n) for n in (1, 3, 4)] == [1, None, 4]
+    assert not graphs.drafts_cheaply(3, GREEDY) and graphs.drafts_cheaply(4, GREEDY)
+    padded = engine(llama_dir, eager_padding=True, capture_sizes=[1, 4], **spec)
+    assert padded.piecewise.per_sequence.bucket(3) == 4  # padding on: the next size
+    out = eng.generate(PROMPTS[:3], greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
 def test_an_uncaptured_per_sequence_size_is_refused(llama_dir, tmp_path):
     eng = engine(llama_dir, **drafter_options("eagle3", llama_dir, tmp_path))
     graphs = eng.piecewise.per_sequence
