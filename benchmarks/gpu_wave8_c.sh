@@ -6,28 +6,22 @@
 # Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_bar_lib.sh"
 cd "$(dirname "$0")"
-bar() {
-    timeout 110 python3 adaptive_gpu.py --json "$OUT/adaptive_$1.json" --parts bundled 2>&1 \
-        | grep -v Warning | tail -3 >> "$OUT/wave8_c.log"
-    python3 -c "
-import json; d = json.load(open('$OUT/adaptive_$1.json'))
-print(json.dumps({k: v['paired_auto_vs_best'] for k, v in d.get('bundled_verdict').items()}))" \
-        | tee -a "$OUT/wave8_c.log"
-}
+BAR_TIMEOUT=110
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/wave8_c.log"
-bar 1
+bar 1 "$OUT/wave8_c.log"
 timeout 120 python3 adaptive_variants.py --json "$OUT/variants.json" --drafters eagle3 \
     --variant hold:STAY_MARGIN=1.1 --variant old:DECAY=0.7 2>&1 | grep -v Warning | tail -3 \
     >> "$OUT/wave8_c.log"
 python3 -c "
 import json; d = json.load(open('$OUT/variants.json'))
 print(json.dumps(d['verdict']))" | tee -a "$OUT/wave8_c.log"
-bar 2
+bar 2 "$OUT/wave8_c.log"
 timeout 150 python3 adaptive_gpu.py --json "$OUT/adaptive_8b.json" --parts 8b 2>&1 \
     | grep -v Warning | tail -3 >> "$OUT/wave8_c.log"
 python3 -c "
 import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
 print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
                   for n in d if 'bs1' in d[n]}))" | tee -a "$OUT/wave8_c.log"
-bar 3
+bar 3 "$OUT/wave8_c.log"

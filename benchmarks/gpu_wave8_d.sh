@@ -5,21 +5,14 @@
 # (adaptive_variants.py). Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_bar_lib.sh"
 cd "$(dirname "$0")"
-bar() {
-    timeout 120 python3 adaptive_gpu.py --json "$OUT/adaptive_$1.json" --parts bundled 2>&1 \
-        | grep -v Warning | tail -3 >> "$OUT/wave8_d.log"
-    python3 -c "
-import json; d = json.load(open('$OUT/adaptive_$1.json'))
-print(json.dumps({k: v['paired_auto_vs_best'] for k, v in d.get('bundled_verdict').items()}))" \
-        | tee -a "$OUT/wave8_d.log"
-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/wave8_d.log"
-bar 1
+bar 1 "$OUT/wave8_d.log"
 timeout 100 python3 adaptive_variants.py --json "$OUT/variants.json" --drafters eagle3 \
     --variant hold:STAY_MARGIN=1.1 2>&1 | grep -v Warning | tail -3 >> "$OUT/wave8_d.log"
 python3 -c "
 import json; d = json.load(open('$OUT/variants.json'))
 print(json.dumps(d['verdict']))" | tee -a "$OUT/wave8_d.log"
-bar 2
-bar 3
+bar 2 "$OUT/wave8_d.log"
+bar 3 "$OUT/wave8_d.log"
