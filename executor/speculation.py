@@ -19,8 +19,8 @@ bundled models on an H200 (about 3, 5 and 36 ms on the 8B shape, benchmarks/resu
 more than the one round of acceptance the new requests' first decode step then gives up. A
 mixed step (decode rows and chunks) still proposes when drafting wins: its decode rows would
 otherwise lose their next verify, and back-to-back mixed steps would never verify at all.
-To start drafting it must win by MARGIN; once drafting (its rows hold drafts) it goes on while
-it wins by STAY_MARGIN (today equal to MARGIN, see there).
+To start drafting it must win by MARGIN; once drafting has won (until it loses, or a step has
+no batch) it goes on while it wins by STAY_MARGIN (today equal to MARGIN, see there).
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -88,10 +88,12 @@ class StepCosts:
     the tokens a row emits and decides small models' steps. On one rank (`observe`), the
     engine's measured step cycles refine it: the median of the last WINDOW cycles per (shape,
     size) once OBSERVED_MIN were seen, else the table's figure plus the host share measured
-    for another shape at that size, scaled by the tokens a row of each can emit (a (4, 4)
-    step's share at bs 32 on the bundled models, 0.47 ms, lent whole to the plain step made it
-    about 0.75 ms against 0.39 measured, benchmarks/results/adaptive.md, wave 8). Several ranks
-    keep the table (every rank must decide alike)."""
+    for another shape at that size, scaled down where this shape's rows emit fewer tokens (a
+    (4, 4) step's share at bs 32 on the bundled models, 0.47 ms, lent whole to the plain step
+    made it about 0.75 ms against 0.39 measured, benchmarks/results/adaptive.md, wave 8), never
+    up: a drafting shape's cost that only grows from a plain share would keep drafting from ever
+    being tried, and so observed, at that size. Several ranks keep the table (every rank must
+    decide alike)."""
 
     OBSERVED_MIN = 2
     # a cycle counts when this many steps in a row launched the same (shape, size): the first
@@ -158,11 +160,12 @@ class StepCosts:
         if seen is not None:
             return seen * scale
         base = self.table[(shape, size)]
-        for other in self.sizes:  # the host's share, as measured for another shape, in
-            known = medians.get((other, size))  # proportion to the tokens a row can emit
+        for other in self.sizes:  # the host's share, as measured for another shape (scaled
+            known = medians.get((other, size))  # down to the tokens a row of this one can emit)
             if other != shape and known is not None:
-                share = (known - self.table[(other, size)]) * shape.tokens_per_req
-                return max(base + share / other.tokens_per_req, 0.5 * base) * scale
+                share = known - self.table[(other, size)]
+                share *= min(shape.tokens_per_req, other.tokens_per_req) / other.tokens_per_req
+                return max(base + share, 0.5 * base) * scale
         return base * scale
 
     def observe(self, shape: DraftShape, bs: int, seconds: float) -> None:
@@ -271,7 +274,7 @@ class DraftLengthChooser:
         self.probe_mark = self.probe_steps = self.probe_waits = 0
         self._last_key: tuple | None = None
         self._last_prefer = False
-        self.drafting = False  # the last decision (probes and plain checks aside) drafted
+        self.drafting = False  # drafting won the last comparison (probes and checks aside)
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
         self.lost_probes = 0  # probes lost in a row
         self.rest_left = 0  # steps the drafter still rests
@@ -393,6 +396,7 @@ class DraftLengthChooser:
                     self.phase = None
                 return 0
         if not request_indices:
+            self.drafting = False  # an idle step: the next batch starts afresh
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
         # host: plain steps of a small model take a fraction of a millisecond)
@@ -441,8 +445,11 @@ class DraftLengthChooser:
         if self.check_left:
             self.check_left -= 1
             return 0
+        spec = DraftShape(self.k, self.k)
+        if bs > self.costs.sizes[spec][-1]:
+            return self.k  # past the largest size no cycle is observed: a check teaches nothing
         self.draft_streak += 1
-        size = self.costs.padded_size(DraftShape(self.k, self.k), max(bs, 1))
+        size = self.costs.padded_size(spec, max(bs, 1))
         interval = self.check_intervals.get(size, self.FIRST_CHECK)
         if self.draft_streak < interval:
             return self.k

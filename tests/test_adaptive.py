@@ -883,8 +883,7 @@ def test_observed_step_cycles_refine_the_start_up_table():
     assert costs(plain, 8) == 1.0  # one cycle is not enough
     costs.observe(plain, 8, 1.4)
     assert costs(plain, 5) == pytest.approx(1.4)  # padded to 8: the observed mean
-    # the table plus the host share seen for plain, for the 4 tokens a (3, 3) row can emit
-    assert costs(spec, 8) == pytest.approx(1.5 + 0.4 * 4)
+    assert costs(spec, 8) == pytest.approx(1.9)  # the table plus the host share seen for plain
     assert costs(spec, 16) == 3.0 and costs(plain, 32) == 4.0  # other sizes keep the table
     costs.observe(spec, 8, 4.0)
     costs.observe(spec, 8, 4.0)
@@ -916,6 +915,20 @@ def test_plain_checks_are_rare_while_drafting_really_wins():
     plain = [i for i, s in enumerate(chosen) if s == DraftShape(0, 0)]
     assert 4 <= len(plain) <= 30  # pairs of checks after 32, 64, ... 1024 drafting steps
     assert sum(s == DraftShape(3, 3) for s in chosen) > 0.97 * len(chosen)
+
+
+def test_a_borrowed_host_share_shrinks_for_plain_steps_and_never_grows():
+    """An unobserved shape's cost borrows the host share seen for another at that size: scaled
+    down to the tokens a plain row emits (1 of a (3, 3) row's 4), never scaled up, so a drafting
+    step never looks dearer than its replay plus the whole share (it would then never be tried,
+    and never observed)."""
+    plain, spec = DraftShape(0, 0), DraftShape(3, 3)
+    costs = StepCosts({(plain, 8): 1.0, (spec, 8): 1.5, (plain, 16): 2.0, (spec, 16): 3.0})
+    for _ in range(2):
+        costs.observe(spec, 8, 2.3)  # (3, 3) at 8: a 0.8 host share
+        costs.observe(plain, 16, 2.4)  # plain at 16: a 0.4 host share
+    assert costs(plain, 8) == pytest.approx(1.0 + 0.8 / 4)
+    assert costs(spec, 16) == pytest.approx(3.0 + 0.4)
 
 
 def test_plain_checks_stay_rare_across_plain_stretches():
