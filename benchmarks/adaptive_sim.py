@@ -11,6 +11,10 @@ engine's own; only time is modelled. So a policy change that wins here wins on t
 as far as the table and the extend model are right: a GPU call still decides (gpu_pending.md).
 
     python benchmarks/adaptive_sim.py [--sizes 1,8] [--rounds 3] [--drafters eagle3,dflash,draft-lm]
+        [--learn] [--variant NAME:ATTR=VALUE ...]
+
+Without --learn the chooser's table is the observed cycles (no plain checks); with it, the
+chooser starts from the replay table and learns the cycles as one GPU rank does.
 
 Prints simulated tok/s per engine and size, and auto / max(plain, fixed) per drafter.
 """
@@ -43,6 +47,15 @@ CYCLES_MS = {
     "draft-lm": {PLAIN: (0.169, 0.257, 0.39, 0.421), (4, 4): (0.521, 0.83, 1.06, 1.2),
                  (0, 4): (0.416, 0.817, 1.01, 1.09)},
 }  # fmt: skip
+# the start-up table of the same call (graph replays alone, no host share), for --learn
+REPLAY_MS = {
+    "eagle3": {PLAIN: (0.175, 0.263, 0.276, 0.284), (4, 4): (0.471, 0.53, 0.583, 0.616),
+               (0, 4): (0.374, 0.516, 0.535, 0.551)},
+    "dflash": {PLAIN: (0.182, 0.269, 0.282, 0.297), (7, 7): (0.52, 0.587, 0.707, 0.805),
+               (0, 7): (0.423, 0.567, 0.648, 0.714)},
+    "draft-lm": {PLAIN: (0.181, 0.268, 0.28, 0.289), (4, 4): (0.524, 0.655, 0.724, 0.81),
+                 (0, 4): (0.419, 0.642, 0.678, 0.699)},
+}  # fmt: skip
 POINTS = (1, 8, 32, 64)
 DTYPE = "bfloat16"  # as on the GPU: acceptance differs in float32
 # extend steps (ms): plain 1.6 ms + 0.09 ms per row; drafting per sequence (graphs) adds
@@ -50,9 +63,9 @@ DTYPE = "bfloat16"  # as on the GPU: acceptance differs in float32
 EXTEND_MS, EXTEND_ROW_MS, DRAFT_EXTEND_MS, DRAFT_EXTEND_ROW_MS = 1.6, 0.09, 0.6, 0.012
 
 
-def cycle_ms(drafter: str, shape: DraftShape, bs: int) -> float:
+def cycle_ms(drafter: str, shape: DraftShape, bs: int, figures=CYCLES_MS) -> float:
     """The modelled cycle of a decode step of this shape at padded size bs."""
-    points = CYCLES_MS[drafter][tuple(shape)]
+    points = figures[drafter][tuple(shape)]
     if bs <= POINTS[0]:
         return points[0]
     i = min(bisect.bisect_left(POINTS, bs), len(POINTS) - 1)
@@ -88,7 +101,9 @@ class Clock:
         engine._observe_cycle, engine._extend = observe_cycle, extend_step
 
 
-def build(drafter: str | None, mode: str, variant: dict | None = None) -> tuple[Engine, Clock]:
+def build(
+    drafter: str | None, mode: str, variant: dict | None = None, learn: bool = False
+) -> tuple[Engine, Clock]:
     options = {}
     if drafter is not None:
         algo, folder, k = BUNDLED[drafter]
@@ -98,11 +113,17 @@ def build(drafter: str | None, mode: str, variant: dict | None = None) -> tuple[
                     max_num_seqs=64, num_pages=2048, **options)  # fmt: skip
     name = drafter or "eagle3"
     if engine.chooser.adaptive:  # the H200's cycles, as the engine would have learned them
+        figures = REPLAY_MS if learn else CYCLES_MS
         table = {}
-        for shape in CYCLES_MS[name]:
+        for shape in figures[name]:
             for bs in DEFAULT_SIZES[: DEFAULT_SIZES.index(64) + 1]:
-                table[(DraftShape(*shape), bs)] = cycle_ms(name, DraftShape(*shape), bs) / 1e3
-        engine.chooser.costs = StepCosts(table)
+                table[(DraftShape(*shape), bs)] = cycle_ms(name, shape, bs, figures) / 1e3
+        costs = engine.chooser.costs = StepCosts(table)
+        if learn:  # start from the replays; each cycle the engine observes is the H200's
+            costs.learns, observe = True, costs.observe
+            costs.observe = lambda shape, bs, seconds: observe(
+                shape, bs, cycle_ms(name, shape, padded(bs)) / 1e3
+            )
         engine._drafts_cheaply = lambda plan: True  # greedy steps draft through graphs there
         configure(engine, variant or {})
     return engine, Clock(engine, name)
@@ -115,6 +136,9 @@ def main() -> None:
     parser.add_argument("--drafters", default="eagle3,dflash,draft-lm")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--learn", action="store_true",
+                        help="auto starts from the H200's replay table and learns its cycles "
+                             "(plain checks, borrowed host shares) as on one GPU rank")  # fmt: skip
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:ATTR=VALUE[,ATTR=VALUE] an auto engine with these chooser "
                              "settings beside the default one (adaptive_variants.py)")  # fmt: skip
@@ -126,10 +150,10 @@ def main() -> None:
     report = {}
     for drafter in args.drafters.split(","):
         engines = {"plain": build(None, "fixed"), "fixed": build(drafter, "fixed"),
-                   "auto": build(drafter, "auto")}  # fmt: skip
+                   "auto": build(drafter, "auto", learn=args.learn)}  # fmt: skip
         for spec in args.variant:
             name, settings = parse_variant(spec)
-            engines[name] = build(drafter, "auto", settings)
+            engines[name] = build(drafter, "auto", settings, learn=args.learn)
         engines["plain"][1].drafter = drafter
         for bs in sizes:
             rates, outs = {}, {}
