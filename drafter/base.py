@@ -63,6 +63,11 @@ class Drafter(ABC):
     # whether its extend steps draft from each sequence's last position as a decode batch
     # (`propose_last`; graphed by executor/propose_graphs.py), after their N-token part
     drafts_per_sequence = True
+    # the engine's piecewise graphs of its extend steps, set by executor/piecewise.py's
+    # PiecewiseRunner (None: eagerly): the N-token part (`DrafterPiecewise`) and the
+    # per-sequence part (`ProposeGraphs`)
+    piecewise = None
+    per_sequence = None
 
     @property
     def draft_stream(self) -> int:

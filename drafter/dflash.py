@@ -57,8 +57,7 @@ from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.piecewise_drafter import (
     DFlashContextPiece,
-    drafter_extend,
-    propose_per_sequence,
+    propose_extend,
 )
 from speculant.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from speculant.models.llama import MLP
@@ -508,10 +507,7 @@ class DFlashDrafter(Drafter):
         if batch.is_varlen:
             # EXTEND: the context K/V of all N positions (a function of N only, graphed by
             # token bucket), then the block from each sequence's last position only
-            drafter_extend(self, inputs)
-            if num_drafts == 0:
-                return self.no_drafts(batch)
-            return propose_per_sequence(self, inputs, sampling, variant, num_drafts)
+            return propose_extend(self, inputs, sampling, variant, num_drafts)
         features = self.features(inputs)
         if num_drafts == 0:  # the context K/V of the batch's positions, no block forward
             self.model.write_context(features, batch.positions, self.k_pools, self.v_pools,

@@ -13,8 +13,7 @@ from speculant.executor.forward_batch import ForwardBatch, ForwardMode, Sampling
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.piecewise_drafter import (
     DraftModelPiece,
-    drafter_extend,
-    propose_per_sequence,
+    propose_extend,
 )
 from speculant.models.llama import CausalLM
 
@@ -76,10 +75,7 @@ class DraftModelDrafter(Drafter):
     ) -> Proposal:
         batch = inputs.batch
         if batch.is_varlen:  # EXTEND: the forward over the chunk, graphed by token bucket
-            drafter_extend(self, inputs)
-            if num_drafts == 0:
-                return self.no_drafts(batch)
-            return propose_per_sequence(self, inputs, sampling, variant, num_drafts)
+            return propose_extend(self, inputs, sampling, variant, num_drafts)
         self.attn.prepare(batch, shared_slots=inputs.target_slots)
         self.lm(batch.input_ids, batch.positions, self.attn)  # catch up: KV only
         if num_drafts == 0:

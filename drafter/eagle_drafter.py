@@ -13,8 +13,7 @@ from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.piecewise_drafter import (
     EagleKVPiece,
-    drafter_extend,
-    propose_per_sequence,
+    propose_extend,
 )
 
 
@@ -69,10 +68,7 @@ class Eagle3Drafter(Drafter):
         if batch.is_varlen and self.head.num_layers == 1:
             # EXTEND: the K/V of all N positions (no attention: a function of N only, graphed
             # by token bucket), then the layer at each sequence's last position only
-            drafter_extend(self, inputs)
-            if num_drafts == 0:
-                return self.no_drafts(batch)
-            return propose_per_sequence(self, inputs, sampling, variant, num_drafts)
+            return propose_extend(self, inputs, sampling, variant, num_drafts)
         return self.propose_whole_head(inputs, sampling, variant, num_drafts)
 
     def propose_whole_head(

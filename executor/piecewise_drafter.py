@@ -4,8 +4,9 @@ over every position (a one-layer head: fc, norms, K/V and RoPE, no attention), D
 K/V, and the draft model's forward over the chunk (its own attention on the static layout). What
 follows per sequence (bs rows: the layer at each sequence's last position, the chain drafting,
 DFLASH's block forward) is a decode batch of one token per row (`last_position_inputs`), drafted
-by `propose_per_sequence`: through executor/propose_graphs.py's graphs by row count for greedy
-steps, else eagerly. Each drafter names its piece (`Drafter.extend_piece`)."""
+by `propose_per_sequence` (both parts in turn: `propose_extend`): through
+executor/propose_graphs.py's graphs by row count for greedy steps, else eagerly. Each drafter
+names its piece (`Drafter.extend_piece`)."""
 
 from __future__ import annotations
 
@@ -102,10 +103,19 @@ class DraftModelPiece(DrafterPiece):
         return d.lm(ids, batch.positions, d.attn)
 
 
+def propose_extend(drafter, inputs: DraftInputs, sampling, variant: str, num_drafts: int):
+    """An extend step's drafter work: its N-token part (`drafter_extend`), then, unless it
+    drafts nothing, the per-sequence part (`propose_per_sequence`)."""
+    drafter_extend(drafter, inputs)
+    if num_drafts == 0:
+        return drafter.no_drafts(inputs.batch)
+    return propose_per_sequence(drafter, inputs, sampling, variant, num_drafts)
+
+
 def drafter_extend(drafter, inputs: DraftInputs) -> None:
     """The drafter's N-token part of an extend step: through its bucket (a replay or a padded
     eager forward) when the engine gave it a `DrafterPiecewise`, else eagerly unpadded."""
-    runner = getattr(drafter, "piecewise", None)  # set by PiecewiseRunner
+    runner = drafter.piecewise  # set by PiecewiseRunner
     if runner is None or not runner.forward(inputs):
         (runner.piece if runner is not None else drafter.extend_piece()).run_step(inputs)
 
@@ -142,7 +152,7 @@ def propose_per_sequence(drafter, inputs: DraftInputs, sampling, variant: str, n
     a replay, or its padded forward eagerly) when the engine gave it one and the step fits, else
     eagerly unpadded (`Drafter.propose_last`)."""
     one = last_position_inputs(inputs)
-    graphs = getattr(drafter, "per_sequence", None)  # set by PiecewiseRunner
+    graphs = drafter.per_sequence  # set by PiecewiseRunner
     if graphs is not None:
         tokens = graphs.forward(one, variant, num_drafts)
         if tokens is not None:

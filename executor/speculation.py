@@ -141,9 +141,11 @@ class StepCosts:
         self._stale.clear()
         return self._seen
 
-    def padded_size(self, shape: DraftShape, bs: int) -> int:
-        """The measured size a batch of bs of this shape runs at (the largest past it)."""
-        return self._size(shape, bs)[0]
+    def measured_size(self, shape: DraftShape, bs: int) -> int | None:
+        """The measured size a batch of bs of this shape runs at; None past the largest (no
+        cycle is observed there)."""
+        size, scale = self._size(shape, bs)
+        return size if scale == 1.0 else None
 
     def _size(self, shape: DraftShape, bs: int) -> tuple[int, float]:
         """The measured size a batch of bs runs at, and the scale past the largest."""
@@ -266,6 +268,7 @@ class DraftLengthChooser:
 
     def __init__(self, k: int, mode: str, costs: StepCosts | None = None):
         self.k, self.mode, self.costs = k, mode, costs
+        self.spec = DraftShape(k, k)  # a speculative step's shape
         self.batch = AcceptanceEstimate(k, decay=self.DECAY)
         self.per_request: dict[int, AcceptanceEstimate] = {}  # by request index
         self.plain_streak = 0
@@ -342,14 +345,14 @@ class DraftLengthChooser:
         """Expected tokens per second of speculative steps (k, k) against plain steps (0, 0) at
         this batch size, drafting by at least `margin` (MARGIN unless given)."""
         bs = max(bs, 1)
-        spec = self.expected_tokens(request_indices) / self.costs(DraftShape(self.k, self.k), bs)
+        spec = self.expected_tokens(request_indices) / self.costs(self.spec, bs)
         plain = len(request_indices) / self.costs(DraftShape(0, 0), bs)
         return spec > (self.MARGIN if margin is None else margin) * plain
 
     def pays_at_smallest_batch(self) -> bool:
         """Whether the batch-wide acceptance would pay for drafting at batch size 1 (by
         MARGIN)."""
-        spec = self.batch.expected_tokens() / self.costs(DraftShape(self.k, self.k), 1)
+        spec = self.batch.expected_tokens() / self.costs(self.spec, 1)
         return spec > self.MARGIN / self.costs(DraftShape(0, 0), 1)
 
     def choose(
@@ -445,11 +448,10 @@ class DraftLengthChooser:
         if self.check_left:
             self.check_left -= 1
             return 0
-        spec = DraftShape(self.k, self.k)
-        if bs > self.costs.sizes[spec][-1]:
+        size = self.costs.measured_size(self.spec, max(bs, 1))
+        if size is None:
             return self.k  # past the largest size no cycle is observed: a check teaches nothing
         self.draft_streak += 1
-        size = self.costs.padded_size(spec, max(bs, 1))
         interval = self.check_intervals.get(size, self.FIRST_CHECK)
         if self.draft_streak < interval:
             return self.k
