@@ -20,7 +20,8 @@ more than the one round of acceptance the new requests' first decode step then g
 mixed step (decode rows and chunks) still proposes when drafting wins: its decode rows would
 otherwise lose their next verify, and back-to-back mixed steps would never verify at all.
 To start drafting it must win by MARGIN; once drafting has won (until it loses, or a step has
-no batch) it goes on while it wins by STAY_MARGIN (today equal to MARGIN, see there).
+no batch) it goes on while it wins by STAY_MARGIN (today equal to MARGIN, see there), and stops
+only after STOP_AFTER comparisons in a row lost (a one-row dip of the estimate goes on drafting).
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -254,6 +255,12 @@ class DraftLengthChooser:
     # where the model overrates drafting (rows ending at different steps): 0.82-0.92 of plain.
     # So it equals MARGIN: no hold-on until the model sees those costs.
     STAY_MARGIN = 1.2
+    # while drafting, it stops after this many comparisons in a row (each on new figures: a
+    # verify row read back, a batch change) lose: one request's estimate dips for a row or two
+    # (EAGLE-3 on the bundled target rejects position 2 in a new prompt's first rows), and a
+    # one-step plain dip pays a plain step and a (0, k) step to start again; a real collapse
+    # costs one more drafting step (benchmarks/results/adaptive.md, wave 9)
+    STOP_AFTER = 2
     FIRST_PROBE, LAST_PROBE = 8, 256
     PROBE_ROWS = 8  # verify rows a probe gathers (a small batch verifies several steps)
     PROBE_WAITS = 2  # steps a probe waits for its verify outcome before it is abandoned
@@ -278,6 +285,7 @@ class DraftLengthChooser:
         self._last_key: tuple | None = None
         self._last_prefer = False
         self.drafting = False  # drafting won the last comparison (probes and checks aside)
+        self.losses = 0  # comparisons lost in a row while drafting (see STOP_AFTER)
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
         self.lost_probes = 0  # probes lost in a row
         self.rest_left = 0  # steps the drafter still rests
@@ -399,7 +407,7 @@ class DraftLengthChooser:
                     self.phase = None
                 return 0
         if not request_indices:
-            self.drafting = False  # an idle step: the next batch starts afresh
+            self.drafting, self.losses = False, 0  # an idle step: the next batch starts afresh
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
         # host: plain steps of a small model take a fraction of a millisecond)
@@ -408,6 +416,11 @@ class DraftLengthChooser:
                margin)  # fmt: skip
         if key != self._last_key:
             prefer = self.prefers_drafting(request_indices, bs, margin)
+            if prefer or not self.drafting:
+                self.losses = 0
+            else:  # drafting lost on new figures: it stops once STOP_AFTER did in a row
+                self.losses += 1
+                prefer = self.losses < self.STOP_AFTER
             self._last_key, self._last_prefer = key, prefer
         prefer = self.drafting = self._last_prefer
         if self.phase == PROBE_VERIFYING:

@@ -932,12 +932,14 @@ def test_a_borrowed_host_share_shrinks_for_plain_steps_and_never_grows():
 
 
 def test_plain_checks_stay_rare_across_plain_stretches():
-    """A plain stretch (here: the estimate dips below the margin every 50th step) does not start
-    the checks' interval again: over 3000 steps the checks stay a few (before, each dip brought
-    one back after 32 drafting steps)."""
+    """A plain stretch (here: the estimate dips below the margin for two steps in every 50, the
+    second of which goes plain, see STOP_AFTER) does not start the checks' interval again: over
+    3000 steps the checks stay a few (before, each dip brought one back after 32 drafting
+    steps)."""
     chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3, sizes=(8,)))
     chooser.costs.learns = True
-    dips = iter(i % 50 == 49 for i in range(10**6))
+    assert chooser.STOP_AFTER == 2
+    dips = iter(i % 50 >= 48 for i in range(10**6))
     chooser.prefers_drafting = lambda indices, bs, margin=None: not next(dips)
     chosen = []
     for _ in range(3000):
@@ -969,6 +971,7 @@ def test_a_step_that_holds_drafts_keeps_drafting_above_the_lower_margin():
     chooser = DraftLengthChooser(3, AUTO, costs)
     assert 1.0 < chooser.STAY_MARGIN <= chooser.MARGIN
     chooser.STAY_MARGIN = 1.1  # the default is MARGIN (no hold-on): the protocol, set lower
+    chooser.STOP_AFTER = 1  # one lost comparison stops drafting (the margin alone decides)
     between = (chooser.STAY_MARGIN + chooser.MARGIN) / 2
     chooser.batch.expected = 2.0 * between  # gain `between` over plain steps
     assert chooser.choose([0], 1) == 0  # plain: not enough to start
@@ -981,6 +984,30 @@ def test_a_step_that_holds_drafts_keeps_drafting_above_the_lower_margin():
     chooser.batch.expected = 2.0 * 0.95 * chooser.STAY_MARGIN
     chooser.batch.samples += 1
     assert chooser.choose([0], 1) == 0  # below the lower margin: plain
+
+
+def test_drafting_stops_only_after_two_lost_comparisons_in_a_row():
+    """A one-row dip of the estimate (one comparison lost on new figures) keeps a drafting
+    step drafting; a second lost comparison in a row stops it, a won one in between starts the
+    count again; a plain step is not held plain by it (one win starts drafting)."""
+    costs = StepCosts({(DraftShape(3, 3), 1): 2.0, (DraftShape(0, 0), 1): 1.0})
+    chooser = DraftLengthChooser(3, AUTO, costs)
+    assert chooser.STOP_AFTER == 2
+    win, lose = 2.0 * 1.1 * chooser.MARGIN, 2.0 * 0.9 * chooser.MARGIN
+
+    def decide(expected):
+        chooser.batch.expected = expected
+        chooser.batch.samples += 1  # a verify row read back: new figures
+        return chooser.choose([0], 1)
+
+    assert decide(lose) == 0  # plain stays plain
+    assert decide(win) == 3  # one win starts drafting
+    assert decide(lose) == 3  # one lost comparison: drafting goes on
+    assert chooser.choose([0], 1) == 3  # no new figures: the same decision
+    assert decide(win) == 3
+    assert decide(lose) == 3  # the count started again
+    assert decide(lose) == 0  # two in a row: plain
+    assert decide(lose) == 0
 
 
 def test_with_overlap_a_cycle_counts_only_between_two_launches_of_one_shape(monkeypatch):
