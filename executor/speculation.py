@@ -29,7 +29,8 @@ verified: one at a large batch, several at a small one) refreshes the acceptance
 When the drafter's acceptance would not pay even at batch size 1 (the cheapest verify relative
 to a plain step), REST_AFTER probes in a row have lost and REST_MIN_SAMPLES rows were verified,
 the drafter rests for REST_STEPS steps (after a rest one more lost probe starts the next,
-twice as long, up to LAST_REST): no drafter work at all (no catch-up records kept, no drafter
+twice as long, up to LAST_REST; a rest goes on past its length while every running request is
+cold, see below): no drafter work at all (no catch-up records kept, no drafter
 forward over prefill chunks, no probes), so a drafter that accepts nothing costs nothing. Its
 state then lags for every request that ran a step while it rested: such requests are `cold`:
 their drafts are still verified exactly (output stays lossless), but they count as accepting
@@ -383,6 +384,15 @@ class DraftLengthChooser:
             return self.k
         if self.rest_left:
             self.rest_left -= 1
+            self.rest_steps += 1
+            self.rests_now = True
+            return 0
+        if self.rest_length and request_indices and not self._any_warm(request_indices):
+            # a rest ended, but every request ran some of it (cold): no probe can learn from
+            # them and a plain step would record catch-up entries nothing drafts from, so the
+            # rest goes on until a request starts warm (the last ~340 steps of the 8B job with
+            # a dummy head, benchmarks/results/adaptive.md, wave 9)
+            self.phase = None
             self.rest_steps += 1
             self.rests_now = True
             return 0

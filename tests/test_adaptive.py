@@ -769,6 +769,29 @@ def test_chooser_rests_the_drafter_when_acceptance_would_lose_even_at_batch_size
     assert chooser.rest_steps == 600 + sum(rests[second + 401 :])
 
 
+def test_a_rest_goes_on_while_every_request_is_cold():
+    """Past a rest's length, steps whose requests all ran some of it (cold: nothing to probe
+    with, nothing to record catch-up for) rest on; a request that starts warm ends it."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.REST_STEPS = 50
+    for _ in range(400):  # nothing accepted: probes lose and a rest starts
+        chooser.choose([0, 1], 2)
+        if chooser.rests_now:
+            break
+        chooser.observe(0, 3, 0)
+        chooser.observe(1, 3, 0)
+    assert chooser.rests_now
+    chooser.mark_cold([0, 1])  # as the engine does when a rest starts
+    rests = []
+    for _ in range(200):
+        assert chooser.choose([0, 1], 2) == 0
+        rests.append(chooser.rests_now)
+    assert all(rests) and chooser.rest_left == 0  # 200 steps, past the rest's 50
+    assert chooser.choose([0, 1, 2], 3) == 0 and not chooser.rests_now  # request 2 is warm
+    chooser.rest_length = 0  # as when drafting last won: cold requests alone do not rest
+    assert chooser.choose([0, 1], 2) == 0 and not chooser.rests_now
+
+
 def test_unlucky_first_rows_do_not_rest_a_good_drafter():
     """At bs 1 a probe verifies PROBE_ROWS steps: a head that accepts 3 of 4 drafts (worth
     drafting at bs 1) whose first two verify rows accept 1 is judged on the probe's rows, not on
