@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# nvidia-h200 calls for [adaptive] (wave 10: the bars on the tree of wave 9, STOP_AFTER and the
+# rest that goes on while every request is cold; wave 9's raw files were lost with its machine).
+#   bash benchmarks/gpu_wave10.sh bars   the bundled bar three times, then the 8B shape with a
+#                                        dummy EAGLE-3 head (plain, auto)   ~450 s
+#   bash benchmarks/gpu_wave10.sh job    the realistic job with the dummy head (workload.py,
+#                                        1,000 requests: plain, auto, plain, auto), then the
+#                                        bundled bar twice                  ~500 s
+# Logs and JSON under $OUT.
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_bar_lib.sh"
+cd "$(dirname "$0")"
+BAR_TIMEOUT=110
+LOG="$OUT/wave10_$1.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG"
+(git -C .. log -1 --format='tree %h %s' 2>/dev/null || echo 'tree: no git here') | tee -a "$LOG"
+if [ "$1" = bars ]; then
+    bar 1 "$LOG"
+    bar 2 "$LOG"
+    bar 3 "$LOG"
+    timeout 130 python3 adaptive_gpu.py --json "$OUT/adaptive_8b.json" --parts 8b \
+        --runs-8b plain,auto 2>&1 | grep -v Warning | tail -3 >> "$LOG"
+    python3 -c "
+import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
+print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
+                  for n in d if 'bs1' in d[n]}))" | tee -a "$LOG"
+else
+    timeout 280 python3 workload.py --out "$OUT/wl" --requests 1000 \
+        --configs default,eagle3_auto,default,eagle3_auto --timeout 100 2>&1 \
+        | grep -v Warning | tail -8 | tee -a "$LOG"
+    bar 4 "$LOG"
+    bar 5 "$LOG"
+fi
