@@ -3,6 +3,9 @@
 # rest that goes on while every request is cold; wave 9's raw files were lost with its machine).
 #   bash benchmarks/gpu_wave10.sh bars   the bundled bar three times, then the 8B shape with a
 #                                        dummy EAGLE-3 head (plain, auto)   ~450 s
+#   bash benchmarks/gpu_wave10.sh hold   (after ONE_ROW_STAY_MARGIN 1.1) the bundled bar twice, then
+#                                        EAGLE-3 at bs 1 and 8 beside the rule before it
+#                                        (adaptive_variants.py, old:ONE_ROW_STAY_MARGIN=1.2) ~350 s
 #   bash benchmarks/gpu_wave10.sh job    the realistic job with the dummy head (workload.py,
 #                                        1,000 requests: plain, auto, plain, auto), then the
 #                                        bundled bar twice                  ~500 s
@@ -25,6 +28,14 @@ if [ "$1" = bars ]; then
 import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
 print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
                   for n in d if 'bs1' in d[n]}))" | tee -a "$LOG"
+elif [ "$1" = hold ]; then
+    bar 6 "$LOG"
+    bar 7 "$LOG"
+    timeout 150 python3 adaptive_variants.py --json "$OUT/variants.json" --drafters eagle3 \
+        --sizes 1,8 --rounds 31 --variant old:ONE_ROW_STAY_MARGIN=1.2 2>&1 | grep -v Warning \
+        | tail -3 >> "$LOG"
+    python3 -c "
+import json; print(json.dumps(json.load(open('$OUT/variants.json'))['verdict']))" | tee -a "$LOG"
 else
     timeout 280 python3 workload.py --out "$OUT/wl" --requests 1000 \
         --configs default,eagle3_auto,default,eagle3_auto --timeout 100 2>&1 \

@@ -20,8 +20,9 @@ more than the one round of acceptance the new requests' first decode step then g
 mixed step (decode rows and chunks) still proposes when drafting wins: its decode rows would
 otherwise lose their next verify, and back-to-back mixed steps would never verify at all.
 To start drafting it must win by MARGIN; once drafting has won (until it loses, or a step has
-no batch) it goes on while it wins by STAY_MARGIN (today equal to MARGIN, see there), and stops
-only after STOP_AFTER comparisons in a row lost (a one-row dip of the estimate goes on drafting).
+no batch) it goes on while it wins by STAY_MARGIN (today equal to MARGIN, see there; a batch of
+one row by ONE_ROW_STAY_MARGIN, lower), and stops only after STOP_AFTER comparisons in a row lost
+(a one-row dip of the estimate goes on drafting).
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -256,6 +257,13 @@ class DraftLengthChooser:
     # where the model overrates drafting (rows ending at different steps): 0.82-0.92 of plain.
     # So it equals MARGIN: no hold-on until the model sees those costs.
     STAY_MARGIN = 1.2
+    # ... but a batch of one row keeps drafting above this one: there every row ends at the same
+    # step, so the model's error at larger batches is absent, and what is left is what stopping
+    # costs (at least FIRST_PROBE plain steps and a (0, k) step before drafting again). EAGLE-3
+    # at bs 1 on the bundled models (H200, adaptive.md, waves 9 and 10): its modelled gain of
+    # 1.22-1.27 crosses 1.2 as one prompt's estimate swings, 35 of fixed's 37 verify rows a
+    # generate and 0.966-0.968 of fixed in two bars of five; a hold-on of 1.1 read 0.996
+    ONE_ROW_STAY_MARGIN = 1.1
     # while drafting, it stops after this many comparisons in a row (each on new figures: a
     # verify row read back, a batch change) lose: one request's estimate dips for a row or two
     # (EAGLE-3 on the bundled target rejects position 2 in a new prompt's first rows), and a
@@ -421,7 +429,9 @@ class DraftLengthChooser:
             return 0
         # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
         # host: plain steps of a small model take a fraction of a millisecond)
-        margin = self.STAY_MARGIN if self.drafting else self.MARGIN
+        margin = self.MARGIN
+        if self.drafting:
+            margin = self.ONE_ROW_STAY_MARGIN if bs == 1 else self.STAY_MARGIN
         key = (self.batch.samples, len(request_indices), bs, len(self.cold), self.costs.version,
                margin)  # fmt: skip
         if key != self._last_key:

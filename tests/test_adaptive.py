@@ -988,14 +988,14 @@ def test_each_padded_size_gets_its_own_plain_checks():
 
 
 def test_a_step_that_holds_drafts_keeps_drafting_above_the_lower_margin():
-    """Between STAY_MARGIN and MARGIN the last decision stays: drafting goes on (going plain
-    drops the drafts and a (0, k) step must start again), plain stays plain."""
+    """At one row, between ONE_ROW_STAY_MARGIN and MARGIN the last decision stays: drafting goes
+    on (going plain drops the drafts and a (0, k) step must start again), plain stays plain; at
+    two rows STAY_MARGIN (by default MARGIN) holds nothing."""
     costs = StepCosts({(DraftShape(3, 3), 1): 2.0, (DraftShape(0, 0), 1): 1.0})
     chooser = DraftLengthChooser(3, AUTO, costs)
-    assert 1.0 < chooser.STAY_MARGIN <= chooser.MARGIN
-    chooser.STAY_MARGIN = 1.1  # the default is MARGIN (no hold-on): the protocol, set lower
+    assert 1.0 < chooser.ONE_ROW_STAY_MARGIN < chooser.MARGIN
     chooser.STOP_AFTER = 1  # one lost comparison stops drafting (the margin alone decides)
-    between = (chooser.STAY_MARGIN + chooser.MARGIN) / 2
+    between = (chooser.ONE_ROW_STAY_MARGIN + chooser.MARGIN) / 2
     chooser.batch.expected = 2.0 * between  # gain `between` over plain steps
     assert chooser.choose([0], 1) == 0  # plain: not enough to start
     chooser.batch.expected = 2.0 * 1.1 * chooser.MARGIN
@@ -1004,9 +1004,20 @@ def test_a_step_that_holds_drafts_keeps_drafting_above_the_lower_margin():
     chooser.batch.expected = 2.0 * between
     chooser.batch.samples += 1
     assert chooser.choose([0], 1) == 3  # drafting goes on
-    chooser.batch.expected = 2.0 * 0.95 * chooser.STAY_MARGIN
+    chooser.batch.expected = 2.0 * 0.95 * chooser.ONE_ROW_STAY_MARGIN
     chooser.batch.samples += 1
     assert chooser.choose([0], 1) == 0  # below the lower margin: plain
+    # two rows: the same gain between the margins stops drafting
+    assert chooser.STAY_MARGIN == chooser.MARGIN
+    two = StepCosts({(DraftShape(3, 3), 2): 2.0, (DraftShape(0, 0), 2): 1.0})
+    chooser = DraftLengthChooser(3, AUTO, two)
+    chooser.STOP_AFTER = 1
+    chooser.batch.expected = 2.0 * 1.1 * chooser.MARGIN
+    chooser.batch.samples += 1
+    assert chooser.choose([0, 1], 2) == 3
+    chooser.batch.expected = 2.0 * between
+    chooser.batch.samples += 1
+    assert chooser.choose([0, 1], 2) == 0
 
 
 def test_drafting_stops_only_after_two_lost_comparisons_in_a_row():
