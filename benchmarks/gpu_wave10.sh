@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_wave10.sh hold   (after ONE_ROW_STAY_MARGIN 1.1) the bundled bar twice, then
 #                                        EAGLE-3 at bs 1 and 8 beside the rule before it
 #                                        (adaptive_variants.py, old:ONE_ROW_STAY_MARGIN=1.2) ~350 s
+#   bash benchmarks/gpu_wave10.sh final  (the same tree) the 8B shape with the dummy head, then the
+#                                        realistic job with it                ~420 s
 #   bash benchmarks/gpu_wave10.sh job    the realistic job with the dummy head (workload.py,
 #                                        1,000 requests: plain, auto, plain, auto), then the
 #                                        bundled bar twice                  ~500 s
@@ -17,17 +19,22 @@ cd "$(dirname "$0")"
 BAR_TIMEOUT=110
 LOG="$OUT/wave10_$1.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG"
-(git -C .. log -1 --format='tree %h %s' 2>/dev/null || echo 'tree: no git here') | tee -a "$LOG"
-if [ "$1" = bars ]; then
+eightb() {
+    eightb
+}
+job() {
+    timeout 280 python3 workload.py --out "$OUT/wl" --requests 1000 \
+        --configs default,eagle3_auto,default,eagle3_auto --timeout 100 2>&1 \
+        | grep -v Warning | tail -8 | tee -a "$LOG"
+}
+if [ "$1" = final ]; then
+    eightb
+    job
+elif [ "$1" = bars ]; then
     bar 1 "$LOG"
     bar 2 "$LOG"
     bar 3 "$LOG"
-    timeout 130 python3 adaptive_gpu.py --json "$OUT/adaptive_8b.json" --parts 8b \
-        --runs-8b plain,auto 2>&1 | grep -v Warning | tail -3 >> "$LOG"
-    python3 -c "
-import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
-print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
-                  for n in d if 'bs1' in d[n]}))" | tee -a "$LOG"
+    eightb
 elif [ "$1" = hold ]; then
     bar 6 "$LOG"
     bar 7 "$LOG"
@@ -37,9 +44,7 @@ elif [ "$1" = hold ]; then
     python3 -c "
 import json; print(json.dumps(json.load(open('$OUT/variants.json'))['verdict']))" | tee -a "$LOG"
 else
-    timeout 280 python3 workload.py --out "$OUT/wl" --requests 1000 \
-        --configs default,eagle3_auto,default,eagle3_auto --timeout 100 2>&1 \
-        | grep -v Warning | tail -8 | tee -a "$LOG"
+    job
     bar 4 "$LOG"
     bar 5 "$LOG"
 fi
