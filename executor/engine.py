@@ -602,7 +602,15 @@ class Engine:
         bs = len(plan.decode) + sum(c.last for c in plan.chunks)
         # fixed speculation: k drafts every step, every row holds k; a rest decides nothing: no
         # per-row work per step for either (held drafts matter only to a step that drafts)
-        resting = self.chooser.rest_left > 0  # a step that samples nothing keeps a rest going
+        chooser = self.chooser
+        resting = chooser.rest_left > 0
+        # a context that starts (admitted, or resumed after a preemption) outside a rest starts
+        # warm, and so ends a rest gone on past its length (speculation.py): a step that then
+        # rests marks it cold again (_settle_catch_up)
+        starting = [c.request.index for c in plan.chunks if c.start == 0]
+        if adaptive and not resting and chooser.cold:
+            for index in starting:
+                chooser.mark_warm(index)
         indices = [r.index for r in plan.requests] if adaptive and not resting else []
         # adaptive: a step of prefill chunks alone proposes none unless its per-sequence drafting
         # replays a graph (executor/propose_graphs.py); eagerly it costs more than the round of
@@ -621,7 +629,9 @@ class Engine:
             held = min((len(r.next_input) - 1 for r in plan.decode), default=k)
         plan.shape = step_shape(drafts, held, k)
         plan.tokens_per_req = plan.shape.tokens_per_req
-        plan.rests = self.chooser.rests_now if bs else resting
+        # a step that samples nothing keeps a rest going, one gone on past its length too,
+        # unless a context starts in it
+        plan.rests = chooser.rests_now if bs else resting or (self._resting and not starting)
         return plan
 
     def _drafts_cheaply(self, plan: StepPlan) -> bool:
@@ -675,6 +685,8 @@ class Engine:
         for request in finished:
             self.scheduler.finish(request)
             self.chooser.forget(request.index)
+        if finished and not self.scheduler.running:
+            self.chooser.idle()  # the next batch starts afresh
         return finished
 
     def _run_ahead(self, launched: LaunchedStep) -> list[Request]:

@@ -28,6 +28,15 @@ class InputBuffers:
         self.temperature = self._floats[:n]
         self.top_p = self._floats[n:]
         self.top_p.fill_(1.0)
+        # host copies of the two packs, kept between steps: a step rewrites only the rows it
+        # and the step before it used. Converting a list of every row each step cost a bs-1
+        # step 35 / 121 us at 64 / 256 rows of one token, 51 / 217 us at 8 tokens a row (a
+        # 2-core CPU); this fill 4-8 us there
+        self._host_ints = torch.zeros_like(self._ints, device="cpu")
+        self._host_floats = torch.zeros_like(self._floats, device="cpu")
+        self._ints_np, self._floats_np = self._host_ints.numpy(), self._host_floats.numpy()
+        self._floats_np[n:] = 1.0
+        self._used = 0  # rows the last fill wrote (its padded size)
 
     def fill(
         self,
@@ -41,15 +50,40 @@ class InputBuffers:
         sentinel_row: int,
     ) -> None:
         """Write live rows, then padded rows pointing at the sentinel row (greedy, token 0); rows
-        past padded_bs are zeroed (no step of this size reads them)."""
-        ints, floats = self.pack(rows, input_ids, temperature, top_k, top_p, seed, padded_bs,
-                                 sentinel_row)  # fmt: skip
+        past padded_bs are zeroed (no step of this size reads them): the device packs then hold
+        what `pack` lays out."""
+        n, T, live = self.max_bs, self.tokens_per_req, len(rows)
+        ints, floats = self._ints_np, self._floats_np
+        end = max(padded_bs, self._used)  # rows this fill must write: its own and stale ones
+        ints[:live] = rows
+        ints[live:padded_bs] = sentinel_row
+        ints[padded_bs:end] = 0
+        ints[n : n + live] = top_k
+        ints[n + live : n + end] = 0
+        ints[2 * n : 2 * n + live] = seed
+        ints[2 * n + live : 2 * n + end] = 0
+        base = 3 * n
+        if T == 1:
+            ints[base : base + live] = [ids[0] if ids else 0 for ids in input_ids]
+        else:
+            flat: list[int] = []
+            for ids in input_ids:  # a row holding fewer drafts than T - 1 (adaptive): zeros after
+                flat += ids[:T]
+                flat += [0] * (T - len(ids))
+            ints[base : base + live * T] = flat
+        ints[base + live * T : base + end * T] = 0
+        floats[:live] = temperature
+        floats[live:end] = 0.0
+        floats[n : n + live] = top_p
+        floats[n + live : n + end] = 1.0
+        self._used = padded_bs
         # from pageable memory: non-blocking copies from pinned staging measured no faster here
-        self._ints.copy_(torch.tensor(ints, dtype=torch.int64))
-        self._floats.copy_(torch.tensor(floats, dtype=torch.float32))
+        self._ints.copy_(self._host_ints)
+        self._floats.copy_(self._host_floats)
 
     def pack(self, rows, input_ids, temperature, top_k, top_p, seed, padded_bs, sentinel_row):
-        """The two packs' contents as host lists, in the device layout."""
+        """The two packs' contents as host lists, in the device layout (what `fill` leaves on
+        the device; the reference its tests compare with)."""
         n, T, live = self.max_bs, self.tokens_per_req, len(rows)
         pad, rest = padded_bs - live, n - padded_bs
         ints = [*rows, *[sentinel_row] * pad, *[0] * rest]

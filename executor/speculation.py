@@ -22,7 +22,8 @@ otherwise lose their next verify, and back-to-back mixed steps would never verif
 To start drafting it must win by MARGIN; once drafting has won (until it loses, or a step has
 no batch) it goes on while it wins by STAY_MARGIN (today equal to MARGIN, see there; a batch of
 one row by ONE_ROW_STAY_MARGIN, lower), and stops only after STOP_AFTER comparisons in a row lost
-(a one-row dip of the estimate goes on drafting).
+(a one-row dip of the estimate goes on drafting; no new row within PROBE_WAITS steps counts as a
+lost one).
 While plain steps win, a probe (one step that drafts, then verify steps until PROBE_ROWS rows were
 verified: one at a large batch, several at a small one) refreshes the acceptance estimate every
 `probe_interval` steps, doubling while probes keep losing.
@@ -30,13 +31,15 @@ verified: one at a large batch, several at a small one) refreshes the acceptance
 When the drafter's acceptance would not pay even at batch size 1 (the cheapest verify relative
 to a plain step), REST_AFTER probes in a row have lost and REST_MIN_SAMPLES rows were verified,
 the drafter rests for REST_STEPS steps (after a rest one more lost probe starts the next,
-twice as long, up to LAST_REST; a rest goes on past its length while every running request is
-cold, see below): no drafter work at all (no catch-up records kept, no drafter
-forward over prefill chunks, no probes), so a drafter that accepts nothing costs nothing. Its
+twice as long, up to LAST_REST; a rest goes on past its length while every request of the step
+is cold, see below, and through steps that sample nothing unless a context starts in them): no
+drafter work at all (no catch-up records kept, no drafter forward over prefill chunks, no
+probes), so a drafter that accepts nothing costs nothing. Its
 state then lags for every request that ran a step while it rested: such requests are `cold`:
 their drafts are still verified exactly (output stays lossless), but they count as accepting
 nothing, and their verify outcomes teach the estimate nothing. A request whose context starts
-again (admitted, or resumed after a preemption) outside a rest is warm."""
+again (admitted, or resumed after a preemption) outside a rest's length is warm (and so ends a
+rest gone on past it). When no request runs, the next batch starts afresh (`idle`)."""
 
 from __future__ import annotations
 
@@ -268,7 +271,8 @@ class DraftLengthChooser:
     # verify row read back, a batch change) lose: one request's estimate dips for a row or two
     # (EAGLE-3 on the bundled target rejects position 2 in a new prompt's first rows), and a
     # one-step plain dip pays a plain step and a (0, k) step to start again; a real collapse
-    # costs one more drafting step (benchmarks/results/adaptive.md, wave 9)
+    # costs one more drafting step (benchmarks/results/adaptive.md, wave 9), and a lost
+    # comparison no verify row follows within PROBE_WAITS steps (cold rows) counts as the next
     STOP_AFTER = 2
     FIRST_PROBE, LAST_PROBE = 8, 256
     PROBE_ROWS = 8  # verify rows a probe gathers (a small batch verifies several steps)
@@ -295,6 +299,7 @@ class DraftLengthChooser:
         self._last_prefer = False
         self.drafting = False  # drafting won the last comparison (probes and checks aside)
         self.losses = 0  # comparisons lost in a row while drafting (see STOP_AFTER)
+        self.held = 0  # steps drafting was held on by a lost comparison without new figures
         self.chosen: Counter[int] = Counter()  # drafts proposed -> steps
         self.lost_probes = 0  # probes lost in a row
         self.rest_left = 0  # steps the drafter still rests
@@ -329,6 +334,10 @@ class DraftLengthChooser:
             self.per_request[request_index] = own
         self.batch.observe(verified, accepted)
         own.observe(verified, accepted)
+
+    def idle(self) -> None:
+        """No request runs: the next batch starts afresh (drafting must win by MARGIN)."""
+        self.drafting, self.losses = False, 0
 
     def forget(self, request_index: int) -> None:
         self.per_request.pop(request_index, None)
@@ -425,15 +434,15 @@ class DraftLengthChooser:
                     self.phase = None
                 return 0
         if not request_indices:
-            self.drafting, self.losses = False, 0  # an idle step: the next batch starts afresh
+            self.idle()
             return 0
-        # nothing learnt and the same batch size: the same comparison (steps stay cheap on the
-        # host: plain steps of a small model take a fraction of a millisecond)
+        # nothing learnt and the same requests at the same size: the same comparison (steps stay
+        # cheap on the host: plain steps of a small model take a fraction of a millisecond)
         margin = self.MARGIN
         if self.drafting:
             margin = self.ONE_ROW_STAY_MARGIN if bs == 1 else self.STAY_MARGIN
-        key = (self.batch.samples, len(request_indices), bs, len(self.cold), self.costs.version,
-               margin)  # fmt: skip
+        key = (self.batch.samples, hash(tuple(request_indices)), bs, len(self.cold),
+               self.costs.version, margin)  # fmt: skip
         if key != self._last_key:
             prefer = self.prefers_drafting(request_indices, bs, margin)
             if prefer or not self.drafting:
@@ -441,7 +450,14 @@ class DraftLengthChooser:
             else:  # drafting lost on new figures: it stops once STOP_AFTER did in a row
                 self.losses += 1
                 prefer = self.losses < self.STOP_AFTER
-            self._last_key, self._last_prefer = key, prefer
+            self._last_key, self._last_prefer, self.held = key, prefer, 0
+        elif self.losses and self._last_prefer:
+            # a lost comparison holds drafting on to see the next verify row; one that is not
+            # read back within PROBE_WAITS steps never comes (the rows are cold, or steps draft
+            # nothing) and counts as lost, so drafting cannot go on without new figures
+            self.held += 1
+            if self.held > self.PROBE_WAITS:
+                self._last_prefer = False
         prefer = self.drafting = self._last_prefer
         if self.phase == PROBE_VERIFYING:
             self.phase = None

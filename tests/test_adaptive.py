@@ -792,6 +792,95 @@ def test_a_rest_goes_on_while_every_request_is_cold():
     assert chooser.choose([0, 1], 2) == 0 and not chooser.rests_now
 
 
+def test_a_held_on_drafting_step_without_new_figures_stops():
+    """A lost comparison holds drafting on to see the next verify row; rows that teach nothing
+    (all cold: their outcomes are ignored) bring none, and drafting stops within PROBE_WAITS
+    more steps instead of going on for good."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.mark_cold([1, 2])  # they ran an earlier rest
+    for _ in range(20):  # request 0 (warm) accepts everything: the batch drafts
+        drafts = chooser.choose([0, 1, 2], 3)
+        for index in (0, 1, 2):
+            chooser.observe(index, 3, 3)
+    assert drafts == 3 and chooser.rest_length == 0
+    chooser.forget(0)  # it ends: the cold rows are left, drafting loses for them
+    assert not chooser.prefers_drafting([1, 2], 2, chooser.STAY_MARGIN)
+    chosen = []
+    for _ in range(50):
+        chosen.append(chooser.choose([1, 2], 2))
+        for index in (1, 2):
+            chooser.observe(index, 3, 0)  # ignored: cold
+    assert chosen[0] == 3  # the one lost comparison STOP_AFTER tolerates
+    assert sum(chosen) <= 3 * (1 + chooser.PROBE_WAITS) and chosen[-10:] == [0] * 10
+
+
+def test_steps_that_sample_nothing_keep_a_rest_gone_past_its_length(plain, prompts):
+    """A rest that went on past its length (every running request cold) goes on through steps
+    of prefill chunks that sample nothing, unless a context starts in the step: a request whose
+    context starts outside a rest's length is warm and ends it. Output equals plain."""
+    engine = Engine(TARGET, **{**ENGINE, "max_num_seqs": 2, "max_num_batched_tokens": 8},
+                    **DRAFTERS["eagle3"], speculation=AUTO)  # fmt: skip
+    chooser = engine.chooser
+    chooser.rest_length = chooser.rest_left = 3  # a rest in progress
+    chooser.lost_probes = chooser.REST_AFTER - 1
+    steps, settle = [], engine._settle_catch_up
+
+    def record(plan):
+        bs = len(plan.decode) + sum(c.last for c in plan.chunks)
+        starts = [c.request.index for c in plan.chunks if c.start == 0]
+        settle(plan)
+        steps.append((plan.rests, bs, starts, chooser.rest_left, set(chooser.cold)))
+
+    engine._settle_catch_up = record
+    ours = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    past = [i for i, step in enumerate(steps) if i and steps[i - 1][3] == 0 and step[3] == 0]
+    quiet = [i for i in past if steps[i][1] == 0 and not steps[i][2]]
+    assert quiet and all(steps[i][0] == steps[i - 1][0] for i in quiet)
+    woke = [i for i in past if steps[i][2] and not steps[i][0]]
+    assert woke and all(not set(steps[i][2]) & steps[i][4] for i in woke)  # started warm
+
+
+def test_a_resumed_context_starts_warm_and_ends_a_rest_gone_past_its_length():
+    """A request resumed after a preemption (cold: it ran a rest before) restarts its context
+    outside the rest's length: it starts warm, so the step does not rest (a protocol check of
+    Engine._choose_shape with a stand-in engine around a real chooser)."""
+    from types import SimpleNamespace
+
+    from speculant.executor.engine import Engine as RealEngine
+    from speculant.executor.step_plan import Chunk, StepPlan
+
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.rest_length, chooser.rest_left = 1024, 0  # a rest just ran out
+    chooser.mark_cold([0, 1])  # both requests ran it
+    row = lambda index: SimpleNamespace(index=index, next_input=[1], row=index)  # noqa: E731
+    engine = SimpleNamespace(chooser=chooser, _resting=True, _drafts_cheaply=lambda plan: False)
+    plan = RealEngine._choose_shape(engine, StepPlan(decode=[row(0)]))
+    assert plan.rests  # every request cold: the rest goes on
+    resumed = Chunk(row(1), 0, [5, 6], True, None)  # request 1's context starts again
+    plan = RealEngine._choose_shape(engine, StepPlan(decode=[row(0)], chunks=[resumed]))
+    assert not plan.rests and 1 not in chooser.cold
+
+
+def test_when_no_request_runs_the_next_batch_starts_afresh():
+    """The last running request ends: the drafting regime (the lower margin to stay, a lost
+    comparison held) ends with it, so the next batch must win by MARGIN to draft."""
+    from types import SimpleNamespace
+
+    from speculant.executor.engine import Engine as RealEngine
+
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.3))
+    chooser.drafting, chooser.losses = True, 1
+    done = SimpleNamespace(index=0, finish_reason="length")
+    running = [done, SimpleNamespace(index=1, finish_reason=None)]
+    scheduler = SimpleNamespace(running=running, finish=running.remove)
+    engine = SimpleNamespace(chooser=chooser, scheduler=scheduler)
+    assert RealEngine._finish_done(engine) == [done] and chooser.drafting  # one still runs
+    running[0].finish_reason = "stop"
+    RealEngine._finish_done(engine)
+    assert not running and not chooser.drafting and chooser.losses == 0
+
+
 def test_unlucky_first_rows_do_not_rest_a_good_drafter():
     """At bs 1 a probe verifies PROBE_ROWS steps: a head that accepts 3 of 4 drafts (worth
     drafting at bs 1) whose first two verify rows accept 1 is judged on the probe's rows, not on
@@ -871,6 +960,21 @@ def test_chooser_uses_each_requests_own_acceptance():
         chooser.observe(1, 3, 0)  # request 1 nothing
     assert chooser.expected_tokens([0]) > 3.0 > 1.5 > chooser.expected_tokens([1])
     assert chooser.prefers_drafting([0], 1) and not chooser.prefers_drafting([1], 1)
+
+
+def test_a_batch_of_other_requests_is_decided_afresh():
+    """The decision is kept while nothing was learnt, but only for the same requests: one
+    request replaced by another of its own (lower) acceptance at the same size and with no new
+    verify row is compared again."""
+    chooser = DraftLengthChooser(3, AUTO, costs(1.0, 1.5))
+    for _ in range(12):
+        chooser.observe(0, 3, 3)
+        chooser.observe(1, 3, 0)
+    assert chooser.choose([1], 1) == 0
+    assert chooser.choose([0], 1) == 3
+    assert chooser.choose([1], 1) == 3  # drafting: a first lost comparison goes on (STOP_AFTER)
+    chooser.observe(1, 3, 0)
+    assert chooser.choose([1], 1) == 0  # the second, on a new row, stops it
 
 
 def test_a_dip_of_two_rejected_rows_keeps_drafting_and_a_collapse_stops_it():
