@@ -19,27 +19,19 @@ cd "$(dirname "$0")"
 BAR_TIMEOUT=110
 LOG="$OUT/wave10_$1.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG"
-eightb() {
-    timeout 130 python3 adaptive_gpu.py --json "$OUT/adaptive_8b.json" --parts 8b \
-        --runs-8b plain,auto 2>&1 | grep -v Warning | tail -3 >> "$LOG"
-    python3 -c "
-import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
-print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
-                  for n in d if 'bs1' in d[n]}))" | tee -a "$LOG"
-}
 job() {
     timeout 280 python3 workload.py --out "$OUT/wl" --requests 1000 \
         --configs default,eagle3_auto,default,eagle3_auto --timeout 100 2>&1 \
         | grep -v Warning | tail -8 | tee -a "$LOG"
 }
 if [ "$1" = final ]; then
-    eightb
+    EIGHTB_TIMEOUT=130 eightb "$LOG"
     job
 elif [ "$1" = bars ]; then
     bar 1 "$LOG"
     bar 2 "$LOG"
     bar 3 "$LOG"
-    eightb
+    EIGHTB_TIMEOUT=130 eightb "$LOG"
 elif [ "$1" = hold ]; then
     bar 6 "$LOG"
     bar 7 "$LOG"

@@ -18,10 +18,5 @@ python3 -c "
 import json; d = json.load(open('$OUT/variants.json'))
 print(json.dumps(d['verdict']))" | tee -a "$OUT/wave9_a.log"
 bar 2 "$OUT/wave9_a.log"
-timeout 150 python3 adaptive_gpu.py --json "$OUT/adaptive_8b.json" --parts 8b 2>&1 \
-    | grep -v Warning | tail -3 >> "$OUT/wave9_a.log"
-python3 -c "
-import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
-print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
-                  for n in d if 'bs1' in d[n]}))" | tee -a "$OUT/wave9_a.log"
+eightb "$OUT/wave9_a.log" plain,fixed,auto,auto_d0
 bar 3 "$OUT/wave9_a.log"

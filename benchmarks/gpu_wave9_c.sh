@@ -15,9 +15,4 @@ timeout 280 python3 workload.py --out "$OUT/wl" --requests 1000 \
     --configs default,eagle3_auto,default,eagle3_auto --timeout 100 2>&1 \
     | grep -v Warning | tail -8 | tee -a "$LOG"
 bar 1 "$LOG"
-timeout 130 python3 adaptive_gpu.py --json "$OUT/adaptive_8b.json" --parts 8b --runs-8b plain,auto 2>&1 \
-    | grep -v Warning | tail -3 >> "$LOG"
-python3 -c "
-import json; d = json.load(open('$OUT/adaptive_8b.json'))['8b']
-print(json.dumps({n: {b: d[n][b].get('vs_plain', d[n][b]['tok_s']) for b in ('bs1', 'bs64')}
-                  for n in d if 'bs1' in d[n]}))" | tee -a "$LOG"
+EIGHTB_TIMEOUT=130 eightb "$LOG"
