@@ -50,8 +50,8 @@ class InputBuffers:
         sentinel_row: int,
     ) -> None:
         """Write live rows, then padded rows pointing at the sentinel row (greedy, token 0); rows
-        past padded_bs are zeroed (no step of this size reads them): the device packs then hold
-        what `pack` lays out."""
+        past padded_bs are zeroed (no step of this size reads them), as if the whole packs were
+        written afresh (tests/test_input_buffers.py)."""
         n, T, live = self.max_bs, self.tokens_per_req, len(rows)
         ints, floats = self._ints_np, self._floats_np
         end = max(padded_bs, self._used)  # rows this fill must write: its own and stale ones
@@ -80,21 +80,6 @@ class InputBuffers:
         # from pageable memory: non-blocking copies from pinned staging measured no faster here
         self._ints.copy_(self._host_ints)
         self._floats.copy_(self._host_floats)
-
-    def pack(self, rows, input_ids, temperature, top_k, top_p, seed, padded_bs, sentinel_row):
-        """The two packs' contents as host lists, in the device layout (what `fill` leaves on
-        the device; the reference its tests compare with)."""
-        n, T, live = self.max_bs, self.tokens_per_req, len(rows)
-        pad, rest = padded_bs - live, n - padded_bs
-        ints = [*rows, *[sentinel_row] * pad, *[0] * rest]
-        ints += [*top_k, *[0] * (pad + rest)]
-        ints += [*seed, *[0] * (pad + rest)]
-        for ids in input_ids:  # a row holding fewer drafts than T - 1 (adaptive): zeros after
-            ints += ids[:T]
-            ints += [0] * (T - len(ids))
-        ints += [0] * (T * (pad + rest))
-        floats = [*temperature, *[0.0] * (pad + rest), *top_p, *[1.0] * (pad + rest)]
-        return ints, floats
 
     def sampling(self, bs: int) -> SamplingInfo:
         return SamplingInfo(self.temperature[:bs], self.top_k[:bs], self.top_p[:bs], self.seed[:bs])

@@ -1,6 +1,6 @@
 """The decode step's packed input buffers (executor/input_buffers.py): whatever sequence of
 steps fills them (batches growing and shrinking, padded rows, rows holding fewer drafts than the
-step's width), the device packs hold exactly the reference layout `InputBuffers.pack` gives."""
+step's width), the device packs hold exactly the layout written afresh from every row."""
 
 import random
 
@@ -10,8 +10,19 @@ import torch
 from speculant.executor.input_buffers import InputBuffers
 
 
-def reference(buffers: InputBuffers, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    ints, floats = buffers.pack(*args)
+def reference(buffers: InputBuffers, rows, input_ids, temperature, top_k, top_p, seed,
+              padded_bs, sentinel_row) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The two packs written afresh, field by field over every row: live rows, padded rows on
+    the sentinel row (greedy, token 0), the rest zero (top_p one)."""
+    n, T, live = buffers.max_bs, buffers.tokens_per_req, len(rows)
+    pad, rest = padded_bs - live, n - padded_bs
+    ints = [*rows, *[sentinel_row] * pad, *[0] * rest]
+    ints += [*top_k, *[0] * (pad + rest)]
+    ints += [*seed, *[0] * (pad + rest)]
+    for ids in input_ids:  # a row holding fewer drafts than T - 1: zeros after
+        ints += ids[:T] + [0] * (T - len(ids))
+    ints += [0] * (T * (pad + rest))
+    floats = [*temperature, *[0.0] * (pad + rest), *top_p, *[1.0] * (pad + rest)]
     return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
 
 
