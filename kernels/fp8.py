@@ -46,9 +46,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speculant.kernels import fp8_table
+from speculant.kernels import activation, fp8_table
 from speculant.kernels.runtime import (
     INTERPRET,
+    MAX_TILES,
+    arrival_counters,
     pdl_enter,
     pdl_mode,
     pdl_options,
@@ -269,60 +271,112 @@ def _w8a8_kernel(
 
 
 @triton.jit
-def _splitk_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_y,
-    stride_s, SPLITS, SPLIT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """One [BLOCK_N, BLOCK_K] tile of W per program, loaded whole before the wait for the
-    previous kernel; rows of x times their block scales, float32 sums. SPLITS == 1: y directly;
-    else partials to ws [SPLITS, M, N], and with REDUCE the last program of an N tile (per-tile
-    counter) sums them in split order, writes y and resets its counter. SPLIT: SPLITS > 1
-    (SPLITS itself is no constexpr, so that one compile serves every K)."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < N
-    col_ok = cols < K
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up rounded as kernels/activation.py rounds the stored gate_up row: each
+    input to `dtype` first, silu in float32 to `dtype`, the product in float32 to `dtype`."""
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _splitk_tile(w_ptr, s_ptr, row0, cols, row_ok, col_ok, stride_w, stride_s,
+                 BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """The W tile of rows row0 ... row0 + BLOCK_N by cols, and its scales: block scales along
+    cols (BLOCK_N divides 128 and row0 is a multiple of it: one scale row), else per row."""
+    rows = row0 + tl.arange(0, BLOCK_N)
     w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
     if EVEN:
         w = tl.load(w_ptrs)
     else:
         w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    if BLOCK_SCALE:  # BLOCK_N divides 128: one scale row block per program
-        s = tl.load(s_ptr + (pid_n * BLOCK_N // 128) * stride_s + cols // 128, mask=col_ok)
+    if BLOCK_SCALE:
+        s = tl.load(s_ptr + (row0 // 128) * stride_s + cols // 128, mask=col_ok)
     else:
         s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    return w, s
+
+
+@triton.jit
+def _splitk_part(w, s, x, BLOCK_SCALE: tl.constexpr):
+    """One row x (float32) times the tile: [BLOCK_N] float32."""
+    if BLOCK_SCALE:
+        part = tl.sum(w * (x * s)[None, :], axis=1)
+    else:
+        part = tl.sum(w * x[None, :], axis=1) * s
+    return part
+
+
+@triton.jit
+def _splitk_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_y,
+    stride_s, SPLITS, SPLIT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr, EVEN: tl.constexpr,
+    GLU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] tile of W per program, loaded whole before the wait for the
+    previous kernel; rows of x times their block scales, float32 sums. SPLITS == 1: y directly;
+    else partials to ws [SPLITS, M, N or 2N], and with REDUCE the last program of an N tile
+    (per-tile counter) sums them in split order, writes y and resets its counter. SPLIT:
+    SPLITS > 1 (SPLITS itself is no constexpr, so that one compile serves every K).
+    GLU: W is a fused [gate; up] of 2N rows and y [M, N] = silu(x gate^T) * (x up^T), each
+    program taking the same rows of both halves (N a multiple of BLOCK_N): the gate_up
+    projection and SiLU-and-mul in one launch, rounded as the two launches round."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < N
+    col_ok = cols < K
+    w, s = _splitk_tile(w_ptr, s_ptr, pid_n * BLOCK_N, cols, row_ok, col_ok, stride_w,
+                        stride_s, BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
+    if GLU:
+        w_up, s_up = _splitk_tile(w_ptr, s_ptr, pid_n * BLOCK_N + N, cols, row_ok, col_ok,
+                                  stride_w, stride_s, BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
     pdl_enter(PDL)  # the W and scale loads above (no earlier kernel's output) stay in flight
     w = w.to(tl.float32)
+    if GLU:
+        w_up = w_up.to(tl.float32)
+    width = 2 * N if GLU else N  # of one split's partial rows in ws
     for m in tl.static_range(BLOCK_M):
         x = tl.load(x_ptr + m * stride_x + cols, mask=col_ok & (m < M), other=0.0)
         x = x.to(tl.float32)
-        if BLOCK_SCALE:
-            part = tl.sum(w * (x * s)[None, :], axis=1)
-        else:
-            part = tl.sum(w * x[None, :], axis=1) * s
+        part = _splitk_part(w, s, x, BLOCK_SCALE)
+        if GLU:
+            part_up = _splitk_part(w_up, s_up, x, BLOCK_SCALE)
         if not SPLIT:
-            tl.store(y_ptr + m * stride_y + rows, part.to(y_ptr.dtype.element_ty),
-                     mask=row_ok & (m < M))  # fmt: skip
+            if GLU:
+                out = _silu_mul(part, part_up, y_ptr.dtype.element_ty)
+            else:
+                out = part.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + m * stride_y + rows, out, mask=row_ok & (m < M))
         else:
-            tl.store(ws_ptr + (pid_k * M + m) * N + rows, part, mask=row_ok & (m < M))
+            base = ws_ptr + (pid_k * M + m) * width
+            tl.store(base + rows, part, mask=row_ok & (m < M))
+            if GLU:
+                tl.store(base + N + rows, part_up, mask=row_ok & (m < M))
     if SPLIT and REDUCE:
         tl.debug_barrier()  # every thread's partial stored before the release below
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLITS - 1:
             ms = tl.arange(0, BLOCK_M)
             ok = (ms < M)[:, None] & row_ok[None, :]
-            offs = ms[:, None] * N + rows[None, :]
+            offs = ms[:, None] * width + rows[None, :]
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             split = 0
             while split < SPLITS:  # split order: the same bits whoever comes last
-                acc += tl.load(ws_ptr + split * M * N + offs, mask=ok, other=0.0,
+                acc += tl.load(ws_ptr + split * M * width + offs, mask=ok, other=0.0,
                                cache_modifier=".cg")  # fmt: skip
+                if GLU:
+                    acc_up += tl.load(ws_ptr + split * M * width + N + offs, mask=ok,
+                                      other=0.0, cache_modifier=".cg")  # fmt: skip
                 split += 1
+            if GLU:
+                out = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
+            else:
+                out = acc.to(y_ptr.dtype.element_ty)
             y_ptrs = y_ptr + ms[:, None] * stride_y + rows[None, :]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_ptrs, out, mask=ok)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # clean for the next launch or replay
 
 
@@ -542,42 +596,37 @@ def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
     return out if split == 1 else out.sum(0).to(x2.dtype)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-MAX_TILES = 1 << 16  # N tiles one split-K launch may count (N <= 524288 at BLOCK_N 8)
-
-
 def _counters(device: torch.device) -> torch.Tensor:
-    """The per-N-tile arrival counters of `_splitk_kernel` on `device`: zeros, and every launch
-    leaves them zero (launches on one stream take turns; concurrent streams would need their
-    own)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K FP8 GEMV: run it once outside graph capture first")
-        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counters
+    """The per-tile arrival counters of the split-K kernels (runtime.arrival_counters)."""
+    return arrival_counters(device)
 
 
-def splitk_gemv(x2, weight, scale, mode, config=None):
+def splitk_gemv(x2, weight, scale, mode, config=None, glu=False):
     """y [M, N] = x2 [M, K] W^T through `_splitk_kernel` (M <= 8): a grid of N tiles x K
     splits; config (BLOCK_N, BLOCK_K, num_warps, reduce) with reduce "atomic" (the last
-    program of a tile sums the splits) or "kernel" (`_sum_splits_kernel` does)."""
+    program of a tile sums the splits) or "kernel" (`_sum_splits_kernel` does). glu: W is a
+    fused [gate; up] and y [M, N / 2] = silu_and_mul(x2 W^T) (see `glu_fits`)."""
     block_n, block_k, warps, reduce = config or SPLITK_CONFIG
     m, k = x2.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
     if mode == "block" and 128 % block_n:
         raise ValueError(f"split-K BLOCK_N {block_n} must divide 128")
+    if glu and not glu_fits(weight.shape[0], mode, config):
+        raise ValueError(f"split-K GLU: {weight.shape[0]} rows do not split into tiles")
     grid_n, splits = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    atomic = reduce == "atomic" and grid_n <= MAX_TILES
+    atomic = (glu or reduce == "atomic") and grid_n <= MAX_TILES
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    ws = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
+    width = 2 * n if glu else n
+    ws = y if splits == 1 else torch.empty((splits, m, width), dtype=torch.float32,
+                                           device=x2.device)  # fmt: skip
     counters = _counters(x2.device) if atomic and splits > 1 else ws
     pdl = pdl_mode(x2)
     _splitk_kernel[(grid_n, splits)](
         x2, weight, scale, y, ws, counters, m, n, k, x2.stride(0), weight.stride(0),
         y.stride(0), scale.stride(0), splits, SPLIT=splits > 1, BLOCK_SCALE=mode == "block",
         BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=atomic,
-        EVEN=n % block_n == 0 and k % block_k == 0, num_warps=warps, **pdl_options(pdl),
+        EVEN=n % block_n == 0 and k % block_k == 0, GLU=glu, num_warps=warps,
+        **pdl_options(pdl),
     )  # fmt: skip
     if splits > 1 and not atomic:
         block = 1024
@@ -585,6 +634,17 @@ def splitk_gemv(x2, weight, scale, mode, config=None):
             ws, y, m * n, splits, BLOCK=block, num_warps=4, **pdl_options(pdl)
         )
     return y
+
+
+def glu_fits(rows: int, mode: str, config=None) -> bool:
+    """Whether a fused [gate; up] weight of `rows` rows runs `splitk_gemv(..., glu=True)`: two
+    equal halves of whole BLOCK_N tiles, and with block scales halves of whole 128-row blocks
+    (so the up half's tiles keep one scale row each)."""
+    block_n = (config or SPLITK_CONFIG)[0]
+    half = rows // 2
+    if rows % 2 or half % block_n or half > MAX_TILES * block_n:
+        return False
+    return mode != "block" or half % BLOCK == 0
 
 
 def sk_splits(programs: int, chunks: int, target: int | None = None) -> int:
@@ -778,6 +838,23 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
+
+
+def linear_silu_and_mul(x, weight, scale, mode, path: str | None = None, config=None):
+    """silu_and_mul(x W^T) for a fused [gate; up] e4m3 W [2I, K]: [..., I]. Where the route
+    (or `path`) is the split-K GEMV and the halves tile (`glu_fits`), one launch computes both
+    (bit-equal to the two launches); else `linear`, then kernels/activation.py's kernel."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
+        x2 = x2.contiguous()
+    if path is None:
+        path, config = route(x2, weight.shape[0], k, mode)
+    if x2.shape[0] and path == "splitk" and glu_fits(weight.shape[0], mode, config):
+        y = splitk_gemv(x2, weight, scale, mode, config, glu=True)
+    else:
+        y = activation.silu_and_mul(linear(x2, weight, scale, mode, path=path, config=config))
+    return y.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 # ---------------------------------------------------------------------------- references
