@@ -95,6 +95,9 @@ MIN_PROGRAMS = 264
 MAX_SPLIT_K = 8
 # (BLOCK_N, BLOCK_K, num_warps, reduce) of the split-K GEMV (M <= 8); not yet measured
 SPLITK_CONFIG = (16, 1024, 4, "atomic")
+# (BLOCK_N, BLOCK_K, num_warps, L2 prefetch bytes per program) of the single-row GEMV
+# (`gemv`, M = 1); not yet measured
+GEMV_CONFIG = (8, 1024, 0, 16384)
 # The split-K tensor-core paths (`_sk_kernel`) by name: the ACT value each launches
 SK_PATHS = {"sk_w8a16": 0, "sk_w8a8": 1, "sk_w8a8_pre": 2}
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages, splits: 0 = enough for MIN_PROGRAMS) of
@@ -381,6 +384,71 @@ def _splitk_kernel(
 
 
 @triton.jit
+def _gemv_rows(acc, w_ptr, s_ptr, x, row0, cols, row_ok, col_ok, stride_w, stride_s,
+               BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_K] += W[row0 : row0 + BLOCK_N, cols] * x (times the block scales of
+    those columns; one scale row: BLOCK_N divides 128 and row0 is a multiple of it)."""
+    rows = row0 + tl.arange(0, BLOCK_N)
+    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if BLOCK_SCALE:
+        x = x * tl.load(s_ptr + (row0 // 128) * stride_s + cols // 128, mask=col_ok, other=0.0)
+    return acc + w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, stride_w, stride_s,
+    BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    GLU: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """y [N] = W x for one row x: each program owns BLOCK_N rows of W (and with GLU the same
+    rows of the up half, W being [gate; up] of 2N rows, y = silu(gate x) * (up x)) and streams
+    them whole, as kernels/gemv.py does for bf16: no split of K, so no partial sums and no
+    reduction after the stream. Under PDL each program first asks L2 for the first
+    PREFETCH_LINES 128-byte lines of its rows, before it waits for the kernel that makes x."""
+    pid = tl.program_id(0)
+    row0 = pid * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    if PREFETCH_LINES > 0:  # weights only: nothing an earlier kernel writes
+        lines = tl.arange(0, PREFETCH_LINES) * 128
+        safe = tl.minimum(rows, N - 1)
+        _prefetch_l2(w_ptr + safe[:, None] * stride_w + lines[None, :])
+        if GLU:
+            _prefetch_l2(w_ptr + (safe + N)[:, None] * stride_w + lines[None, :])
+    pdl_enter(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        if EVEN:
+            x = tl.load(x_ptr + cols).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = _gemv_rows(acc, w_ptr, s_ptr, x, row0, cols, row_ok, col_ok, stride_w, stride_s,
+                         BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
+        if GLU:
+            acc_up = _gemv_rows(acc_up, w_ptr, s_ptr, x, row0 + N, cols, row_ok, col_ok,
+                                stride_w, stride_s, BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
+    out = tl.sum(acc, axis=1)
+    if not BLOCK_SCALE:
+        out = out * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    if GLU:
+        out_up = tl.sum(acc_up, axis=1)
+        if not BLOCK_SCALE:
+            out_up = out_up * tl.load(s_ptr + N + rows, mask=row_ok, other=0.0)
+        y = _silu_mul(out, out_up, y_ptr.dtype.element_ty)
+    else:
+        y = out.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows, y, mask=row_ok)
+
+
+@triton.jit
 def _sum_splits_kernel(
     ws_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
@@ -611,7 +679,7 @@ def splitk_gemv(x2, weight, scale, mode, config=None, glu=False):
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     if mode == "block" and 128 % block_n:
         raise ValueError(f"split-K BLOCK_N {block_n} must divide 128")
-    if glu and not glu_fits(weight.shape[0], mode, config):
+    if glu and not glu_fits(weight.shape[0], mode, block_n):
         raise ValueError(f"split-K GLU: {weight.shape[0]} rows do not split into tiles")
     grid_n, splits = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     atomic = (glu or reduce == "atomic") and grid_n <= MAX_TILES
@@ -636,15 +704,41 @@ def splitk_gemv(x2, weight, scale, mode, config=None, glu=False):
     return y
 
 
-def glu_fits(rows: int, mode: str, config=None) -> bool:
-    """Whether a fused [gate; up] weight of `rows` rows runs `splitk_gemv(..., glu=True)`: two
-    equal halves of whole BLOCK_N tiles, and with block scales halves of whole 128-row blocks
-    (so the up half's tiles keep one scale row each)."""
-    block_n = (config or SPLITK_CONFIG)[0]
+def glu_fits(rows: int, mode: str, block_n: int) -> bool:
+    """Whether a fused [gate; up] weight of `rows` rows runs the GLU form of `gemv` or
+    `splitk_gemv` with tiles of `block_n` rows: two equal halves of whole tiles, and with block
+    scales halves of whole 128-row blocks (so the up half's tiles keep one scale row each)."""
     half = rows // 2
     if rows % 2 or half % block_n or half > MAX_TILES * block_n:
         return False
     return mode != "block" or half % BLOCK == 0
+
+
+def gemv(x2, weight, scale, mode, config=None, glu=False):
+    """y [1, N] = x2 [1, K] W^T through `_gemv_kernel` (one row; see there). config (BLOCK_N,
+    BLOCK_K, num_warps (0: 8 for K >= 8192, else 4), prefetch bytes per program); glu: W is a
+    fused [gate; up] and y [1, N / 2] = silu_and_mul(x2 W^T) (see `glu_fits`)."""
+    block_n, block_k, warps, prefetch = config or GEMV_CONFIG
+    m, k = x2.shape
+    if m != 1:
+        raise ValueError(f"FP8 GEMV takes one row, got {m}")
+    if mode == "block" and 128 % block_n:
+        raise ValueError(f"FP8 GEMV BLOCK_N {block_n} must divide 128")
+    if glu and not glu_fits(weight.shape[0], mode, block_n):
+        raise ValueError(f"FP8 GEMV GLU: {weight.shape[0]} rows do not split into tiles")
+    warps = warps or (8 if k >= 8192 else 4)
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    y = torch.empty((1, n), dtype=x2.dtype, device=x2.device)
+    pdl = pdl_mode(x2)
+    lines = min(-(-k // 128), prefetch // 128 // block_n) if pdl else 0
+    lines = next_power_of_2(lines + 1) // 2 if lines > 0 else 0  # a power of two, at most that
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x2, weight, scale, y, n, k, weight.stride(0), scale.stride(0),
+        BLOCK_SCALE=mode == "block", BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN=n % block_n == 0 and k % block_k == 0, GLU=glu, PREFETCH_LINES=lines,
+        num_warps=warps, num_stages=2, **pdl_options(pdl),
+    )  # fmt: skip
+    return y
 
 
 def sk_splits(programs: int, chunks: int, target: int | None = None) -> int:
@@ -819,6 +913,8 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = fma_gemv(x2, weight, scale, mode, config)
     elif path == "splitk":
         y = splitk_gemv(x2, weight, scale, mode, config)
+    elif path == "gemv" and m == 1:
+        y = gemv(x2, weight, scale, mode, config)
     elif path == "dot":
         y = dot_gemm(x2, weight, scale, mode, config)
     elif path == "w8a16":
@@ -833,8 +929,8 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = scaled_mm(x2, weight, scale, config or SCALED_MM_CONFIG)
     else:
         raise ValueError(
-            f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, sk_w8a16, sk_w8a8, "
-            "sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
+            f"FP8 GEMM path {path!r} for {m} rows: use fma, splitk, gemv (one row), dot, w8a16, "
+            "w8a8, sk_w8a16, sk_w8a8, sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
         )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
@@ -842,15 +938,19 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
 
 def linear_silu_and_mul(x, weight, scale, mode, path: str | None = None, config=None):
     """silu_and_mul(x W^T) for a fused [gate; up] e4m3 W [2I, K]: [..., I]. Where the route
-    (or `path`) is the split-K GEMV and the halves tile (`glu_fits`), one launch computes both
-    (bit-equal to the two launches); else `linear`, then kernels/activation.py's kernel."""
+    (or `path`) is a GEMV (`gemv`, `splitk`) and the halves tile (`glu_fits`), one launch
+    computes both (bit-equal to that GEMV then kernels/activation.py's kernel); else `linear`,
+    then that kernel."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
         x2 = x2.contiguous()
     if path is None:
         path, config = route(x2, weight.shape[0], k, mode)
-    if x2.shape[0] and path == "splitk" and glu_fits(weight.shape[0], mode, config):
+    rows, m = weight.shape[0], x2.shape[0]
+    if m == 1 and path == "gemv" and glu_fits(rows, mode, (config or GEMV_CONFIG)[0]):
+        y = gemv(x2, weight, scale, mode, config, glu=True)
+    elif m and path == "splitk" and glu_fits(rows, mode, (config or SPLITK_CONFIG)[0]):
         y = splitk_gemv(x2, weight, scale, mode, config, glu=True)
     else:
         y = activation.silu_and_mul(linear(x2, weight, scale, mode, path=path, config=config))

@@ -6,10 +6,8 @@ comes from the device (its positions): only live pages are read and the launch s
 
 Layout: one program per (row, tile of query rows, KV head, split). The query rows of a tile are
 the (token, head) pairs of one KV head's GQA group, so K and V are read once per group. Long
-contexts are split over `num_splits` programs (split-K): each stores its partial output and
-log-sum-exp, and the split that arrives last at the tile's counter (runtime.arrival_counters)
-merges them in split order, so the merge costs no second kernel and its bits do not depend on
-which split came last. Kernels compute in float32 with bf16/fp16 tensor-core dots."""
+contexts are split over `num_splits` programs (split-K); a second kernel merges their partial
+outputs by log-sum-exp. Kernels compute in float32 with bf16/fp16 tensor-core dots."""
 
 import functools
 import math
@@ -19,8 +17,6 @@ import torch
 
 from speculant.kernels import reference
 from speculant.kernels.runtime import (
-    MAX_TILES,
-    arrival_counters,
     next_power_of_2,
     pdl_enter,
     pdl_mode,
@@ -84,7 +80,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    count_ptr,
     stride_qn,
     stride_qh,
     stride_on,
@@ -168,52 +163,45 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=m_ok)
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        tile = pid * tl.num_programs(1) + kv_head
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if done == num_splits - 1:  # the last split of this tile merges all of them
-            _merge_splits(
-                part_out_ptr, part_lse_ptr, out_ptr, token, head, m_ok, d, q_mask, stride_on,
-                stride_oh, num_splits, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_D,
-            )  # fmt: skip
-            tl.atomic_xchg(count_ptr + tile, 0)  # clean for the next launch or replay
     else:
         dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
-def _merge_splits(
-    part_out_ptr, part_lse_ptr, out_ptr, token, head, m_ok, d, q_mask, stride_on, stride_oh,
-    num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_on,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """out of the tile's query rows = the splits' partial outputs weighted by exp2(lse - max),
-    summed in split order (two passes over the splits: their max, then the weighted sum)."""
-    base = (token * NUM_HEADS + head) * num_splits
-    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    s = 0
-    while s < num_splits:  # a while loop: the interpreter takes no tensor range bounds
-        lse = tl.load(part_lse_ptr + base + s, mask=m_ok, other=float("-inf"), cache_modifier=".cg")
-        top = tl.maximum(top, lse)
-        s += 1
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    pid = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
+    token, head = pid // NUM_HEADS, pid % NUM_HEADS
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    lse = tl.load(part_lse_ptr + pid * num_splits + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    s = 0
-    while s < num_splits:
-        lse = tl.load(part_lse_ptr + base + s, mask=m_ok, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
-        part = tl.load(
-            part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        total += weight
-        merged += weight[:, None] * part
-        s += 1
-    out = merged / tl.where(total > 0, total, 1.0)[:, None]
-    dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    parts = tl.load(
+        part_out_ptr + (pid * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + token * stride_on + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @dataclass
@@ -321,8 +309,6 @@ def paged_attention(
     block_d = max(16, next_power_of_2(d))
     block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)  # shared memory
     splits = num_splits or choose_num_splits(programs * kv_heads, kv_len, q.device)
-    if programs * kv_heads > MAX_TILES:  # more tiles than arrival counters: no split
-        splits = 1
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -330,9 +316,8 @@ def paged_attention(
     if splits > 1:
         part_out = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
-        counters = arrival_counters(q.device)
     else:
-        part_out = part_lse = counters = out
+        part_out = part_lse = out
     tables = varlen.tensors if varlen is not None else (req_pool_indices,) * 4  # unread
     _paged_attention_kernel[(programs, kv_heads, splits)](
         q,
@@ -345,7 +330,6 @@ def paged_attention(
         out,
         part_out,
         part_lse,
-        counters,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -372,4 +356,19 @@ def paged_attention(
         num_warps=4,
         **pdl_options(pdl),
     )
+    if splits > 1:
+        _merge_splits_kernel[(n * heads,)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            NUM_HEADS=heads,
+            HEAD_DIM=d,
+            BLOCK_S=max(2, next_power_of_2(splits)),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+            **pdl_options(pdl),
+        )
     return out

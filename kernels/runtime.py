@@ -90,7 +90,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-# Tiles one launch may count in `arrival_counters` (split-K GEMV N tiles, split attention tiles).
+# Tiles one launch may count in `arrival_counters` (the split-K FP8 kernels' N tiles).
 MAX_TILES = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 

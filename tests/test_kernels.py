@@ -145,11 +145,6 @@ def test_paged_attention_split_counts(device, dtype, T):
         q = randn(gen, bs * T, 4 * kv_heads, 64, dtype=dtype, device=device)
         out, ref = case.run(q, num_splits=num_splits, block_n=block_n)
         assert_close(out, ref, dtype, f"splits={num_splits}")
-        again, _ = case.run(q, num_splits=num_splits, block_n=block_n)
-        # the last split to arrive merges in split order: the same bits on every launch
-        assert torch.equal(out, again), f"splits={num_splits}"
-    # every launch leaves the tiles' arrival counters zero for the next one
-    assert not runtime.arrival_counters(torch.device(device)).any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,136 @@
+"""Graph decode step of the Llama-3.1-8B shape (dummy weights, `triton` backend), bf16 and
+block-wise FP8, at bs 1 and 64 with every row at `--context` tokens: the figure kernel changes
+move. Times whatever `speculant` is importable, so that benchmarks/gpu_fusion_x1.sh can run it
+on the previous tree and this one in the same call (PYTHONPATH) and compare.
+
+    python benchmarks/decode_ab.py --label new --json OUT.json [--rounds 3] [--profile]
+
+Each (dtype, bs) is timed `--rounds` times (median of 30 replays each, after warm-up),
+alternating sizes; `--profile` adds the bs-1 step's top kernels (torch profiler) per dtype,
+and every engine checks graph replay == eager tokens for 1 and 3 requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+
+def measure(kind: str, args) -> dict:
+    from decode import build_engine, free, kernel_profile
+    from fp8_gpu import targets
+    from graphs import SHAPES, check_equal, live_rows, time_ms
+
+    target = targets()[kind]
+    start = time.perf_counter()
+    engine = build_engine(target, "triton", args.context, [1, 64], piecewise=False)
+    out: dict = {"startup_s": time.perf_counter() - start, "graph_ms": {}}
+    try:
+        vocab = SHAPES["llama8b"]["vocab_size"]
+        gen = torch.Generator().manual_seed(1)
+        rows = live_rows(engine, 64, vocab, args.context, gen)  # bs 1 replays the first
+        for _ in range(args.rounds):
+            for bs in (1, 64):
+                ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
+                out["graph_ms"].setdefault(str(bs), []).append(ms)
+        if args.profile:
+            out["profile_bs1"] = kernel_profile(engine.graphs.graph("greedy", 1).replay)
+        for row in rows:
+            engine.kv.free(row)
+        if kind == "fp8" and args.fp8_m1:
+            try:
+                out["m1_variants"] = m1_variants(engine, vocab, args, gen)
+            except Exception as exc:  # keep the figures above
+                out["m1_variants"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(f"  {args.label} M1 variants: {out['m1_variants']['error']}", flush=True)
+        out["graph_equals_eager"] = check_equal(engine, vocab, sizes=(1, 3))
+    finally:
+        free(engine)
+    medians = {bs: sorted(v)[len(v) // 2] for bs, v in out["graph_ms"].items()}
+    print(f"  {args.label} {kind}: " + ", ".join(f"bs {b} {m:.3f} ms" for b, m in medians.items()))
+    out["median_ms"] = medians
+    return out
+
+
+def set_m1_route(variant: str, saved: dict) -> None:
+    """Route every M = 1 row of the tuned FP8 table on this GPU to `variant`: "table" (as
+    shipped) or "gemv:BLOCK_N,BLOCK_K,WARPS,PREFETCH" (kernels/fp8.gemv)."""
+    from speculant.kernels import fp8 as kernels
+    from speculant.kernels import fp8_table
+
+    shapes = kernels.TUNED[fp8_table.device_name(torch.device("cuda"))]
+    for shape, rows in shapes.items():
+        original = saved.setdefault(shape, list(rows))
+        if variant == "table":
+            shapes[shape] = list(original)
+        else:
+            config = tuple(int(v) for v in variant.split(":")[1].split(","))
+            shapes[shape] = [(1, "gemv", config)] + [r for r in original if r[0] > 1]
+
+
+def m1_variants(engine, vocab: int, args, gen) -> dict:
+    """The bs-1 graph step per M = 1 route (graphs recaptured for each), `--rounds` times."""
+    from graphs import live_rows, time_ms
+
+    results, saved = {}, {}
+    try:
+        for _ in range(args.rounds):
+            for variant in args.fp8_m1.split(";"):
+                set_m1_route(variant, saved)
+                engine.clear_graphs()
+                engine.capture_graphs()
+                rows = live_rows(engine, 1, vocab, args.context, gen)
+                ms = time_ms(engine.graphs.graph("greedy", 1).replay, 30)
+                results.setdefault(variant, []).append(ms)
+                for row in rows:
+                    engine.kv.free(row)
+    finally:
+        set_m1_route("table", saved)
+    for variant, times in results.items():
+        median = sorted(times)[len(times) // 2]
+        print(f"  {args.label} fp8 bs 1 M1 route {variant}: {median:.3f} ms")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", required=True)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kinds", default="bf16,fp8")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | gemv:BN,BK,W,PF'
+    )
+    args = parser.parse_args()
+    import speculant
+
+    report = {
+        "label": args.label,
+        "speculant": str(Path(speculant.__file__).resolve().parent),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(sys.argv),
+        "context": args.context,
+    }
+    for kind in args.kinds.split(","):
+        try:
+            report[kind] = measure(kind, args)
+        except Exception as exc:  # keep what the other kind gives
+            report[kind] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"  {args.label} {kind}: {report[kind]['error']}", flush=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
