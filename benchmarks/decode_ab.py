@@ -61,7 +61,8 @@ def measure(kind: str, args) -> dict:
 
 def set_m1_route(variant: str, saved: dict) -> None:
     """Route every M = 1 row of the tuned FP8 table on this GPU to `variant`: "table" (as
-    shipped) or "gemv:BLOCK_N,BLOCK_K,WARPS,PREFETCH" (kernels/fp8.gemv)."""
+    shipped) or "PATH:CONFIG" (a kernels/fp8.py path and its config, comma-separated, e.g.
+    "splitk:16,1024,4,atomic")."""
     from speculant.kernels import fp8 as kernels
     from speculant.kernels import fp8_table
 
@@ -71,8 +72,9 @@ def set_m1_route(variant: str, saved: dict) -> None:
         if variant == "table":
             shapes[shape] = list(original)
         else:
-            config = tuple(int(v) for v in variant.split(":")[1].split(","))
-            shapes[shape] = [(1, "gemv", config)] + [r for r in original if r[0] > 1]
+            path, _, config = variant.partition(":")
+            values = tuple(int(v) if v.isdigit() else v for v in config.split(",") if v)
+            shapes[shape] = [(1, path, values or None)] + [r for r in original if r[0] > 1]
 
 
 def m1_variants(engine, vocab: int, args, gen) -> dict:
@@ -108,7 +110,7 @@ def main() -> int:
     parser.add_argument("--kinds", default="bf16,fp8")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
-        "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | gemv:BN,BK,W,PF'
+        "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | PATH:CONFIG'
     )
     args = parser.parse_args()
     import speculant

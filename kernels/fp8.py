@@ -46,11 +46,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from speculant.kernels import activation, fp8_table
+from speculant.kernels import fp8_table
 from speculant.kernels.runtime import (
     INTERPRET,
-    MAX_TILES,
-    arrival_counters,
     pdl_enter,
     pdl_mode,
     pdl_options,
@@ -95,9 +93,6 @@ MIN_PROGRAMS = 264
 MAX_SPLIT_K = 8
 # (BLOCK_N, BLOCK_K, num_warps, reduce) of the split-K GEMV (M <= 8); not yet measured
 SPLITK_CONFIG = (16, 1024, 4, "atomic")
-# (BLOCK_N, BLOCK_K, num_warps, L2 prefetch bytes per program) of the single-row GEMV
-# (`gemv`, M = 1); not yet measured
-GEMV_CONFIG = (8, 1024, 0, 16384)
 # The split-K tensor-core paths (`_sk_kernel`) by name: the ACT value each launches
 SK_PATHS = {"sk_w8a16": 0, "sk_w8a8": 1, "sk_w8a8_pre": 2}
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages, splits: 0 = enough for MIN_PROGRAMS) of
@@ -274,178 +269,61 @@ def _w8a8_kernel(
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up rounded as kernels/activation.py rounds the stored gate_up row: each
-    input to `dtype` first, silu in float32 to `dtype`, the product in float32 to `dtype`."""
-    gate = gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def _splitk_tile(w_ptr, s_ptr, row0, cols, row_ok, col_ok, stride_w, stride_s,
-                 BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    """The W tile of rows row0 ... row0 + BLOCK_N by cols, and its scales: block scales along
-    cols (BLOCK_N divides 128 and row0 is a multiple of it: one scale row), else per row."""
-    rows = row0 + tl.arange(0, BLOCK_N)
-    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
-    if EVEN:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    if BLOCK_SCALE:
-        s = tl.load(s_ptr + (row0 // 128) * stride_s + cols // 128, mask=col_ok)
-    else:
-        s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-    return w, s
-
-
-@triton.jit
-def _splitk_part(w, s, x, BLOCK_SCALE: tl.constexpr):
-    """One row x (float32) times the tile: [BLOCK_N] float32."""
-    if BLOCK_SCALE:
-        part = tl.sum(w * (x * s)[None, :], axis=1)
-    else:
-        part = tl.sum(w * x[None, :], axis=1) * s
-    return part
-
-
-@triton.jit
 def _splitk_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_y,
     stride_s, SPLITS, SPLIT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr, EVEN: tl.constexpr,
-    GLU: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] tile of W per program, loaded whole before the wait for the
     previous kernel; rows of x times their block scales, float32 sums. SPLITS == 1: y directly;
-    else partials to ws [SPLITS, M, N or 2N], and with REDUCE the last program of an N tile
-    (per-tile counter) sums them in split order, writes y and resets its counter. SPLIT:
-    SPLITS > 1 (SPLITS itself is no constexpr, so that one compile serves every K).
-    GLU: W is a fused [gate; up] of 2N rows and y [M, N] = silu(x gate^T) * (x up^T), each
-    program taking the same rows of both halves (N a multiple of BLOCK_N): the gate_up
-    projection and SiLU-and-mul in one launch, rounded as the two launches round."""
+    else partials to ws [SPLITS, M, N], and with REDUCE the last program of an N tile (per-tile
+    counter) sums them in split order, writes y and resets its counter. SPLIT: SPLITS > 1
+    (SPLITS itself is no constexpr, so that one compile serves every K)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok = rows < N
     col_ok = cols < K
-    w, s = _splitk_tile(w_ptr, s_ptr, pid_n * BLOCK_N, cols, row_ok, col_ok, stride_w,
-                        stride_s, BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
-    if GLU:
-        w_up, s_up = _splitk_tile(w_ptr, s_ptr, pid_n * BLOCK_N + N, cols, row_ok, col_ok,
-                                  stride_w, stride_s, BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
+    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if BLOCK_SCALE:  # BLOCK_N divides 128: one scale row block per program
+        s = tl.load(s_ptr + (pid_n * BLOCK_N // 128) * stride_s + cols // 128, mask=col_ok)
+    else:
+        s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     pdl_enter(PDL)  # the W and scale loads above (no earlier kernel's output) stay in flight
     w = w.to(tl.float32)
-    if GLU:
-        w_up = w_up.to(tl.float32)
-    width = 2 * N if GLU else N  # of one split's partial rows in ws
     for m in tl.static_range(BLOCK_M):
         x = tl.load(x_ptr + m * stride_x + cols, mask=col_ok & (m < M), other=0.0)
         x = x.to(tl.float32)
-        part = _splitk_part(w, s, x, BLOCK_SCALE)
-        if GLU:
-            part_up = _splitk_part(w_up, s_up, x, BLOCK_SCALE)
-        if not SPLIT:
-            if GLU:
-                out = _silu_mul(part, part_up, y_ptr.dtype.element_ty)
-            else:
-                out = part.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + m * stride_y + rows, out, mask=row_ok & (m < M))
+        if BLOCK_SCALE:
+            part = tl.sum(w * (x * s)[None, :], axis=1)
         else:
-            base = ws_ptr + (pid_k * M + m) * width
-            tl.store(base + rows, part, mask=row_ok & (m < M))
-            if GLU:
-                tl.store(base + N + rows, part_up, mask=row_ok & (m < M))
+            part = tl.sum(w * x[None, :], axis=1) * s
+        if not SPLIT:
+            tl.store(y_ptr + m * stride_y + rows, part.to(y_ptr.dtype.element_ty),
+                     mask=row_ok & (m < M))  # fmt: skip
+        else:
+            tl.store(ws_ptr + (pid_k * M + m) * N + rows, part, mask=row_ok & (m < M))
     if SPLIT and REDUCE:
         tl.debug_barrier()  # every thread's partial stored before the release below
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLITS - 1:
             ms = tl.arange(0, BLOCK_M)
             ok = (ms < M)[:, None] & row_ok[None, :]
-            offs = ms[:, None] * width + rows[None, :]
+            offs = ms[:, None] * N + rows[None, :]
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             split = 0
             while split < SPLITS:  # split order: the same bits whoever comes last
-                acc += tl.load(ws_ptr + split * M * width + offs, mask=ok, other=0.0,
+                acc += tl.load(ws_ptr + split * M * N + offs, mask=ok, other=0.0,
                                cache_modifier=".cg")  # fmt: skip
-                if GLU:
-                    acc_up += tl.load(ws_ptr + split * M * width + N + offs, mask=ok,
-                                      other=0.0, cache_modifier=".cg")  # fmt: skip
                 split += 1
-            if GLU:
-                out = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
-            else:
-                out = acc.to(y_ptr.dtype.element_ty)
             y_ptrs = y_ptr + ms[:, None] * stride_y + rows[None, :]
-            tl.store(y_ptrs, out, mask=ok)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # clean for the next launch or replay
-
-
-@triton.jit
-def _gemv_rows(acc, w_ptr, s_ptr, x, row0, cols, row_ok, col_ok, stride_w, stride_s,
-               BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, BLOCK_K] += W[row0 : row0 + BLOCK_N, cols] * x (times the block scales of
-    those columns; one scale row: BLOCK_N divides 128 and row0 is a multiple of it)."""
-    rows = row0 + tl.arange(0, BLOCK_N)
-    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
-    if EVEN:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    if BLOCK_SCALE:
-        x = x * tl.load(s_ptr + (row0 // 128) * stride_s + cols // 128, mask=col_ok, other=0.0)
-    return acc + w.to(tl.float32) * x[None, :]
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, stride_w, stride_s,
-    BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    GLU: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """y [N] = W x for one row x: each program owns BLOCK_N rows of W (and with GLU the same
-    rows of the up half, W being [gate; up] of 2N rows, y = silu(gate x) * (up x)) and streams
-    them whole, as kernels/gemv.py does for bf16: no split of K, so no partial sums and no
-    reduction after the stream. Under PDL each program first asks L2 for the first
-    PREFETCH_LINES 128-byte lines of its rows, before it waits for the kernel that makes x."""
-    pid = tl.program_id(0)
-    row0 = pid * BLOCK_N
-    rows = row0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    if PREFETCH_LINES > 0:  # weights only: nothing an earlier kernel writes
-        lines = tl.arange(0, PREFETCH_LINES) * 128
-        safe = tl.minimum(rows, N - 1)
-        _prefetch_l2(w_ptr + safe[:, None] * stride_w + lines[None, :])
-        if GLU:
-            _prefetch_l2(w_ptr + (safe + N)[:, None] * stride_w + lines[None, :])
-    pdl_enter(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        if EVEN:
-            x = tl.load(x_ptr + cols).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc = _gemv_rows(acc, w_ptr, s_ptr, x, row0, cols, row_ok, col_ok, stride_w, stride_s,
-                         BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
-        if GLU:
-            acc_up = _gemv_rows(acc_up, w_ptr, s_ptr, x, row0 + N, cols, row_ok, col_ok,
-                                stride_w, stride_s, BLOCK_SCALE, BLOCK_N, EVEN)  # fmt: skip
-    out = tl.sum(acc, axis=1)
-    if not BLOCK_SCALE:
-        out = out * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-    if GLU:
-        out_up = tl.sum(acc_up, axis=1)
-        if not BLOCK_SCALE:
-            out_up = out_up * tl.load(s_ptr + N + rows, mask=row_ok, other=0.0)
-        y = _silu_mul(out, out_up, y_ptr.dtype.element_ty)
-    else:
-        y = out.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows, y, mask=row_ok)
 
 
 @triton.jit
@@ -664,80 +542,48 @@ def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
     return out if split == 1 else out.sum(0).to(x2.dtype)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MAX_TILES = 1 << 16  # N tiles one split-K launch may count (N <= 524288 at BLOCK_N 8)
+
+
 def _counters(device: torch.device) -> torch.Tensor:
-    """The per-tile arrival counters of the split-K kernels (runtime.arrival_counters)."""
-    return arrival_counters(device)
+    """The per-N-tile arrival counters of `_splitk_kernel` on `device`: zeros, and every launch
+    leaves them zero (launches on one stream take turns; concurrent streams would need their
+    own)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K FP8 GEMV: run it once outside graph capture first")
+        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters
 
 
-def splitk_gemv(x2, weight, scale, mode, config=None, glu=False):
+def splitk_gemv(x2, weight, scale, mode, config=None):
     """y [M, N] = x2 [M, K] W^T through `_splitk_kernel` (M <= 8): a grid of N tiles x K
     splits; config (BLOCK_N, BLOCK_K, num_warps, reduce) with reduce "atomic" (the last
-    program of a tile sums the splits) or "kernel" (`_sum_splits_kernel` does). glu: W is a
-    fused [gate; up] and y [M, N / 2] = silu_and_mul(x2 W^T) (see `glu_fits`)."""
+    program of a tile sums the splits) or "kernel" (`_sum_splits_kernel` does)."""
     block_n, block_k, warps, reduce = config or SPLITK_CONFIG
     m, k = x2.shape
-    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    n = weight.shape[0]
     if mode == "block" and 128 % block_n:
         raise ValueError(f"split-K BLOCK_N {block_n} must divide 128")
-    if glu and not glu_fits(weight.shape[0], mode, block_n):
-        raise ValueError(f"split-K GLU: {weight.shape[0]} rows do not split into tiles")
     grid_n, splits = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    atomic = (glu or reduce == "atomic") and grid_n <= MAX_TILES
+    atomic = reduce == "atomic" and grid_n <= MAX_TILES
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    width = 2 * n if glu else n
-    ws = y if splits == 1 else torch.empty((splits, m, width), dtype=torch.float32,
-                                           device=x2.device)  # fmt: skip
+    ws = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
     counters = _counters(x2.device) if atomic and splits > 1 else ws
     pdl = pdl_mode(x2)
     _splitk_kernel[(grid_n, splits)](
         x2, weight, scale, y, ws, counters, m, n, k, x2.stride(0), weight.stride(0),
         y.stride(0), scale.stride(0), splits, SPLIT=splits > 1, BLOCK_SCALE=mode == "block",
         BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=atomic,
-        EVEN=n % block_n == 0 and k % block_k == 0, GLU=glu, num_warps=warps,
-        **pdl_options(pdl),
+        EVEN=n % block_n == 0 and k % block_k == 0, num_warps=warps, **pdl_options(pdl),
     )  # fmt: skip
     if splits > 1 and not atomic:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             ws, y, m * n, splits, BLOCK=block, num_warps=4, **pdl_options(pdl)
         )
-    return y
-
-
-def glu_fits(rows: int, mode: str, block_n: int) -> bool:
-    """Whether a fused [gate; up] weight of `rows` rows runs the GLU form of `gemv` or
-    `splitk_gemv` with tiles of `block_n` rows: two equal halves of whole tiles, and with block
-    scales halves of whole 128-row blocks (so the up half's tiles keep one scale row each)."""
-    half = rows // 2
-    if rows % 2 or half % block_n or half > MAX_TILES * block_n:
-        return False
-    return mode != "block" or half % BLOCK == 0
-
-
-def gemv(x2, weight, scale, mode, config=None, glu=False):
-    """y [1, N] = x2 [1, K] W^T through `_gemv_kernel` (one row; see there). config (BLOCK_N,
-    BLOCK_K, num_warps (0: 8 for K >= 8192, else 4), prefetch bytes per program); glu: W is a
-    fused [gate; up] and y [1, N / 2] = silu_and_mul(x2 W^T) (see `glu_fits`)."""
-    block_n, block_k, warps, prefetch = config or GEMV_CONFIG
-    m, k = x2.shape
-    if m != 1:
-        raise ValueError(f"FP8 GEMV takes one row, got {m}")
-    if mode == "block" and 128 % block_n:
-        raise ValueError(f"FP8 GEMV BLOCK_N {block_n} must divide 128")
-    if glu and not glu_fits(weight.shape[0], mode, block_n):
-        raise ValueError(f"FP8 GEMV GLU: {weight.shape[0]} rows do not split into tiles")
-    warps = warps or (8 if k >= 8192 else 4)
-    n = weight.shape[0] // 2 if glu else weight.shape[0]
-    y = torch.empty((1, n), dtype=x2.dtype, device=x2.device)
-    pdl = pdl_mode(x2)
-    lines = min(-(-k // 128), prefetch // 128 // block_n) if pdl else 0
-    lines = next_power_of_2(lines + 1) // 2 if lines > 0 else 0  # a power of two, at most that
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x2, weight, scale, y, n, k, weight.stride(0), scale.stride(0),
-        BLOCK_SCALE=mode == "block", BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=n % block_n == 0 and k % block_k == 0, GLU=glu, PREFETCH_LINES=lines,
-        num_warps=warps, num_stages=2, **pdl_options(pdl),
-    )  # fmt: skip
     return y
 
 
@@ -913,8 +759,6 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = fma_gemv(x2, weight, scale, mode, config)
     elif path == "splitk":
         y = splitk_gemv(x2, weight, scale, mode, config)
-    elif path == "gemv" and m == 1:
-        y = gemv(x2, weight, scale, mode, config)
     elif path == "dot":
         y = dot_gemm(x2, weight, scale, mode, config)
     elif path == "w8a16":
@@ -929,32 +773,11 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = scaled_mm(x2, weight, scale, config or SCALED_MM_CONFIG)
     else:
         raise ValueError(
-            f"FP8 GEMM path {path!r} for {m} rows: use fma, splitk, gemv (one row), dot, w8a16, "
-            "w8a8, sk_w8a16, sk_w8a8, sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
+            f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, sk_w8a16, sk_w8a8, "
+            "sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
         )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
-
-
-def linear_silu_and_mul(x, weight, scale, mode, path: str | None = None, config=None):
-    """silu_and_mul(x W^T) for a fused [gate; up] e4m3 W [2I, K]: [..., I]. Where the route
-    (or `path`) is a GEMV (`gemv`, `splitk`) and the halves tile (`glu_fits`), one launch
-    computes both (bit-equal to that GEMV then kernels/activation.py's kernel); else `linear`,
-    then that kernel."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
-        x2 = x2.contiguous()
-    if path is None:
-        path, config = route(x2, weight.shape[0], k, mode)
-    rows, m = weight.shape[0], x2.shape[0]
-    if m == 1 and path == "gemv" and glu_fits(rows, mode, (config or GEMV_CONFIG)[0]):
-        y = gemv(x2, weight, scale, mode, config, glu=True)
-    elif m and path == "splitk" and glu_fits(rows, mode, (config or SPLITK_CONFIG)[0]):
-        y = splitk_gemv(x2, weight, scale, mode, config, glu=True)
-    else:
-        y = activation.silu_and_mul(linear(x2, weight, scale, mode, path=path, config=config))
-    return y.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 # ---------------------------------------------------------------------------- references

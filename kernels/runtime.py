@@ -88,22 +88,3 @@ def pdl_enter(PDL: tl.constexpr):
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-# Tiles one launch may count in `arrival_counters` (the split-K FP8 kernels' N tiles).
-MAX_TILES = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """MAX_TILES int32 zeros on `device`, shared by the kernels whose split programs count their
-    arrival per tile (the last one reduces the tile, then resets its counter): every launch
-    leaves them zero. Launches on one stream take turns (a PDL launch counts only after its
-    wait for the kernel before it); concurrent streams would need their own. Made by the first
-    eager launch: a CUDA-graph capture cannot be the first."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split kernels: run one launch outside CUDA-graph capture first")
-        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counters

@@ -84,10 +84,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, pctx)
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if gate_up.fp8 is not None:  # FP8: the projection and its activation may fuse
-            return self.down_proj(gate_up.fp8.linear_silu_and_mul(gate_up, x, ops))
-        return self.down_proj(ops.silu_and_mul(gate_up(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

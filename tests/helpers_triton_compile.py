@@ -231,17 +231,6 @@ FP8_CASES = [
      _fp8(fp8.splitk_gemv, 4, DOWN, "row", config=(16, 1024, 4, "kernel"))),
     ("fp8 ragged M2 block splitk", 0,
      _fp8(fp8.splitk_gemv, 2, (200, 320), "block", config=(8, 256, 4, "atomic"))),
-    ("fp8 gate_up M1 block GLU (the H200's route)", 1,
-     _fp8(fp8.linear_silu_and_mul, 1, GATE_UP, "block")),
-    ("fp8 gate_up M1 block gemv GLU", 1,
-     _fp8(fp8.gemv, 1, GATE_UP, "block", config=(8, 1024, 0, 16384), glu=True)),
-    ("fp8 down M1 block gemv", 1, _fp8(fp8.gemv, 1, DOWN, "block")),
-    ("fp8 qkv M1 row gemv no PDL", 0, _fp8(fp8.gemv, 1, QKV, "row", config=(16, 512, 4, 0))),
-    ("fp8 ragged M1 block gemv PDL 2", 2, _fp8(fp8.gemv, 1, (256, 328), "block")),
-    ("fp8 gate_up M2 row splitk GLU", 2,
-     _fp8(fp8.splitk_gemv, 2, GATE_UP, "row", config=(16, 1024, 4, "atomic"), glu=True)),
-    ("fp8 ragged M1 block splitk GLU one split", 0,
-     _fp8(fp8.splitk_gemv, 1, (256, 328), "block", config=(16, 512, 4, "atomic"), glu=True)),
     *[(f"fp8 o M{m} block {path}", 1, _fp8(SK, m, O_PROJ, "block", path=path))
       for path in fp8.SK_PATHS for m in (4, 64)],
     *[(f"fp8 down M16 row {path}", 2, _fp8(SK, 16, DOWN, "row", path=path))

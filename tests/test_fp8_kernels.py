@@ -43,7 +43,7 @@ CPU = pytest.param(
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = [CPU, CUDA]
 TOL = 1e-2
-PATHS = ("fma", "splitk", "gemv", "dot", "w8a16", "w8a8", "dequant")
+PATHS = ("fma", "splitk", "dot", "w8a16", "w8a8", "dequant")
 # (M, N, K) per device: partial 128-blocks in both dimensions, and the 8B projections
 SHAPES = {
     "cpu": [(1, 200, 320), (3, 256, 384), (17, 130, 200), (70, 96, 260)],
@@ -81,8 +81,6 @@ def test_kernel_matches_reference(device, mode, path):
     for m, n, k in SHAPES[device]:
         if (device == "cuda" and path == "fma" or path == "splitk") and m > 16:
             continue  # the FMA and split-K kernels are for a few rows
-        if path == "gemv" and m > 1:
-            continue  # one row
         gen = generator(path, mode, m, n, k)
         w, scale = random_fp8(gen, n, k, mode, device)
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -159,56 +157,6 @@ def test_splitk_gemv_matches_reference_and_repeats_exactly(device, mode):
         summed = kernels.splitk_gemv(x, w, scale, mode, (block_n, block_k, 4, "kernel"))
         assert torch.equal(atomic, again) and torch.equal(atomic, summed), (m, n, k)
     assert not kernels._counters(torch.device(device)).any()
-
-
-# (M, I, K, BLOCK_N, BLOCK_K) of a fused [gate; up] weight of 2I rows: splits and one split
-# (BLOCK_K >= K), ragged K, several rows of x (split-K only: the GEMV takes one row)
-GLU_CASES = {
-    "cpu": [(1, 256, 320, 16, 128), (3, 128, 384, 8, 512), (1, 256, 200, 32, 64)],
-    "cuda": [(1, 14336, 4096, 64, 512), (4, 14336, 4096, 16, 1024), (1, 1024, 328, 16, 512)],
-}
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", kernels.MODES)
-def test_glu_epilogue_equals_gate_up_then_silu_and_mul(device, mode):
-    """The GEMVs with the SiLU-and-mul epilogue (gate_up and its activation in one launch: the
-    split-K GEMV, and the one-row GEMV) are bit-equal to the same GEMV then
-    kernels/activation.py's kernel: they round the gate and up sums to the activation dtype
-    before the SiLU, as the stored gate_up row is. Against the float64 reference too; counters
-    left zero; `linear_silu_and_mul` takes them where the route is a GEMV and the two launches
-    elsewhere."""
-    from speculant.kernels import activation, reference
-
-    for m, inter, k, block_n, block_k in GLU_CASES[device]:
-        gen = generator("glu", mode, m, inter, k)
-        w, scale = random_fp8(gen, 2 * inter, k, mode, device)
-        x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-        ref = kernels.reference_linear(x, w, scale, mode, dtype=torch.float64)
-        ref = reference.silu_and_mul(ref)
-        configs = [("splitk", (block_n, block_k, 4, "atomic"))]
-        if m == 1:
-            configs.append(("gemv", (min(block_n, 16), block_k, 0, 4096)))
-        for path, config in configs:
-            launch = kernels.splitk_gemv if path == "splitk" else kernels.gemv
-            fused = launch(x, w, scale, mode, config, glu=True)
-            gate_up = launch(x, w, scale, mode, config)
-            assert torch.equal(fused, activation.silu_and_mul(gate_up)), (path, m, inter, k)
-            # three bf16 roundings (gate, up; the SiLU; the product) where a linear has one
-            assert rel_err(fused, ref) < 3 * TOL, (path, m, inter, k)
-            routed = kernels.linear_silu_and_mul(x, w, scale, mode, path=path, config=config)
-            assert torch.equal(routed, fused), path
-        two = kernels.linear_silu_and_mul(x, w, scale, mode, path="dot")  # no GLU form
-        dot = kernels.linear(x, w, scale, mode, path="dot")
-        assert torch.equal(two, activation.silu_and_mul(dot))
-    assert not kernels._counters(torch.device(device)).any()
-    assert not kernels.glu_fits(2 * 144, "block", 16)  # the up half would start inside a block
-    assert kernels.glu_fits(2 * 144, "row", 16)
-    assert not kernels.glu_fits(2 * 136 + 1, "row", 8)
-    with pytest.raises(ValueError, match="GLU"):
-        kernels.splitk_gemv(x[:1], w[:200], scale, "row", (16, 128, 4, "atomic"), glu=True)
-    with pytest.raises(ValueError, match="one row"):
-        kernels.gemv(torch.cat([x[:1], x[:1]]), w, scale, mode)
 
 
 def test_tuned_table_lookup_and_fallback(tmp_path, monkeypatch):
@@ -435,18 +383,16 @@ from triton.compiler import ASTSource
 from speculant.kernels.fp8 import _splitk_kernel, _sum_splits_kernel
 
 ints = ("M", "N", "K", "stride_x", "stride_w", "stride_y", "stride_s", "SPLITS")
-flags = ("SPLIT", "BLOCK_SCALE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "REDUCE", "EVEN", "GLU", "PDL")
+flags = ("SPLIT", "BLOCK_SCALE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "REDUCE", "EVEN", "PDL")
 sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16",
        "ws_ptr": "*fp32", "count_ptr": "*i32", **dict.fromkeys(ints, "i32"),
        **dict.fromkeys(flags, "constexpr")}
 target = GPUTarget("cuda", 90, 32)
-for block_n, block_k, block_m, split, reduce, glu, pdl in (
-    (16, 2048, 1, True, True, False, 1), (64, 512, 2, True, False, False, 1),
-    (16, 1024, 8, False, False, False, 0), (64, 512, 1, True, True, True, 1),
-    (16, 4096, 2, False, False, True, 0),
+for block_n, block_k, block_m, split, reduce, pdl in (
+    (16, 2048, 1, True, True, 1), (64, 512, 2, True, False, 1), (16, 1024, 8, False, False, 0),
 ):
     constants = {"SPLIT": split, "BLOCK_SCALE": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "BLOCK_K": block_k, "REDUCE": reduce, "EVEN": True, "GLU": glu, "PDL": pdl}
+                 "BLOCK_K": block_k, "REDUCE": reduce, "EVEN": True, "PDL": pdl}
     assert triton.compile(ASTSource(_splitk_kernel, sig, constants), target=target).asm["ptx"]
 sig = {"ws_ptr": "*fp32", "y_ptr": "*bf16", "MN": "i32", "SPLITS": "i32", "BLOCK": "constexpr",
        "PDL": "constexpr"}
