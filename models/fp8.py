@@ -165,17 +165,6 @@ class Fp8Linear:
                 return kernels.linear(x, layer.weight, *args, bias)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
 
-    def linear_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, ops) -> torch.Tensor:
-        """ops.silu_and_mul(x W^T) for a gate_up projection: on the Triton kernels, one launch
-        where the split-K GEMV takes both halves (kernels/fp8.linear_silu_and_mul)."""
-        if layer.gemv is not None and len(self.part_sizes) == 2:
-            from speculant.kernels import fp8 as kernels  # imports triton
-
-            args = self.kernel_scale(layer)
-            if args is not None and kernels.supports(x, layer.weight):
-                return kernels.linear_silu_and_mul(x, layer.weight, *args)
-        return ops.silu_and_mul(self.linear(layer, x, None))
-
     def kernel_scale(self, layer: nn.Module) -> tuple[torch.Tensor, str] | None:
         """(scale, mode) as kernels/fp8.py takes them: the block scales when every merged part
         has whole 128-row blocks (then the parts' blocks stack into one matrix's layout), else
