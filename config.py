@@ -189,10 +189,13 @@ FP8_BLOCK = (128, 128)  # the one block shape published FP8 checkpoints use (and
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """FP8 linear weights as published, from config.json's `quantization_config`: `fp8` (block
-    128x128 with `weight_scale_inv`, or per-tensor `weight_scale`) and compressed-tensors
-    `float-quantized` (tensor / channel / block `weight_scale`). Modules matching `ignore` keep
-    their stored dtype; activations stay unquantized on the reference path."""
+    """FP8 linear weights as published, from config.json's `quantization_config` (or the
+    `compression_config` of older compressed-tensors exports): `fp8` (block 128x128 with
+    `weight_scale_inv`, or per-tensor `weight_scale`) and compressed-tensors `float-quantized` /
+    `naive-quantized` (e4m3 weights; tensor / channel / block `weight_scale`). Modules matching
+    `ignore` keep their stored dtype; activations stay unquantized on the reference path. A
+    `kv_cache_scheme` is accepted but not applied: the KV cache stays in the model dtype and the
+    loader skips its k/v scales with a warning (models/loader.KV_SCALE)."""
 
     method: str  # fp8 | compressed-tensors
     strategy: str  # tensor | channel | block
@@ -233,11 +236,26 @@ def _fp8_method(q: dict, source: str) -> QuantConfig:
     return QuantConfig("fp8", "block", "weight_scale_inv", False, ignore)
 
 
+# compressed-tensors formats whose FP8 weights are stored as e4m3 tensors beside their scales
+# (naive-quantized: older llm-compressor exports; the loader refuses any tensor not e4m3)
+CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
 def _compressed_tensors(q: dict, source: str) -> QuantConfig:
-    if q.get("format") != "float-quantized":
-        raise _unsupported("format", q.get("format"), source, "float-quantized")
-    if q.get("kv_cache_scheme") is not None:
-        raise _unsupported("kv_cache_scheme", q["kv_cache_scheme"], source, "null")
+    if q.get("format") not in CT_FORMATS:
+        raise _unsupported("format", q.get("format"), source, ", ".join(CT_FORMATS))
+    kv_cache = q.get("kv_cache_scheme")
+    if kv_cache is not None and not isinstance(kv_cache, dict):
+        raise _unsupported(
+            "kv_cache_scheme", kv_cache, source, "null or a scheme object (not applied)"
+        )
+    sparsity = q.get("sparsity_config") or {}  # sparse-compressed weights are not e4m3 matrices
+    if not isinstance(sparsity, dict):
+        raise _unsupported("sparsity_config", sparsity, source, "null or a dense one")
+    if sparsity.get("format", "dense") != "dense":
+        raise _unsupported("sparsity_config.format", sparsity["format"], source, "dense")
+    if q.get("transform_config"):  # rotated weights need their online transforms
+        raise _unsupported("transform_config", q["transform_config"], source, "null")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _unsupported("config_groups", groups, source, "one or more scheme groups")
@@ -249,6 +267,8 @@ def _compressed_tensors(q: dict, source: str) -> QuantConfig:
         targets = group.get("targets")
         if not isinstance(targets, list) or "Linear" not in targets:
             raise _unsupported(f"{where}.targets", targets, source, '["Linear"]')
+        if (group.get("format") or q["format"]) not in CT_FORMATS:  # null: the top-level one
+            raise _unsupported(f"{where}.format", group["format"], source, ", ".join(CT_FORMATS))
         if group.get("output_activations") is not None:
             raise _unsupported(
                 f"{where}.output_activations", group["output_activations"], source, "null"
@@ -279,7 +299,7 @@ def _ct_scheme(weights: object, inputs: object, where: str, source: str) -> tupl
         return strategy, False
     if not isinstance(inputs, dict):
         raise _unsupported(f"{where}.input_activations", inputs, source, "an FP8 scheme or null")
-    for key, want in (("type", "float"), ("num_bits", 8)):
+    for key, want in (("type", "float"), ("num_bits", 8), ("symmetric", True)):
         if inputs.get(key, want) != want:
             raise _unsupported(
                 f"{where}.input_activations.{key}", inputs.get(key), source, repr(want)
@@ -297,9 +317,12 @@ def _ct_scheme(weights: object, inputs: object, where: str, source: str) -> tupl
 
 
 def parse_quantization(hf: dict, source: str) -> QuantConfig | None:
-    """config.json's `quantization_config` (None without one); a scheme we cannot run is a
-    one-line error naming the key and value."""
-    q = config_dict(hf, "quantization_config", source)
+    """config.json's `quantization_config` (None without one; older compressed-tensors exports
+    call it `compression_config`); a scheme we cannot run is a one-line error naming the key and
+    value."""
+    q = config_dict(hf, "quantization_config", source) or config_dict(
+        hf, "compression_config", source
+    )
     if not q:
         return None
     method = q.get("quant_method")

@@ -2,7 +2,7 @@
 tensor-parallel linear layer of models/layers.py, how the scales shard with the weight, and the
 torch reference forward (dequantise to the activation dtype, then F.linear); on the Triton
 backend the forward runs kernels/fp8.py's kernels instead. Qwen3-MoE experts (Fp8Experts) load
-the published per-expert block-scaled layout and dequantise in their forward."""
+the published per-expert block- or channel-scaled layouts and dequantise in their forward."""
 
 from __future__ import annotations
 
@@ -218,33 +218,50 @@ def is_ignored(hf_name: str, ignore: tuple[str, ...]) -> bool:
 
 class Fp8Experts:
     """The FP8 state of a Qwen3-MoE `Experts` module (`experts.fp8`): e4m3 gate_up_proj
-    [E_local, 2I, H] and down_proj [E_local, H, I] and their block scales, loaded from the
-    published per-expert `experts.{j}.{gate,up,down}_proj.weight` + `weight_scale_inv` (block
-    128x128 only): gate_up_proj_<scale> [E_local, 2 ceil(I/128), ceil(H/128)] (gate's blocks
-    first) and down_proj_<scale> [E_local, ceil(H/128), ceil(I/128)]. The forward dequantises
-    the local experts to the activation dtype and runs the float expert paths."""
+    [E_local, 2I, H] and down_proj [E_local, H, I] and their scales, loaded from the published
+    per-expert `experts.{j}.{gate,up,down}_proj.weight` + `weight_scale_inv` (fp8 block 128x128,
+    Qwen3-*-FP8) or per channel `weight_scale` (compressed-tensors, e.g. RedHatAI
+    *-FP8-dynamic): gate_up_proj_<scale> [E_local, 2 ceil(I/128), ceil(H/128)] (gate's blocks
+    first) and down_proj_<scale> [E_local, ceil(H/128), ceil(I/128)] for blocks, [E_local, 2I, 1]
+    and [E_local, H, 1] per channel. Static `input_scale`s load into gate_up_proj_input_scale
+    [E_local, 2] and down_proj_input_scale [E_local, 1], unused like the dense layers'. The
+    forward dequantises the local experts to the activation dtype and runs the float expert
+    paths."""
+
+    PROJS = ("gate_up_proj", "down_proj")
 
     def __init__(self, quant: QuantConfig, experts: nn.Module, name: str):
-        if quant.strategy != "block":
+        if quant.strategy not in ("block", "channel"):
             raise SpeculantError(
                 f"{name}: FP8 experts need block-wise scales (quant_method fp8 with "
-                f"weight_block_size [128, 128]); got weight strategy {quant.strategy!r}"
+                "weight_block_size [128, 128]) or per-channel ones (compressed-tensors strategy "
+                f"channel); got weight strategy {quant.strategy!r}"
             )
         self.quant, self.name = quant, name
-        self.scale_names = tuple(f"{p}_{quant.scale_name}" for p in ("gate_up_proj", "down_proj"))
+        self.scale_names = tuple(f"{p}_{quant.scale_name}" for p in self.PROJS)
+
+    def _scale_rows(self, proj: str, inter: int, rows: int) -> int:
+        if self.quant.strategy == "channel":
+            return rows
+        return 2 * _blocks(inter) if proj == "gate_up_proj" else _blocks(rows)
 
     def convert(self, experts: nn.Module) -> None:
-        inter = experts.intermediate
-        for proj, scale_name in zip(("gate_up_proj", "down_proj"), self.scale_names, strict=True):
+        inter, block = experts.intermediate, self.quant.strategy == "block"
+        for proj, scale_name in zip(self.PROJS, self.scale_names, strict=True):
             old = getattr(experts, proj)
             weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), False)
             weight.weight_loader, weight.shard_ids = old.weight_loader, old.shard_ids
             setattr(experts, proj, weight)
             local, rows, cols = old.shape
-            row_blocks = 2 * _blocks(inter) if proj == "gate_up_proj" else _blocks(rows)
-            scale = _scale_param(local, row_blocks, _blocks(cols), device=old.device, kind="block")
+            shape = (local, self._scale_rows(proj, inter, rows), _blocks(cols) if block else 1)
+            scale = _scale_param(*shape, device=old.device, kind=self.quant.strategy)
             scale.weight_loader, scale.shard_ids = self._load_scale(experts), old.shard_ids
             experts.register_parameter(scale_name, scale)
+            if self.quant.static_input:
+                parts = 2 if proj == "gate_up_proj" else 1
+                inputs = _scale_param(local, parts, device=old.device, kind="tensor")
+                inputs.weight_loader, inputs.shard_ids = self._load_scale(experts), old.shard_ids
+                experts.register_parameter(f"{proj}_input_scale", inputs)
         experts.fp8 = self
 
     @staticmethod
@@ -263,39 +280,48 @@ class Fp8Experts:
             if part is not None:
                 rows = dst.shape[0] // 2
                 dst = dst.narrow(0, part * rows, rows)
+            if dst.numel() == 1 and loaded.numel() == 1:  # an input scale: [] or [1]
+                loaded = loaded.reshape(dst.shape)
             if dst.shape != loaded.shape:
                 raise ValueError(f"expected shape {tuple(dst.shape)}, got {tuple(loaded.shape)}")
             dst.copy_(loaded)
 
         return load
 
+    def scale(self, experts: nn.Module, proj: str) -> torch.Tensor:
+        """The scale of every element of `proj`, broadcastable to its [E_local, rows, cols]."""
+        scale = getattr(experts, f"{proj}_{self.quant.scale_name}")
+        inter, (rows, cols) = experts.intermediate, getattr(experts, proj).shape[1:]
+        if self.quant.strategy == "channel":
+            return scale
+        if proj == "gate_up_proj":  # each part's blocks start at its first row
+            parts = scale.chunk(2, dim=1)
+            full = torch.cat([p.repeat_interleave(BLOCK, 1)[:, :inter] for p in parts], 1)
+        else:
+            full = scale.repeat_interleave(BLOCK, 1)[:, :rows]
+        return full.repeat_interleave(BLOCK, 2)[:, :, :cols]
+
     def dequantize(self, experts: nn.Module, dtype: torch.dtype):
         """(gate_up_proj, down_proj) as `dtype`, multiplied in float32 (float64 if asked)."""
         wide = torch.float64 if dtype == torch.float64 else torch.float32
-        inter = experts.intermediate
         out = []
-        for proj, scale_name in zip(("gate_up_proj", "down_proj"), self.scale_names, strict=True):
-            weight, scale = getattr(experts, proj), getattr(experts, scale_name)
-            rows, cols = weight.shape[1:]
-            if proj == "gate_up_proj":  # each part's blocks start at its first row
-                parts = scale.chunk(2, dim=1)
-                full = torch.cat([p.repeat_interleave(BLOCK, 1)[:, :inter] for p in parts], 1)
-            else:
-                full = scale.repeat_interleave(BLOCK, 1)[:, :rows]
-            full = full.repeat_interleave(BLOCK, 2)[:, :, :cols]
-            out.append((weight.to(wide) * full.to(wide)).to(dtype))
+        for proj in self.PROJS:
+            weight, scale = getattr(experts, proj), self.scale(experts, proj)
+            out.append((weight.to(wide) * scale.to(wide)).to(dtype))
         return out[0], out[1]
 
     @torch.no_grad()
     def init_dummy(self, experts: nn.Module, gen: torch.Generator) -> None:
-        """Random e4m3 weights and block scales with the dense dummy init's spread."""
-        for proj, scale_name in zip(("gate_up_proj", "down_proj"), self.scale_names, strict=True):
+        """Random e4m3 weights and scales with the dense dummy init's spread."""
+        for proj, scale_name in zip(self.PROJS, self.scale_names, strict=True):
             weight = getattr(experts, proj)
             values = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
             values.normal_(0.0, DUMMY_RANGE, generator=gen).clamp_(-448.0, 448.0)
             weight.copy_(values.to(FP8))
             scale = getattr(experts, scale_name)
             scale.uniform_(0.5, 1.5, generator=gen).mul_(weight.shape[-1] ** -0.5 / DUMMY_RANGE)
+            if self.quant.static_input:
+                getattr(experts, f"{proj}_input_scale").fill_(1.0)
 
 
 def quantize_linears(model: nn.Module, quant: QuantConfig) -> int:

@@ -34,10 +34,17 @@ STACKED_PARAMS = (
 # Per-expert HF tensors (`mlp.experts.7.up_proj.weight`) -> the fused expert parameter and the
 # shard (expert, part); transformers-5 style fused tensors (`mlp.experts.gate_up_proj`) load whole.
 EXPERT_PARAM = re.compile(
-    r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv|_scale)?)$"
+    r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv|_scale)?|input_scale)$"
 )  # FP8 experts (models/fp8.py) add `weight_scale_inv` -> `gate_up_proj_weight_scale_inv`
 EXPERT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 IGNORED = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|\.masked_bias$")
+# FP8 attention / KV cache scales (compressed-tensors kv_cache_scheme: self_attn.k_scale and
+# v_scale; AutoFP8: k_proj.output_scale; ModelOpt: k_proj.k_scale; legacy kv_scale): we keep the
+# KV cache in the model dtype, so they are skipped with one warning (not "unused tensors").
+KV_SCALE = re.compile(
+    r"\.self_attn\.(?:attn\.)?(?:[qkv]|kv|prob)_scale$"
+    r"|\.self_attn\.[qkv]_proj\.(?:output|[qkv])_scale$"
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_NAMES_SHOWN = 8  # unused tensors named in the warning; the rest are counted
@@ -132,8 +139,12 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[int, object]] = set()
     unused: list[str] = []
+    kv_scales: list[str] = []
     for hf_name, tensor in weights:
         if IGNORED.search(hf_name):
+            continue
+        if KV_SCALE.search(hf_name):
+            kv_scales.append(hf_name)
             continue
         name, shard = rename(hf_name), None
         expert = EXPERT_PARAM.search(name)
@@ -174,8 +185,17 @@ def load_weights(
                     f"{source} lacks the tensor for {part!r}; the checkpoint is "
                     "incomplete or for another architecture"
                 )
-    if unused and (not dist.is_initialized() or dist.get_rank() == 0):  # one line per job
-        log.warning("%s", unused_tensors_line(unused, source))
+    if not dist.is_initialized() or dist.get_rank() == 0:  # one line per job
+        if kv_scales:
+            log.warning(
+                "%s: %d FP8 KV cache scale tensor(s) ignored (%s, ...): the KV cache stays in the "
+                "model dtype (quantization_config kv_cache_scheme is not applied)",
+                source,
+                len(kv_scales),
+                kv_scales[0],
+            )
+        if unused:
+            log.warning("%s", unused_tensors_line(unused, source))
 
 
 def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, source: str) -> None:
@@ -183,6 +203,12 @@ def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, so
     load without its scales and compute garbage."""
     if (param.dtype == FP8) == (tensor.dtype == FP8):
         return
+    if param.dtype == FP8 and not tensor.is_floating_point():
+        raise SpeculantError(
+            f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, not "
+            "float8_e4m3fn: FP8 layers load e4m3 weights only (integer-quantized checkpoints are "
+            "not supported); the checkpoint does not match its quantization_config"
+        )
     if param.dtype == FP8:
         raise SpeculantError(
             f"tensor {hf_name!r} in {source} is {tensor.dtype}, but quantization_config in "
