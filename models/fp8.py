@@ -2,7 +2,8 @@
 tensor-parallel linear layer of models/layers.py, how the scales shard with the weight, and the
 torch reference forward (dequantise to the activation dtype, then F.linear); on the Triton
 backend the forward runs kernels/fp8.py's kernels instead. Qwen3-MoE experts (Fp8Experts) load
-the published per-expert block- or channel-scaled layouts and dequantise in their forward."""
+the published per-expert block-, channel- or tensor-scaled layouts and dequantise in their
+forward."""
 
 from __future__ import annotations
 
@@ -220,46 +221,44 @@ class Fp8Experts:
     """The FP8 state of a Qwen3-MoE `Experts` module (`experts.fp8`): e4m3 gate_up_proj
     [E_local, 2I, H] and down_proj [E_local, H, I] and their scales, loaded from the published
     per-expert `experts.{j}.{gate,up,down}_proj.weight` + `weight_scale_inv` (fp8 block 128x128,
-    Qwen3-*-FP8) or per channel `weight_scale` (compressed-tensors, e.g. RedHatAI
-    *-FP8-dynamic): gate_up_proj_<scale> [E_local, 2 ceil(I/128), ceil(H/128)] (gate's blocks
-    first) and down_proj_<scale> [E_local, ceil(H/128), ceil(I/128)] for blocks, [E_local, 2I, 1]
-    and [E_local, H, 1] per channel. Static `input_scale`s load into gate_up_proj_input_scale
-    [E_local, 2] and down_proj_input_scale [E_local, 1], unused like the dense layers'. The
-    forward dequantises the local experts to the activation dtype and runs the float expert
-    paths."""
+    Qwen3-*-FP8), per channel `weight_scale` (compressed-tensors, e.g. RedHatAI *-FP8-dynamic)
+    or per tensor `weight_scale` (compressed-tensors static *-FP8, AutoFP8): gate_up_proj_<scale>
+    [E_local, 2 ceil(I/128), ceil(H/128)] (gate's blocks first) and down_proj_<scale>
+    [E_local, ceil(H/128), ceil(I/128)] for blocks, [E_local, 2I, 1] and [E_local, H, 1] per
+    channel, [E_local, 2] (gate's, up's: each part keeps its own) and [E_local, 1] per tensor.
+    Static `input_scale`s load into gate_up_proj_input_scale [E_local, 2] and
+    down_proj_input_scale [E_local, 1], unused like the dense layers'. The forward dequantises
+    the local experts to the activation dtype and runs the float expert paths."""
 
     PROJS = ("gate_up_proj", "down_proj")
 
     def __init__(self, quant: QuantConfig, experts: nn.Module, name: str):
-        if quant.strategy not in ("block", "channel"):
-            raise SpeculantError(
-                f"{name}: FP8 experts need block-wise scales (quant_method fp8 with "
-                "weight_block_size [128, 128]) or per-channel ones (compressed-tensors strategy "
-                f"channel); got weight strategy {quant.strategy!r}"
-            )
         self.quant, self.name = quant, name
         self.scale_names = tuple(f"{p}_{quant.scale_name}" for p in self.PROJS)
 
-    def _scale_rows(self, proj: str, inter: int, rows: int) -> int:
+    def _scale_shape(self, proj: str, inter: int, shape: torch.Size) -> tuple[int, ...]:
+        local, rows, cols = shape
+        if self.quant.strategy == "tensor":  # one per part (gate, up), like the input scales
+            return (local, 2 if proj == "gate_up_proj" else 1)
         if self.quant.strategy == "channel":
-            return rows
-        return 2 * _blocks(inter) if proj == "gate_up_proj" else _blocks(rows)
+            return (local, rows, 1)
+        row_blocks = 2 * _blocks(inter) if proj == "gate_up_proj" else _blocks(rows)
+        return (local, row_blocks, _blocks(cols))
 
     def convert(self, experts: nn.Module) -> None:
-        inter, block = experts.intermediate, self.quant.strategy == "block"
+        inter = experts.intermediate
         for proj, scale_name in zip(self.PROJS, self.scale_names, strict=True):
             old = getattr(experts, proj)
             weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), False)
             weight.weight_loader, weight.shard_ids = old.weight_loader, old.shard_ids
             setattr(experts, proj, weight)
-            local, rows, cols = old.shape
-            shape = (local, self._scale_rows(proj, inter, rows), _blocks(cols) if block else 1)
+            shape = self._scale_shape(proj, inter, old.shape)
             scale = _scale_param(*shape, device=old.device, kind=self.quant.strategy)
             scale.weight_loader, scale.shard_ids = self._load_scale(experts), old.shard_ids
             experts.register_parameter(scale_name, scale)
             if self.quant.static_input:
                 parts = 2 if proj == "gate_up_proj" else 1
-                inputs = _scale_param(local, parts, device=old.device, kind="tensor")
+                inputs = _scale_param(old.shape[0], parts, device=old.device, kind="tensor")
                 inputs.weight_loader, inputs.shard_ids = self._load_scale(experts), old.shard_ids
                 experts.register_parameter(f"{proj}_input_scale", inputs)
         experts.fp8 = self
@@ -280,7 +279,7 @@ class Fp8Experts:
             if part is not None:
                 rows = dst.shape[0] // 2
                 dst = dst.narrow(0, part * rows, rows)
-            if dst.numel() == 1 and loaded.numel() == 1:  # an input scale: [] or [1]
+            if dst.numel() == 1 and loaded.numel() == 1:  # a per-tensor scale: [] or [1]
                 loaded = loaded.reshape(dst.shape)
             if dst.shape != loaded.shape:
                 raise ValueError(f"expected shape {tuple(dst.shape)}, got {tuple(loaded.shape)}")
@@ -294,6 +293,8 @@ class Fp8Experts:
         inter, (rows, cols) = experts.intermediate, getattr(experts, proj).shape[1:]
         if self.quant.strategy == "channel":
             return scale
+        if self.quant.strategy == "tensor":  # [E_local, parts] -> one per row, part by part
+            return scale.repeat_interleave(rows // scale.shape[1], dim=1).unsqueeze(2)
         if proj == "gate_up_proj":  # each part's blocks start at its first row
             parts = scale.chunk(2, dim=1)
             full = torch.cat([p.repeat_interleave(BLOCK, 1)[:, :inter] for p in parts], 1)

@@ -3,8 +3,9 @@ written tensor for tensor as Qwen3-*-FP8 / Qwen3-30B-A3B-FP8 (fp8 block `weight_
 float32 or bfloat16 scales, bf16 router), DeepSeek-style block scales on shapes that are not
 multiples of 128, RedHatAI / neuralmagic compressed-tensors (float- and naive-quantized, tensor /
 channel / block `weight_scale`, static `input_scale`, W8A16, kv_cache_scheme with
-`self_attn.k_scale` / `v_scale`, MoE experts with a `re:` router ignore) and old AutoFP8
-per-tensor scales (q/k/v and gate/up with different scales). Everything not quantized is bf16 as
+`self_attn.k_scale` / `v_scale`, channel- and tensor-scaled MoE experts with a `re:` router
+ignore) and old AutoFP8 per-tensor scales (q/k/v and gate/up with different scales, in dense
+layers and in each expert). Everything not quantized is bf16 as
 published, and the weights are split over two safetensors shards with an index (scales not
 always beside their weights).
 
@@ -12,7 +13,8 @@ Tolerance: our float32 forward against transformers' float64 forward of the dequ
 (tests/test_fp8.py's reference): relative Frobenius error of the logits < 1e-4. Greedy tokens
 equal those of our engine on the plain float32 checkpoint of the dequantised weights (the
 product of an e4m3 value and a float32 / bf16 scale is exact in float32, so both forwards see
-the same weights). TP=2 against TP=1: logits within 1e-4, greedy tokens equal.
+the same weights). TP=2 against TP=1 (MoE experts split over both ranks: EP=2): logits within
+1e-4, greedy tokens equal.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ DYNAMIC_TOKEN = dict(type="float", num_bits=8, symmetric=True, dynamic=True, str
 STATIC_TENSOR = dict(type="float", num_bits=8, symmetric=True, dynamic=False, strategy="tensor")
 KV_SCHEME = dict(type="float", num_bits=8, symmetric=True, dynamic=False, strategy="tensor")
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
+# AutoFP8 lists the concrete modules it skipped: lm_head and each sparse layer's router
+AUTOFP8_MOE_IGNORE = ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in (0, 2)]
 QWEN_MOE_NOT_CONVERTED = ["lm_head", "model.embed_tokens"] + [
     f"model.layers.{i}.{module}"
     for i in range(3)
@@ -184,6 +188,24 @@ LAYOUTS = {
         "channel",
         input_scale=True,
         ignore=tuple(MOE_IGNORE),
+        model="qwen3_moe",
+    ),
+    # RedHatAI / neuralmagic static *-FP8 MoE: per-tensor weight_scale [1] and input_scale [1]
+    # per expert projection (gate and up of one expert with different scales), routers ignored
+    "ct_moe_tensor_static": Layout(
+        ct(dict(strategy="tensor"), STATIC_TENSOR, ignore=MOE_IGNORE),
+        "tensor",
+        scalar_shape=(1,),
+        input_scale=True,
+        ignore=tuple(MOE_IGNORE),
+        model="qwen3_moe",
+    ),
+    # AutoFP8 static MoE: per-tensor weight_scale [] and input_scale [] per expert projection
+    "autofp8_moe_static": Layout(
+        dict(AUTOFP8, ignored_layers=AUTOFP8_MOE_IGNORE),
+        "tensor",
+        input_scale=True,
+        ignore=tuple(AUTOFP8_MOE_IGNORE),
         model="qwen3_moe",
     ),
     # old neuralmagic AutoFP8: per-tensor weight_scale and input_scale of shape []
@@ -365,6 +387,43 @@ def test_scales_keep_each_merged_part(published):
     assert torch.equal(mlp.gate_up_proj.weight_scale, torch.stack(want))
 
 
+TENSOR_EXPERTS = ["ct_moe_tensor_static", "autofp8_moe_static"]
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in path.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize("name", TENSOR_EXPERTS)
+def test_tensor_experts_keep_each_part_scale(published, name):
+    """Per-tensor expert scales: gate and up of each expert keep their own (fused into
+    gate_up_proj, each half dequantised with its part's scale), down its own."""
+    path = published[name]
+    engine = Engine(str(path), **ENGINE)
+    experts = engine.model.model.layers[2].mlp.experts
+    tensors = checkpoint_tensors(path)
+    prefix = "model.layers.2.mlp.experts"
+    assert experts.gate_up_proj_weight_scale.shape == (8, 2)
+    assert experts.down_proj_weight_scale.shape == (8, 1)
+    for kind in ("weight_scale", "input_scale"):
+        gate_up, down = (getattr(experts, f"{p}_{kind}") for p in ("gate_up_proj", "down_proj"))
+        for j in range(8):
+            want = [tensors[f"{prefix}.{j}.{p}_proj.{kind}"].reshape(()) for p in ("gate", "up")]
+            assert torch.equal(gate_up[j], torch.stack(want)), (kind, j)
+            assert torch.equal(down[j], tensors[f"{prefix}.{j}.down_proj.{kind}"].reshape(1))
+    gate, up = experts.gate_up_proj_weight_scale.unbind(1)
+    assert bool((gate != up).all())  # PART_GAIN: gate's range is far from up's
+    reference = torch.load(path / "reference/float64.pt")
+    gate_up, down = experts.fp8.dequantize(experts, torch.float64)
+    for j in range(8):
+        want = [reference[f"{prefix}.{j}.{p}_proj.weight"] for p in ("gate", "up")]
+        assert torch.equal(gate_up[j], torch.cat(want)), j
+        assert torch.equal(down[j], reference[f"{prefix}.{j}.down_proj.weight"]), j
+
+
 def test_kv_cache_scales_are_ignored_with_one_warning(published, caplog):
     """An FP8 KV cache is not implemented: the checkpoint runs with the KV cache in the model
     dtype, said in one warning line, and its k/v scales are not reported as unknown tensors."""
@@ -388,6 +447,18 @@ def test_channel_experts_dummy_weights(published):
     assert len(engine.generate([PROMPT[:4]], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
 
 
+@pytest.mark.parametrize("name", TENSOR_EXPERTS)
+def test_tensor_experts_dummy_weights(published, name):
+    engine = Engine(str(published[name]), **ENGINE, load_format="dummy")
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_weight_scale.shape == (8, 2)
+    assert experts.down_proj_weight_scale.shape == (8, 1)
+    assert bool((experts.down_proj_weight_scale > 0).all())
+    gate_up, _ = experts.fp8.dequantize(experts, torch.float32)
+    assert 0.3 < gate_up.std().item() * 256**0.5 < 3  # like the dense dummy init's spread
+    assert len(engine.generate([PROMPT[:4]], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+
+
 # ------------------------------------------------------------------------------------- TP=2
 
 
@@ -400,6 +471,8 @@ TP2_CASES = [
     "ct_kv_cache_scheme",
     "ct_moe_channel",
     "ct_moe_channel_static",
+    "ct_moe_tensor_static",
+    "autofp8_moe_static",
     "autofp8_static",
 ]
 
