@@ -4,11 +4,14 @@ parallelism. Everything an `Engine` is built from lives here."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from speculant.errors import SpeculantError
+
+log = logging.getLogger("speculant")
 
 DENSE_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -18,6 +21,10 @@ DENSE_ARCHITECTURES = (
 )
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# transformers reads `attention_bias` (q/k/v and o_proj biases) for these; Qwen2 has q/k/v biases
+# and none on o_proj whatever the config says, Mistral none at all
+ATTENTION_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ACTIVATIONS = ("silu", "swish")  # the MLPs compute SiLU(gate) * up (transformers: ACT2FN)
 
 
 def read_json_object(file: Path, what: str) -> dict:
@@ -117,28 +124,51 @@ def config_dict(hf: dict, key: str, source: str) -> dict:
     return value
 
 
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+
+
 def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) from either the transformers-4 or transformers-5 layout."""
+    """(rope_theta, scaling) from either the transformers-4 or transformers-5 layout. The
+    scaling dict comes back with its `rope_type` set (older configs say `type`) and, for yarn, its
+    `factor` (transformers' default: max_position_embeddings / original_max_position_embeddings).
+    `dynamic` (NTK) rescales only positions past max_position_embeddings, which the context never
+    reaches (engine: max_model_len <= max_position_embeddings): it runs as the default RoPE."""
     params = config_dict(hf, "rope_parameters", source)
     scaling = config_dict(hf, "rope_scaling", source) or None
     theta = config_float({**params, **hf}, "rope_theta", source, 10000.0)
-    if scaling is None and params.get("rope_type", "default") != "default":
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = params
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            scaling = None
-        elif kind != "llama3":
-            raise SpeculantError(f"rope scaling type {kind!r} is not supported; supported: llama3")
-        else:
-            where = f"rope scaling of {source}"
-            config_float(scaling, "factor", where, _REQUIRED)
-            config_int(scaling, "original_max_position_embeddings", where)
-            low = config_float(scaling, "low_freq_factor", where, 1.0)
-            if config_float(scaling, "high_freq_factor", where, 4.0) == low:
-                raise SpeculantError(
-                    f"low_freq_factor == high_freq_factor == {low} in {where}; they must differ"
-                )
+    if scaling is None:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise SpeculantError(
+            f"rope scaling type {kind!r} in {source} is not supported; supported: "
+            f"{', '.join(ROPE_TYPES)}"
+        )
+    where = f"rope scaling of {source}"
+    scaling = {**scaling, "rope_type": kind}
+    if kind == "yarn":
+        original = config_int(scaling, "original_max_position_embeddings", where)
+        if scaling.get("factor") is None:
+            scaling["factor"] = config_int(hf, "max_position_embeddings", source, 4096) / original
+        for key in ("factor", "attention_factor", "beta_fast", "beta_slow"):
+            if scaling.get(key) is not None:
+                config_float(scaling, key, where)
+        for key in ("mscale", "mscale_all_dim"):
+            if scaling.get(key) is not None:
+                config_float(scaling, key, where, minimum=-math.inf)
+        return theta, scaling
+    config_float(scaling, "factor", where, _REQUIRED)
+    if kind == "llama3":
+        config_int(scaling, "original_max_position_embeddings", where)
+        low = config_float(scaling, "low_freq_factor", where, 1.0)
+        if config_float(scaling, "high_freq_factor", where, 4.0) == low:
+            raise SpeculantError(
+                f"low_freq_factor == high_freq_factor == {low} in {where}; they must differ"
+            )
     return theta, scaling
 
 
@@ -169,6 +199,30 @@ def _moe_settings(hf: dict, num_layers: int, source: str) -> dict:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         moe_layer_ids=tuple(sparse) if num_experts > 0 else (),
     )
+
+
+def _sliding_window(hf: dict, arch: str, num_layers: int, source: str) -> int | None:
+    """The attention window of the layers that slide (None: no layer does), as transformers
+    reads it: Mistral slides every layer by `sliding_window` (4096 when the key is absent);
+    Qwen2 / Qwen3 only with `use_sliding_window`, the layers `layer_types` names or those from
+    `max_window_layers` on; Qwen3-MoE every layer with `use_sliding_window`; Llama never."""
+    if arch == "MistralForCausalLM":
+        window = hf.get("sliding_window", 4096)
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+        if window is not None and arch != "Qwen3MoeForCausalLM":
+            first = hf.get("max_window_layers", 28)
+            types = hf.get("layer_types") or [
+                "sliding_attention" if isinstance(first, int) and i >= first else "full_attention"
+                for i in range(num_layers)
+            ]
+            if "sliding_attention" not in types:
+                window = None
+    else:
+        window = None
+    if window is None:
+        return None
+    return config_int({"sliding_window": window}, "sliding_window", source)
 
 
 def _eos_token_ids(hf: dict, source: str) -> tuple[int, ...]:
@@ -361,6 +415,10 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layer_ids: tuple[int, ...] = ()  # layers with a sparse MoE block instead of the MLP
     quantization: QuantConfig | None = None  # FP8 linear weights (see QuantConfig)
+    o_proj_bias: bool = False  # attention_bias of Llama / Qwen3 / Qwen3-MoE: o_proj has one too
+    # the window of sliding-window layers (Mistral, Qwen2/3 use_sliding_window); windowed
+    # attention is not implemented, so max_position_embeddings is capped at it (exact below it)
+    sliding_window: int | None = None
     hf: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -378,6 +436,12 @@ class ModelConfig:
             )
         if hf.get("mlp_bias"):
             raise SpeculantError(f"mlp_bias=true in {source} is not supported")
+        act = hf.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise SpeculantError(
+                f"hidden_act={act!r} in {source} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}"
+            )
         hidden = config_int(hf, "hidden_size", source)
         heads = config_int(hf, "num_attention_heads", source)
         kv_heads = config_int(hf, "num_key_value_heads", source, heads)
@@ -399,6 +463,9 @@ class ModelConfig:
         theta, scaling = _rope_settings(hf, source)
         num_layers = config_int(hf, "num_hidden_layers", source)
         moe = _moe_settings(hf, num_layers, source) if arch in MOE_ARCHITECTURES else {}
+        attention_bias = arch in ATTENTION_BIAS_ARCHITECTURES and bool(hf.get("attention_bias"))
+        window = _sliding_window(hf, arch, num_layers, source)
+        max_positions = config_int(hf, "max_position_embeddings", source, 4096)
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -411,20 +478,42 @@ class ModelConfig:
             rms_norm_eps=config_float(hf, "rms_norm_eps", source, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=config_int(hf, "max_position_embeddings", source, 4096),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            max_position_embeddings=min(max_positions, window or max_positions),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_token_ids(hf, source),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             **moe,
             quantization=parse_quantization(hf, source),
+            o_proj_bias=attention_bias,
+            sliding_window=window,
             hf=hf,
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf(read_hf_config(path), source=str(Path(path) / "config.json"))
+        """config.json of checkpoint folder `path`; the end-of-sequence ids of its
+        generation_config.json (Llama-3 and Qwen instruct models list several there: what
+        transformers' generate and vLLM stop on) join config.json's."""
+        source = str(Path(path) / "config.json")
+        cfg = cls.from_hf(read_hf_config(path), source=source)
+        generation = Path(path) / "generation_config.json"
+        if generation.is_file():
+            gen = read_json_object(generation, "a generation_config.json is one {...} object")
+            extra = _eos_token_ids(gen, str(generation))
+            cfg.eos_token_ids += tuple(i for i in extra if i not in cfg.eos_token_ids)
+        if cfg.sliding_window is not None and cfg.sliding_window < config_int(
+            cfg.hf, "max_position_embeddings", source, 4096
+        ):
+            log.warning(
+                "%s: sliding_window=%d: windowed attention is not supported, so the context is "
+                "limited to %d positions (max_position_embeddings), where it is exact",
+                source,
+                cfg.sliding_window,
+                cfg.max_position_embeddings,
+            )
+        return cfg
 
 
 @dataclass

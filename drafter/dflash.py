@@ -286,7 +286,9 @@ class DFlashAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, pctx
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, pctx)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, pctx
+        )  # Qwen3 attention: `attention_bias` gives o_proj a bias too
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -101,9 +101,14 @@ class Engine:
             mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
         if self.max_model_len > mc.max_position_embeddings:
+            limit = f"max_position_embeddings={mc.max_position_embeddings}"
+            if mc.sliding_window is not None and mc.sliding_window == mc.max_position_embeddings:
+                limit = (
+                    f"sliding_window={mc.sliding_window} (windowed attention is not supported: "
+                    "the context stops at the window)"
+                )
             raise SpeculantError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={mc.max_position_embeddings}; lower "
+                f"max_model_len={self.max_model_len} exceeds the model's {limit}; lower "
                 "--max-model-len"
             )
         on_gpu = self.device.startswith("cuda")

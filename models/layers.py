@@ -85,21 +85,69 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict):
+    """YaRN (as transformers' _compute_yarn_parameters, rounding included): frequencies blended
+    between interpolated (/ factor) and extrapolated ones over a ramp of dimensions, and the
+    attention factor that scales cos and sin. `pos_freqs`: theta ** (2i / head_dim)."""
+    factor = scaling["factor"]
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    old_len = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), with Llama-3 frequency scaling. `lookup` runs
-    once per forward; `apply` is then a roll and two multiply-adds per tensor."""
+    """Neox-style rotary embedding (rotate_half), with the frequency scalings of published
+    configs (config._rope_settings): llama3, linear, yarn (whose attention factor scales the
+    cos/sin tables), and dynamic, which is the default RoPE within max_position_embeddings.
+    `lookup` runs once per forward; `apply` is then a roll and two multiply-adds per tensor."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        inv_freq = 1.0 / (theta**exponent)
-        if scaling is not None:
+        pos_freqs = theta**exponent
+        inv_freq = 1.0 / pos_freqs
+        attention_factor = 1.0
+        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(pos_freqs, head_dim, theta, scaling)
+        elif kind not in (None, "default", "dynamic"):
+            raise ValueError(f"rope scaling type {kind!r} is not supported")
         t = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(t, inv_freq)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin] because both halves share frequencies
         sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
         cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+        if attention_factor != 1.0:  # in float32 before the cast to the model dtype, as HF
+            cos, sin = cos * attention_factor, sin * attention_factor
         self.register_buffer("cos", cos.to(torch.get_default_device()), persistent=False)
         self.register_buffer("sin", sin.to(torch.get_default_device()), persistent=False)
 

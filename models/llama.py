@@ -32,7 +32,9 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, pctx
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, pctx)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, pctx
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

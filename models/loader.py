@@ -135,11 +135,33 @@ def load_weights(
 ) -> None:
     """Copy checkpoint tensors into `model`, merging q/k/v and gate/up, checking that every
     parameter was loaded exactly once, that shapes match and that float weights come from float
-    tensors; tensors the model does not use are named in one warning."""
+    tensors; tensors the model does not use are named in one warning. A tied parameter (the
+    lm_head of tie_word_embeddings) loads from its own name (model.embed_tokens.weight): a
+    checkpoint's copy under the other name (lm_head.weight) is used only when that is missing,
+    whatever the order of the files, as vLLM does."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    owner = {id(param): name for name, param in model.named_parameters()}  # a tied one's 1st name
     loaded: set[tuple[int, object]] = set()
     unused: list[str] = []
     kv_scales: list[str] = []
+    tied: list[tuple[str, str, torch.Tensor, object]] = []  # tensors under a tied alias name
+
+    def copy(hf_name: str, param: torch.Tensor, tensor: torch.Tensor, shard: object) -> None:
+        check_fp8_tensor(param, tensor, hf_name, source)
+        if param.is_floating_point() and not tensor.is_floating_point():
+            raise SpeculantError(
+                f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, not a "
+                "float weight; the checkpoint is corrupt or not for this model"
+            )
+        try:
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+        except ValueError as exc:
+            raise SpeculantError(
+                f"tensor {hf_name!r} in {source} has the wrong shape: {exc}; the "
+                "checkpoint does not match its config.json"
+            ) from exc
+        loaded.add((id(param), shard))
+
     for hf_name, tensor in weights:
         if IGNORED.search(hf_name):
             continue
@@ -162,20 +184,17 @@ def load_weights(
             unused.append(hf_name)
             continue
         param = params[name]
-        check_fp8_tensor(param, tensor, hf_name, source)
-        if param.is_floating_point() and not tensor.is_floating_point():
-            raise SpeculantError(
-                f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, not a "
-                "float weight; the checkpoint is corrupt or not for this model"
-            )
-        try:
-            param.weight_loader(param, tensor.to(param.dtype), shard)
-        except ValueError as exc:
-            raise SpeculantError(
-                f"tensor {hf_name!r} in {source} has the wrong shape: {exc}; the "
-                "checkpoint does not match its config.json"
-            ) from exc
-        loaded.add((id(param), shard))
+        if owner.get(id(param), name) != name:  # tied: wait for the owner's own tensor
+            tied.append((hf_name, name, tensor, shard))
+            continue
+        copy(hf_name, param, tensor, shard)
+    shadowed = []  # tied copies the owner's tensor made redundant
+    for hf_name, name, tensor, shard in tied:
+        param = params[name]
+        if (id(param), shard) in loaded or (id(param), None) in loaded:
+            shadowed.append(f"{hf_name} (shares {owner[id(param)]})")
+        else:
+            copy(hf_name, param, tensor, shard)
     for name, param in model.named_parameters():
         for shard in getattr(param, "shard_ids", (None,)):
             # a whole tensor (shard None) fills every part, e.g. fused experts
@@ -196,6 +215,13 @@ def load_weights(
             )
         if unused:
             log.warning("%s", unused_tensors_line(unused, source))
+        if shadowed:
+            log.warning(
+                "%s: %s ignored: tied weights (tie_word_embeddings) load from the tensor they "
+                "share, which the checkpoint also holds",
+                source,
+                ", ".join(shadowed),
+            )
 
 
 def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, source: str) -> None:

@@ -32,11 +32,10 @@ from safetensors.torch import load_file, save_file
 from test_fp8 import (
     ENGINE,
     GREEDY,
-    LAUNCH_TIMEOUT_S,
     PROMPT,
     REL_TOL,
+    assert_tp2_equals_tp1,
     compressed_tensors,
-    fp8_generate_in_rank,
     our_logits,
     reference_logits,
     with_quant,
@@ -44,7 +43,6 @@ from test_fp8 import (
 
 from speculant import Engine, SpeculantError
 from speculant.config import ModelConfig
-from speculant.launch.spawn import run_ranks
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -478,17 +476,7 @@ TP2_CASES = [
 
 
 def test_tp2_equals_tp1(published):
-    cases = [(name, published[name]) for name in TP2_CASES]
-    ranks = run_ranks(fp8_generate_in_rank, 2, (2, cases), timeout_s=LAUNCH_TIMEOUT_S)
-    for name, target in cases:
-        engine = Engine(str(target), **ENGINE)
-        logits = our_logits(engine, PROMPT)
-        tokens = {o.index: o.token_ids for o in engine.generate([PROMPT, PROMPT[:5]], GREEDY)}
-        for rank in ranks:
-            torch.testing.assert_close(
-                torch.tensor(rank[name]["logits"]), logits, rtol=1e-4, atol=1e-4
-            )
-        assert ranks[0][name]["tokens"] == tokens, name
+    assert_tp2_equals_tp1([(name, published[name]) for name in TP2_CASES])
 
 
 # ------------------------------------------------------------------------------------ refusals

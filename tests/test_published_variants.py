@@ -1,0 +1,365 @@
+"""Checkpoint variants in published Hugging Face layouts that the shared fixtures do not cover,
+against transformers (CPU, float32): attention_bias (o_proj has a bias too), linear / dynamic /
+yarn RoPE scaling, sliding windows (Mistral, Qwen2 use_sliding_window), end-of-sequence ids
+listed in generation_config.json, a non-SiLU hidden_act, and a tied checkpoint that also holds
+lm_head.weight. Biases and norm weights are random (transformers initialises them to 0 and 1,
+which would hide a bias or norm that is never loaded)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import helpers_ckpt
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculant import Engine, SamplingParams, SpeculantError
+from speculant.config import ModelConfig
+
+PROMPT_LENGTHS = (5, 17, 2, 40)
+NEW_TOKENS = 24
+
+
+def save_variant(out_dir: Path, arch: str, seed: int, legacy: bool = True, **overrides) -> Path:
+    """A random transformers model of `arch` (helpers_ckpt.TINY sizes) with random biases and
+    norm weights, saved as safetensors; `legacy` writes config.json as published checkpoints do
+    (transformers 4: rope_scaling, rope_theta, torch_dtype)."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**helpers_ckpt.TINY, **overrides})).eval()
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif "norm" in name:
+                param.copy_(1 + torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if legacy:
+        helpers_ckpt._rewrite_legacy_config(out_dir / "config.json")
+    return out_dir
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], n: int, eos: object = None) -> list[list[int]]:
+    """transformers' greedy generate; `eos="config"` stops where its generation_config says."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kwargs = {} if eos == "config" else {"eos_token_id": None}
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+def prompts_of(lengths=PROMPT_LENGTHS, vocab: int = 256, seed: int = 7) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def our_greedy(path: Path, prompts, n: int = NEW_TOKENS, ignore_eos: bool = True, **options):
+    options = {"max_model_len": 256, "page_size": 8, "max_num_seqs": 4, **options}
+    engine = Engine(str(path), device="cpu", dtype="float32", **options)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=ignore_eos))
+    return [out.token_ids for out in outs]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    """A one-layer Llama of the same vocabulary, for --algo draft-model."""
+    return save_variant(tmp_path_factory.mktemp("draft"), "llama", 99, num_hidden_layers=1)
+
+
+ATTENTION_BIAS = {
+    # Llama with attention_bias (q/k/v and o_proj biases, as transformers' LlamaAttention)
+    "llama": dict(attention_bias=True),
+    # Qwen3 reads attention_bias the same way
+    "qwen3": dict(attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ATTENTION_BIAS))
+def test_attention_bias_includes_o_proj(tmp_path, arch, draft_dir):
+    """attention_bias=true gives o_proj a bias too; it used to be left out (one warning line
+    naming the unused o_proj.bias tensors) and greedy output differed from the first token."""
+    path = save_variant(tmp_path, arch, 3, **ATTENTION_BIAS[arch])
+    assert ModelConfig.from_dir(path).o_proj_bias
+    prompts = prompts_of()
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    assert our_greedy(path, prompts, attention_backend="torch") == expected
+    spec = our_greedy(path, prompts, algo="draft-model", draft=str(draft_dir), num_draft_tokens=3)
+    assert spec == expected
+
+
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+
+
+def test_qwen2_and_mistral_attention_biases():
+    """Qwen2: q/k/v biases and none on o_proj whatever attention_bias says; Mistral: none (as
+    transformers builds them)."""
+    qwen2 = ModelConfig.from_hf(
+        {**SIZES, "architectures": ["Qwen2ForCausalLM"], "attention_bias": True}
+    )
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias
+    mistral = ModelConfig.from_hf(
+        {**SIZES, "architectures": ["MistralForCausalLM"], "attention_bias": True}
+    )
+    assert not mistral.qkv_bias and not mistral.o_proj_bias
+
+
+ROPE_VARIANTS = {
+    # Llama-2 long-context fine-tunes (LongChat, Vicuna-16k): positions / factor
+    "linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
+    # transformers-4 key `type` (older configs)
+    "linear_type": ("llama", {"type": "linear", "factor": 2.0}),
+    # dynamic NTK: the default RoPE until max_position_embeddings (which the context never passes)
+    "dynamic": ("llama", {"type": "dynamic", "factor": 4.0}),
+    # Qwen2.5 / Qwen3 long-context instructions: yarn with the original context
+    "yarn_qwen2": (
+        "qwen2",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    ),
+    "yarn_qwen3_attention_factor": (
+        "qwen3",
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 0.8,
+            "beta_fast": 16.0,
+        },
+    ),
+    "yarn_mscale": (
+        "llama",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 0.7,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_VARIANTS))
+def test_rope_scaling_matches_transformers(tmp_path, name, draft_dir):
+    """linear, dynamic and yarn RoPE scaling (refused before: only llama3 ran): the logits of a
+    prefill match transformers' and greedy decoding (plain and speculative) equals its
+    generate."""
+    from transformers import AutoModelForCausalLM
+
+    arch, scaling = ROPE_VARIANTS[name]
+    path = save_variant(tmp_path, arch, 5, rope_scaling=scaling)
+    engine = Engine(str(path), device="cpu", max_num_seqs=4, max_model_len=256, page_size=8)
+    assert engine.model_config.rope_scaling["rope_type"] == scaling.get(
+        "rope_type", scaling.get("type")
+    )
+    ids = prompts_of((90,), seed=1)[0]
+    row = engine.kv.allocate(len(ids) + 1)
+    hidden, _, _ = engine.runner.forward_prefill([row], [ids], [0])
+    ours = engine.model.compute_logits(hidden)
+    engine.kv.free(row)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0]
+    rel = (ours - theirs).norm() / theirs.norm()
+    assert rel < 1e-5, f"{name}: relative error {rel:.2e}"
+    prompts = prompts_of()
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.token_ids for out in outs] == expected
+    spec = our_greedy(path, prompts, algo="draft-model", draft=str(draft_dir), num_draft_tokens=3)
+    assert spec == expected
+
+
+def test_rope_scaling_unknown_type_is_refused():
+    hf = {"architectures": ["LlamaForCausalLM"], **SIZES, "rope_scaling": {"rope_type": "su"}}
+    with pytest.raises(SpeculantError, match="rope scaling type 'su'.*supported: llama3, linear"):
+        ModelConfig.from_hf(hf)
+
+
+def test_sliding_window_limits_the_context(tmp_path, draft_dir):
+    """Qwen2 with use_sliding_window (every layer from max_window_layers on slides): windowed
+    attention is not implemented, so the context is capped at the window, where the output is
+    exact; a longer --max-model-len is refused (it used to run, silently attending to every
+    position past the window)."""
+    path = save_variant(
+        tmp_path, "qwen2", 6, use_sliding_window=True, sliding_window=12, max_window_layers=1
+    )
+    cfg = ModelConfig.from_dir(path)
+    assert (cfg.sliding_window, cfg.max_position_embeddings) == (12, 12)
+    with pytest.raises(SpeculantError, match="max_model_len=64 exceeds.*sliding_window=12"):
+        Engine(str(path), device="cpu", max_model_len=64)
+    prompts = prompts_of((5, 11, 2), seed=3)
+    expected = [
+        out[: 12 - len(p)] for p, out in zip(prompts, hf_greedy(path, prompts, 12), strict=True)
+    ]
+    for options in ({}, {"algo": "draft-model", "draft": str(draft_dir), "num_draft_tokens": 3}):
+        assert our_greedy(path, prompts, 12, max_model_len=None, **options) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "window"),
+    [
+        ({"architectures": ["MistralForCausalLM"]}, 4096),  # transformers' default
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, 64),
+        # Qwen2.5 / Qwen3 as published: a window that is not used
+        ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}, None),
+        (
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "use_sliding_window": False,
+                "sliding_window": 8,
+            },
+            None,
+        ),
+        # used, but no layer from max_window_layers on exists
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 2,
+            },
+            None,
+        ),
+        (
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            8,
+        ),
+        ({"architectures": ["LlamaForCausalLM"], "sliding_window": 8}, None),
+    ],
+)
+def test_sliding_window_as_transformers_reads_it(fields, window):
+    cfg = ModelConfig.from_hf({**SIZES, **fields})
+    assert cfg.sliding_window == window
+    assert cfg.max_position_embeddings == min(512, window or 512)
+
+
+def test_mistral_sliding_window_output(tmp_path):
+    """Mistral-7B-v0.1 style (sliding_window set): exact up to the window."""
+    path = save_variant(tmp_path, "mistral", 8, sliding_window=16)
+    prompts = prompts_of((5, 15, 9), seed=4)
+    expected = [
+        out[: 16 - len(p)] for p, out in zip(prompts, hf_greedy(path, prompts, 12), strict=True)
+    ]
+    assert our_greedy(path, prompts, 12, max_model_len=None) == expected
+
+
+def test_generation_config_eos_list(tmp_path):
+    """generation_config.json listing several end-of-sequence ids (Llama-3 / Qwen instruct
+    models: config.json names one): requests stop on each, as transformers' generate does."""
+    path = save_variant(tmp_path, "llama", 11)
+    prompts = prompts_of()
+    plain = our_greedy(path, prompts)
+    stop = plain[0][5]
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, stop]
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    assert ModelConfig.from_dir(path).eos_token_ids == (2, stop)
+    expected = hf_greedy(path, prompts, NEW_TOKENS, eos="config")
+    assert len(expected[0]) == 6  # it stops at `stop`
+    assert our_greedy(path, prompts, ignore_eos=False) == expected
+
+
+def test_generation_config_that_is_not_an_object_is_refused(tmp_path):
+    path = save_variant(tmp_path, "llama", 11)
+    (path / "generation_config.json").write_text("[2]")
+    with pytest.raises(SpeculantError, match="generation_config.json' holds a JSON list"):
+        ModelConfig.from_dir(path)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_other_activations_are_refused(act):
+    """The MLP computes SiLU(gate) * up: another hidden_act used to run silently wrong."""
+    hf = {"architectures": ["LlamaForCausalLM"], **SIZES, "hidden_act": act}
+    with pytest.raises(SpeculantError, match=f"hidden_act='{act}'.*supported: silu, swish"):
+        ModelConfig.from_hf(hf)
+    assert ModelConfig.from_hf({**hf, "hidden_act": "silu"}).hidden_size == 64
+
+
+def test_tied_checkpoint_with_lm_head_copy_loads_the_embedding(tmp_path):
+    """tie_word_embeddings=true with an lm_head.weight in a later shard: the shared table comes
+    from model.embed_tokens.weight whatever the file order (as vLLM); the lm_head copy used to
+    overwrite the embedding when its shard came later."""
+    tied = save_variant(tmp_path / "tied", "llama", 12, tie_word_embeddings=True)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for file in ("config.json", "generation_config.json"):
+        shutil.copy(tied / file, sharded / file)
+    tensors = load_file(str(tied / "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    other = {"lm_head.weight": torch.randn_like(tensors["model.embed_tokens.weight"])}
+    files = {"model-00001-of-00002.safetensors": tensors, "model-00002-of-00002.safetensors": other}
+    weight_map = {}
+    for file, part in files.items():
+        save_file(part, str(sharded / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    prompts = prompts_of()
+    expected = hf_greedy(tied, prompts, NEW_TOKENS)
+    assert our_greedy(sharded, prompts) == expected
+
+
+def test_dflash_attention_bias_loads_every_projection_bias(tmp_path):
+    """A DFLASH drafter (Qwen3 layers) with attention_bias: q, k, v and o_proj carry biases, as
+    transformers' Qwen3 attention (and the z-lab reference built on it) has them; each loads
+    (none is left unused) and greedy speculative output still equals plain greedy."""
+    from helpers_dflash import write_random_dflash
+
+    target = save_variant(tmp_path / "target", "llama", 11)
+    draft = tmp_path / "dflash"
+    tensors = write_random_dflash(draft, target, 2, 6, target_layer_ids=[0, 1], seed=4,
+                                  config_overrides={"attention_bias": True})  # fmt: skip
+    gen = torch.Generator().manual_seed(9)
+    for i in range(2):
+        for proj in "qkvo":
+            rows = tensors[f"layers.{i}.self_attn.{proj}_proj.weight"].shape[0]
+            bias = (0.1 * torch.randn(rows, generator=gen)).to(torch.bfloat16)
+            tensors[f"layers.{i}.self_attn.{proj}_proj.bias"] = bias
+    save_file(tensors, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    options = {"algo": "dflash", "draft": str(draft), "num_draft_tokens": 5}
+    spec = Engine(str(target), device="cpu", dtype="float32", **options)
+    layer = spec.drafter.model.layers[1].self_attn
+    assert torch.equal(layer.o_proj.bias, tensors["layers.1.self_attn.o_proj.bias"].float())
+    prompts = prompts_of((4, 9), seed=5)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = Engine(str(target), device="cpu", dtype="float32")
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
