@@ -150,10 +150,12 @@ def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
         )
     where = f"rope scaling of {source}"
     scaling = {**scaling, "rope_type": kind}
-    if kind == "yarn":
-        original = config_int(scaling, "original_max_position_embeddings", where)
+    if kind == "yarn":  # without an original length transformers takes max_position_embeddings
+        positions = config_int(hf, "max_position_embeddings", source, 4096)
+        original = config_int(scaling, "original_max_position_embeddings", where, positions)
+        scaling["original_max_position_embeddings"] = original
         if scaling.get("factor") is None:
-            scaling["factor"] = config_int(hf, "max_position_embeddings", source, 4096) / original
+            scaling["factor"] = positions / original
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow"):
             if scaling.get(key) is not None:
                 config_float(scaling, key, where)
@@ -232,7 +234,7 @@ def _eos_token_ids(hf: dict, source: str) -> tuple[int, ...]:
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise SpeculantError(
             f"eos_token_id={eos!r} in {source} must be a token id or a list of them; "
-            "fix config.json"
+            f"fix {Path(source).name}"
         )
     return tuple(ids)
 

@@ -312,6 +312,13 @@ def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafte
             setup.attention_backend,
         )
     draft_cfg = ModelConfig.from_dir(spec.draft)
+    window = draft_cfg.sliding_window
+    if window is not None and window < max_positions:  # as build_block_drafter refuses for DFLASH
+        raise SpeculantError(
+            f"sliding_window={window} in {spec.draft}/config.json is shorter than the "
+            f"{max_positions} positions a request may reach (--max-model-len + 2 x (k + 1)), and "
+            "windowed attention is not supported; lower --max-model-len"
+        )
     with default_device_and_dtype(setup.device, setup.dtype):
         draft_lm = CausalLM(draft_cfg, max_positions, setup.pctx)
     if cfg.load_format == "dummy":

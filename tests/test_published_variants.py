@@ -8,6 +8,7 @@ which would hide a bias or norm that is never loaded)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -363,3 +364,37 @@ def test_dflash_attention_bias_loads_every_projection_bias(tmp_path):
     plain = Engine(str(target), device="cpu", dtype="float32")
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
+
+
+def test_generation_config_eos_error_names_its_file(tmp_path):
+    path = save_variant(tmp_path, "llama", 11)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "x"]}))
+    with pytest.raises(SpeculantError, match="must be .*; fix generation_config.json"):
+        ModelConfig.from_dir(path)
+
+
+def test_yarn_without_original_length_takes_max_position_embeddings():
+    """transformers fills a yarn scaling's missing original_max_position_embeddings with
+    max_position_embeddings (and then its factor of 4 gives the attention factor 0.1 ln 4 + 1)."""
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"], **SIZES, "max_position_embeddings": 512,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }  # fmt: skip
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 512
+    from speculant.models.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(cfg.head_dim, 8, cfg.rope_theta, cfg.rope_scaling)
+    assert rope.cos[0, 0].item() == pytest.approx(0.1 * math.log(4.0) + 1.0)
+
+
+def test_draft_model_window_shorter_than_the_context_is_refused(tmp_path):
+    """A draft model whose sliding window ends before the positions a request reaches would
+    attend past it (the target stays exact, acceptance drops silently): refused, naming the
+    window, as for DFLASH; within the window it runs."""
+    target = save_variant(tmp_path / "target", "llama", 11)
+    draft = save_variant(tmp_path / "draft", "mistral", 12, sliding_window=16)
+    options = {"algo": "draft-model", "draft": str(draft), "num_draft_tokens": 3}
+    with pytest.raises(SpeculantError, match="sliding_window=16 .* shorter than the 72 positions"):
+        Engine(str(target), device="cpu", dtype="float32", max_model_len=64, **options)
+    Engine(str(target), device="cpu", dtype="float32", max_model_len=8, **options)
