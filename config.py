@@ -203,23 +203,35 @@ def _moe_settings(hf: dict, num_layers: int, source: str) -> dict:
     )
 
 
+def layer_types_and_window(
+    hf: dict, num_layers: int, qwen3: bool = True
+) -> tuple[list, int | None]:
+    """(layer_types, sliding window) as transformers' config classes read them. Qwen2/3Config
+    count `sliding_window` only with `use_sliding_window` and, without `layer_types`, make the
+    layers from `max_window_layers` on slide; other configs (`qwen3=False`) take both as written.
+    (The drafters read their layers' windows with it too.)"""
+    if not qwen3:
+        types = hf.get("layer_types") or ["full_attention"] * num_layers
+        return list(types), hf.get("sliding_window")
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    first = hf.get("max_window_layers", 28) if window is not None else num_layers
+    if not isinstance(first, int):  # null: no layer from an index on
+        first = num_layers
+    default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return list(hf.get("layer_types") or default), window
+
+
 def _sliding_window(hf: dict, arch: str, num_layers: int, source: str) -> int | None:
-    """The attention window of the layers that slide (None: no layer does), as transformers
-    reads it: Mistral slides every layer by `sliding_window` (4096 when the key is absent);
-    Qwen2 / Qwen3 only with `use_sliding_window`, the layers `layer_types` names or those from
-    `max_window_layers` on; Qwen3-MoE every layer with `use_sliding_window`; Llama never."""
+    """The attention window of a target's sliding layers (None: no layer slides), as
+    transformers reads it: Mistral slides every layer by `sliding_window` (4096 when the key is
+    absent); Qwen2 / Qwen3 as `layer_types_and_window` says; Qwen3-MoE every layer with
+    `use_sliding_window`; Llama never."""
     if arch == "MistralForCausalLM":
         window = hf.get("sliding_window", 4096)
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
-        if window is not None and arch != "Qwen3MoeForCausalLM":
-            first = hf.get("max_window_layers", 28)
-            types = hf.get("layer_types") or [
-                "sliding_attention" if isinstance(first, int) and i >= first else "full_attention"
-                for i in range(num_layers)
-            ]
-            if "sliding_attention" not in types:
-                window = None
+        types, window = layer_types_and_window(hf, num_layers)
+        if arch != "Qwen3MoeForCausalLM" and "sliding_attention" not in types:
+            window = None
     else:
         window = None
     if window is None:

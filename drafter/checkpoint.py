@@ -167,20 +167,3 @@ def is_dflash2(hf: dict) -> bool:
         return any("dflash2" in str(arch).lower() for arch in archs)
     extra = hf.get("dflash_config") if isinstance(hf.get("dflash_config"), dict) else {}
     return any(name in hf or name in extra for name in DFLASH2_FIELDS)
-
-
-def layer_types_and_window(
-    hf: dict, num_layers: int, qwen3: bool = True
-) -> tuple[list, int | None]:
-    """(layer_types, sliding window) as transformers' config classes read them. Qwen3Config
-    counts `sliding_window` only with `use_sliding_window` and, without `layer_types`, makes the
-    layers from `max_window_layers` on slide; other configs (`qwen3=False`) take both as written."""
-    if not qwen3:
-        types = hf.get("layer_types") or ["full_attention"] * num_layers
-        return list(types), hf.get("sliding_window")
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
-    first_sliding = hf.get("max_window_layers", 28) if window is not None else num_layers
-    default = [
-        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)
-    ]
-    return list(hf.get("layer_types") or default), window

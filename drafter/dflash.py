@@ -41,11 +41,17 @@ import torch
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
-from speculant.config import ModelConfig, config_dict, config_float, config_int, read_hf_config
+from speculant.config import (
+    ModelConfig,
+    config_dict,
+    config_float,
+    config_int,
+    layer_types_and_window,
+    read_hf_config,
+)
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.checkpoint import (
     format_of,
-    layer_types_and_window,
     read_head_weights,
     require_tensors,
     speculators_fields,

@@ -44,10 +44,15 @@ import torch
 from torch import nn
 
 from speculant.comm.groups import ParallelContext
-from speculant.config import ModelConfig, config_dict, config_int, read_hf_config
+from speculant.config import (
+    ModelConfig,
+    config_dict,
+    config_int,
+    layer_types_and_window,
+    read_hf_config,
+)
 from speculant.drafter.checkpoint import (
     format_of,
-    layer_types_and_window,
     read_head_weights,
     require_tensors,
     speculators_fields,
