@@ -7,7 +7,7 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 LOG="$OUT/wave12.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG"
-timeout 330 python3 benchmarks/prefetch_ab.py --json "$OUT/prefetch_ab.json" --rounds 3 2>&1 \
+timeout 330 python3 benchmarks/prefetch_ab.py --json "$OUT/prefetch_ab.json" --rounds 3 --profile 2>&1 \
     | grep -v "Warning\|it/s\]\|warn" | tail -40 | tee -a "$LOG"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -8 \
     | tee "$OUT/pytest_test_gpu.log" | tee -a "$LOG"

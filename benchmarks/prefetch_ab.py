@@ -67,7 +67,7 @@ def plan_of(kind: str, name: str) -> tuple[dict, bool]:
 
 
 def measure(kind: str, args) -> dict:
-    from decode import build_engine, free
+    from decode import build_engine, free, kernel_profile
     from fp8_gpu import targets
     from graphs import SHAPES, check_equal, live_rows, time_ms
 
@@ -96,6 +96,9 @@ def measure(kind: str, args) -> dict:
                 for bs in (1, 64):
                     ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
                     out["ms"].setdefault(name, {}).setdefault(str(bs), []).append(ms)
+                if args.profile and r == args.rounds - 1 and name == order[-1]:
+                    replay = engine.graphs.graph("greedy", 64).replay  # bs 64's kernels
+                    out["profile_bs64"] = {"plan": name, **kernel_profile(replay, top=25)}
                 for row in rows:
                     engine.kv.free(row)
                 print(f"  {kind} round {r} {name}: "
@@ -131,6 +134,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kinds", default="fp8,bf16")
+    parser.add_argument("--profile", action="store_true", help="bs-64 kernel profile per kind")
     args = parser.parse_args()
     report = {
         "gpu": torch.cuda.get_device_name(),

@@ -58,7 +58,7 @@ def slab(weight: torch.Tensor, axis: str, start: float, end: float) -> torch.Ten
         return raw[int(n * start) : int(n * end)]
     lo = int(width * start) // LINE * LINE
     hi = -(-int(width * end) // LINE) * LINE
-    return raw[:, lo:min(hi, width)]
+    return raw[:, lo : min(hi, width)]
 
 
 def launch(view: torch.Tensor, evict_last: bool = False) -> None:
