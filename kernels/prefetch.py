@@ -98,6 +98,7 @@ class Prefetcher:
         device = self.layers[0].self_attn.qkv_proj.weight.device
         # made here, not in a hook: no stream creation inside a CUDA-graph capture
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.forked = False  # a fork since the last join (only a fork's stream may be joined)
         self.handles = []
         self.bytes_per_layer = 0
         last = len(self.layers) - 1
@@ -124,6 +125,7 @@ class Prefetcher:
             if not views or self.stream is None:
                 return
             self.stream.wait_stream(torch.cuda.current_stream(output.device))
+            self.forked = True
             with torch.cuda.stream(self.stream):
                 for view in views:
                     launch(view, self.evict_last)
@@ -131,8 +133,9 @@ class Prefetcher:
         return hook
 
     def _join(self, module, inputs, output):
-        if self.stream is not None:
+        if self.forked:
             torch.cuda.current_stream(output.device).wait_stream(self.stream)
+            self.forked = False
 
     def remove(self) -> None:
         for handle in self.handles:
