@@ -237,12 +237,17 @@ def varlen_tiles(seq_lens: list[int], group: int, device: torch.device) -> Varle
     block_m = min(64, max(16, next_power_of_2(group * longest)))
     starts, tile_seq, tile_m0 = tile_layout(seq_lens, group, block_m)
     num_tiles = len(tile_seq)
-    packed = torch.tensor(
-        tile_seq + tile_m0 + starts + list(seq_lens), dtype=torch.int32
-    ).to(device, non_blocking=True)
+    packed = torch.tensor(tile_seq + tile_m0 + starts + list(seq_lens), dtype=torch.int32).to(
+        device, non_blocking=True
+    )
     n, bs = num_tiles, len(seq_lens)
     tensors = (packed[:n], packed[n : 2 * n], packed[2 * n : 2 * n + bs], packed[2 * n + bs :])
     return VarlenTiles(tuple(seq_lens), group, block_m, num_tiles, tensors)
+
+
+def _launch_options(launch: tuple[int, int | None] | None) -> dict:
+    warps, stages = launch or (4, None)
+    return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
 
 
 @functools.cache
@@ -273,13 +278,14 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     varlen: VarlenTiles | None = None,
+    launch: tuple[int, int | None] | None = None,
 ) -> torch.Tensor:
     """q [bs * T, heads, d] (row-major: T query tokens per row), pools [num_slots, kv_heads, d],
     req_to_page [rows, max_pages] int32, req_pool_indices [bs], positions [bs * T]; keys at
     positions < kv_len (a multiple of page_size) are reachable. Returns [bs * T, heads, d].
     With `varlen` (see `varlen_tiles`) the bs sequences are packed, each of its own length, and
-    `tokens_per_req` is unused. `num_splits` / `block_n` override the split-K plan and key block
-    (tests)."""
+    `tokens_per_req` is unused. `num_splits` / `block_n` override the split-K plan and key block,
+    `launch` (num_warps, num_stages or None) the launch (tests, benchmarks/attention_sweep.py)."""
     if not runs_triton(q):
         if varlen is not None:
             return reference.paged_attention_varlen(
@@ -353,7 +359,7 @@ def paged_attention(
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
         VARLEN=varlen is not None,
-        num_warps=4,
+        **_launch_options(launch),
         **pdl_options(pdl),
     )
     if splits > 1:

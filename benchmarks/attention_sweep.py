@@ -1,0 +1,132 @@
+"""Decode paged attention (kernels/paged_attention.py, T = 1) on the Llama-3.1-8B shape (32 query
+heads, 8 KV heads, d 128, pages of 16 slots scattered over the pool): per launch configuration
+(key block, warps, pipeline stages, splits), the per-layer time of 32 layers captured in one
+CUDA graph (each layer its own pool, as in a step), against the KV bytes at the measured copy
+bandwidth; every variant's output checked against the shipped configuration's.
+
+    python benchmarks/attention_sweep.py --json OUT.json [--shapes 1x512,64x512,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+HEADS, KV_HEADS, D, PAGE, LAYERS = 32, 8, 128, 16, 32
+
+
+def setup(bs: int, ctx: int, gen: torch.Generator) -> dict:
+    kv_len = -(-(ctx + 1) // 256) * 256
+    pages_per_row = kv_len // PAGE
+    pages = bs * pages_per_row + 1
+    order = torch.randperm(pages - 1, generator=gen) + 1  # page 0: the sentinel
+    table = order.view(bs, pages_per_row).to(torch.int32)
+    dev = "cuda"
+    shape = (pages * PAGE, KV_HEADS, D)
+    pools = [
+        (
+            torch.randn(shape, device=dev, dtype=torch.bfloat16),
+            torch.randn(shape, device=dev, dtype=torch.bfloat16),
+        )
+        for _ in range(LAYERS)
+    ]
+    return {
+        "q": torch.randn(bs, HEADS, D, generator=gen).to(dev, torch.bfloat16),
+        "pools": pools,
+        "table": table.to(dev),
+        "rows": torch.arange(bs, dtype=torch.int64, device=dev),
+        "positions": torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
+        "kv_len": kv_len,
+        "bytes": bs * ctx * KV_HEADS * D * 2 * 2,
+    }
+
+
+def run(case: dict, layer: int, splits, block_n, launch):
+    from speculant.kernels.paged_attention import paged_attention
+
+    k, v = case["pools"][layer]
+    return paged_attention(
+        case["q"], k, v, case["table"], case["rows"], case["positions"], PAGE, case["kv_len"], 1,
+        num_splits=splits, block_n=block_n, launch=launch,
+    )  # fmt: skip
+
+
+def time_variant(case: dict, splits, block_n, launch) -> float:
+    from graphs import time_ms
+
+    for layer in range(2):
+        run(case, layer, splits, block_n, launch)  # compile, allocate
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            run(case, layer, splits, block_n, launch)
+    ms = time_ms(graph.replay, 20)
+    del graph
+    return ms * 1e3 / LAYERS
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--shapes", default="1x512,64x512,192x512,64x2048,1x4096")
+    parser.add_argument("--budget-s", type=float, default=240)
+    args = parser.parse_args()
+    from graphs import copy_bandwidth
+
+    start = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(sys.argv),
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "shapes": {},
+    }
+    configs = [("shipped", None, None, None)]
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+        configs.append((f"n{block_n}w{warps}s{stages}", None, block_n, (warps, stages)))
+    for splits in (1, 2, 4, 8):
+        configs.append((f"split{splits}", splits, None, None))
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    for shape in args.shapes.split(","):
+        bs, ctx = (int(v) for v in shape.split("x"))
+        case = setup(bs, ctx, gen)
+        floor_us = case["bytes"] / bandwidth * 1e6
+        want = run(case, 0, None, None, None).float()
+        rows = {}
+        for name, splits, block_n, launch in configs:
+            if time.perf_counter() - start > args.budget_s:
+                rows[name] = "skipped (budget)"
+                continue
+            try:
+                got = run(case, 0, splits, block_n, launch).float()
+                err = (got - want).abs().max().item()
+                us = time_variant(case, splits, block_n, launch)
+                rows[name] = {"us": round(us, 2), "err": err, "of_floor": round(floor_us / us, 3)}
+            except Exception as exc:  # out of shared memory and the like: recorded
+                rows[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        timed = {n: r for n, r in rows.items() if isinstance(r, dict) and r["err"] < 2e-2}
+        best = min(timed, key=lambda n: timed[n]["us"])
+        report["shapes"][shape] = {"floor_us": round(floor_us, 2), "rows": rows, "best": best}
+        print(f"{shape}: floor {floor_us:.1f} us, shipped {rows['shipped']['us']:.1f} us, "
+              f"best {best} {timed[best]['us']:.1f} us", flush=True)  # fmt: skip
+        top = sorted(timed, key=lambda n: timed[n]["us"])[:6]
+        print("   " + ", ".join(f"{n} {timed[n]['us']:.1f}" for n in top), flush=True)
+        del case
+        torch.cuda.empty_cache()
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
