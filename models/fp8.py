@@ -325,6 +325,28 @@ class Fp8Experts:
                 getattr(experts, f"{proj}_input_scale").fill_(1.0)
 
 
+def _experts_ignored(name: str, num_experts: int, ignore: tuple[str, ...]) -> bool:
+    """Whether a layer's experts stay in their stored dtype: the experts module itself ignored,
+    or every expert's gate, up and down projection named. Only some of them ignored cannot be
+    one fused FP8 tensor: an error naming the first FP8 one and the first ignored one."""
+    if is_ignored(name, ignore):
+        return True
+    names = [
+        f"{name}.{e}.{p}" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+    ignored = [is_ignored(n, ignore) for n in names]
+    if all(ignored):
+        return True
+    if any(ignored):
+        kept = names[ignored.index(False)]
+        skipped = names[ignored.index(True)]
+        raise SpeculantError(
+            f"quantization_config ignores {skipped} but not {kept}: a layer's experts load as "
+            f"one FP8 tensor ({name}); ignore all of its experts' projections or none"
+        )
+    return False
+
+
 def quantize_linears(model: nn.Module, quant: QuantConfig) -> int:
     """Give every linear layer of `model` that `quant` does not ignore its FP8 weight and
     scales (the loader then fills them); returns how many layers were converted. A merged
@@ -332,7 +354,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig) -> int:
     converted = 0
     for name, module in list(model.named_modules()):
         if hasattr(module, "gate_up_proj") and hasattr(module, "intermediate"):  # MoE experts
-            if not is_ignored(name, quant.ignore):
+            if not _experts_ignored(name, module.num_experts, quant.ignore):
                 Fp8Experts(quant, module, name).convert(module)
                 converted += 1
             continue

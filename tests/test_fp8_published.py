@@ -62,6 +62,12 @@ KV_SCHEME = dict(type="float", num_bits=8, symmetric=True, dynamic=False, strate
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
 # AutoFP8 lists the concrete modules it skipped: lm_head and each sparse layer's router
 AUTOFP8_MOE_IGNORE = ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in (0, 2)]
+# an export that keeps one sparse layer's experts unquantized, naming each expert's projections
+LAYER2_EXPERTS = [
+    f"model.layers.2.mlp.experts.{e}.{p}"
+    for e in range(8)
+    for p in ("gate_proj", "up_proj", "down_proj")
+]
 QWEN_MOE_NOT_CONVERTED = ["lm_head", "model.embed_tokens"] + [
     f"model.layers.{i}.{module}"
     for i in range(3)
@@ -206,6 +212,14 @@ LAYOUTS = {
         ignore=tuple(AUTOFP8_MOE_IGNORE),
         model="qwen3_moe",
     ),
+    # the same with layer 2's experts kept bf16, each of their projections named
+    "autofp8_moe_layer_kept": Layout(
+        dict(AUTOFP8, ignored_layers=AUTOFP8_MOE_IGNORE + LAYER2_EXPERTS),
+        "tensor",
+        input_scale=True,
+        ignore=tuple(AUTOFP8_MOE_IGNORE + LAYER2_EXPERTS),
+        model="qwen3_moe",
+    ),
     # old neuralmagic AutoFP8: per-tensor weight_scale and input_scale of shape []
     "autofp8_static": Layout(dict(AUTOFP8), "tensor", input_scale=True, model="llama"),
     # AutoFP8 with its kv cache scales on k_proj / v_proj (`output_scale`)
@@ -221,7 +235,7 @@ LAYOUTS = {
 
 def is_ignored(module: str, ignore: tuple) -> bool:
     return any(
-        re.match(e[3:], module) if e.startswith("re:") else module.split(".")[-1] == e
+        re.match(e[3:], module) if e.startswith("re:") else e in (module, module.split(".")[-1])
         for e in ignore
     )
 
@@ -363,6 +377,9 @@ def test_published_layout_matches_float64_reference(published, name):
         experts = layer.mlp.experts
         assert experts.gate_up_proj.dtype == FP8 and experts.fp8 is not None
         assert layer.mlp.gate.weight.dtype == torch.float32  # the bf16 router, unquantized
+    if name == "autofp8_moe_layer_kept":  # layer 2's experts named one by one: stored dtype
+        kept = engine.model.model.layers[2].mlp.experts
+        assert kept.fp8 is None and kept.gate_up_proj.dtype == torch.float32
     ours, theirs = our_logits(engine, PROMPT), reference_logits(path, PROMPT)
     rel = ((ours.double() - theirs).norm() / theirs.norm()).item()
     assert rel < REL_TOL[torch.float32], f"{name}: relative error {rel:.2e}"
@@ -542,5 +559,20 @@ def test_naive_quantized_int8_tensors_are_refused(published, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((src / "config.json").read_text())
     with pytest.raises(SpeculantError, match=re.escape(name) + ".*int8.*float8_e4m3fn") as exc:
+        Engine(str(tmp_path), **ENGINE)
+    assert "\n" not in str(exc.value)
+
+
+def test_experts_ignored_only_in_part_are_refused(published, tmp_path):
+    """An ignore list naming some of a layer's expert projections but not all: the layer's
+    experts are one fused FP8 tensor, so one clear error naming both, not a load crash."""
+    src = published["autofp8_moe_layer_kept"]
+    for file in src.glob("*.safetensors*"):
+        (tmp_path / file.name).symlink_to(file)
+    config = json.loads((src / "config.json").read_text())
+    partial = "model.layers.0.mlp.experts.3.down_proj"
+    config["quantization_config"]["ignored_layers"] = AUTOFP8_MOE_IGNORE + [partial]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpeculantError, match=re.escape(partial) + ".* but not ") as exc:
         Engine(str(tmp_path), **ENGINE)
     assert "\n" not in str(exc.value)
