@@ -78,6 +78,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--shapes", default="1x512,64x512,192x512,64x2048,1x4096")
+    parser.add_argument("--grid", action="store_true", help="also every key block x warps x stages")
     parser.add_argument("--budget-s", type=float, default=240)
     args = parser.parse_args()
     from graphs import copy_bandwidth
@@ -91,11 +92,13 @@ def main() -> int:
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "shapes": {},
     }
-    configs = [("shipped", None, None, None)]
-    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+    configs = [("shipped", None, None, None), ("default_stages", None, None, (4, None))]
+    grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3)) if args.grid else ()
+    for block_n, warps, stages in grid:
         configs.append((f"n{block_n}w{warps}s{stages}", None, block_n, (warps, stages)))
-    for splits in (1, 2, 4, 8):
+    for splits in (1, 2, 4, 8, 16, 32):
         configs.append((f"split{splits}", splits, None, None))
+        configs.append((f"split{splits}s2", splits, None, (4, 2)))
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     for shape in args.shapes.split(","):

@@ -5,4 +5,4 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/attention.log"
 timeout 420 python3 benchmarks/attention_sweep.py --json "$OUT/attention_sweep.json" \
-    --budget-s 380 2>&1 | grep -v "Warning\|warn" | tail -40 | tee -a "$OUT/attention.log"
+    --budget-s 380 --grid 2>&1 | grep -v "Warning\|warn" | tail -40 | tee -a "$OUT/attention.log"

@@ -28,6 +28,12 @@ from speculant.kernels.runtime import (
 
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# (num_warps, num_stages) of a decode / verify launch whose rows need no split (the batch fills
+# the GPU): two pipeline stages read the KV at 83-97% of the copy bandwidth on an H200 where
+# Triton's default three read it at 70-74% (bs 64 x 512: 38.0 vs 45.6 us a layer; 64 x 2048:
+# 129.7 vs 170.1; benchmarks/attention_sweep.py, results/decode_wave12.md). Split launches (few
+# rows, long contexts) and packed prefill keep the default: there it measured no better.
+UNSPLIT_LAUNCH = (4, 2)
 
 
 @triton.jit
@@ -359,7 +365,7 @@ def paged_attention(
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
         VARLEN=varlen is not None,
-        **_launch_options(launch),
+        **_launch_options(launch or (UNSPLIT_LAUNCH if splits == 1 and varlen is None else None)),
         **pdl_options(pdl),
     )
     if splits > 1:
