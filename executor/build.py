@@ -31,6 +31,7 @@ from speculant.drafter.eagle_drafter import Eagle3Drafter
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
+from speculant.executor.request import is_integer
 from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
@@ -96,6 +97,14 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+# Engine options that take whole numbers (None: the default), checked before anything uses them
+INTEGER_OPTIONS = {
+    "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages",
+    "max_capture_size", "num_draft_tokens", "catch_up_depth", "tp", "dp",
+    "moe_max_tokens_per_rank", "seed",
+}  # fmt: skip
+
+
 def engine_config(target: str, **options) -> EngineConfig:
     """An EngineConfig from the flat keyword options `Engine` and the CLI take."""
     groups = {
@@ -126,13 +135,21 @@ def engine_config(target: str, **options) -> EngineConfig:
         "spec": (
             SpecConfig,
             {
-                "algo", "draft", "num_draft_tokens", "speculation", "catch_up_depth",
+                "algo",
+                "draft",
+                "num_draft_tokens",
+                "speculation",
+                "catch_up_depth",
                 "sampled_verify",
             },
         ),  # fmt: skip
         "parallel": (ParallelConfig, {"tp", "dp"}),
         "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
     }
+    for name in INTEGER_OPTIONS & set(options):
+        value = options[name]
+        if value is not None and not is_integer(value):
+            raise SpeculantError(f"{name}={value!r} must be an integer")
     sections = {}
     for section, (cls, names) in groups.items():
         values = {n: options.pop(n) for n in list(options) if n in names}

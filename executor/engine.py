@@ -37,7 +37,7 @@ from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
-from speculant.executor.request import Request, RequestOutput, SamplingParams
+from speculant.executor.request import Request, RequestOutput, SamplingParams, is_integer
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.speculation import (
@@ -350,7 +350,17 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def _make_request(self, index: int, prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise SpeculantError(
+                f"sampling params {index} is of type {type(params).__name__}, not "
+                "SamplingParams; pass SamplingParams(...)"
+            )
         params.validate()
+        if is_integer(prompt):
+            raise SpeculantError(
+                f"prompt {index} is the integer {prompt}: prompts is a list of prompts, each a "
+                "text or a list of token ids; wrap one prompt's ids in a list: [[...]]"
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise SpeculantError(
@@ -366,7 +376,21 @@ class Engine:
                 ) from None
             ids = self.tokenizer.encode(prompt).ids
         else:
-            ids = [int(t) for t in prompt]
+            if hasattr(prompt, "tolist"):  # a tensor or an array of token ids
+                prompt = prompt.tolist()
+            if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+                raise SpeculantError(
+                    f"prompt {index} is of type {type(prompt).__name__}; give a text or a list of "
+                    "token ids"
+                )
+            ids = list(prompt)
+            bad = next((t for t in ids if not is_integer(t)), None)
+            if bad is not None:
+                raise SpeculantError(
+                    f"prompt {index} has token {bad!r} ({type(bad).__name__}); token ids are "
+                    "integers"
+                )
+            ids = [int(t) for t in ids]
         vocab = self.model_config.vocab_size
         if not ids:
             raise SpeculantError(f"prompt {index} is empty; give at least one token")
@@ -385,8 +409,10 @@ class Engine:
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)
         # the engine seed's per-request default, folded into int64 (the device's seed type)
-        seed = params.seed if params.seed is not None else (
-            (self.config.seed * 1_000_003 + index) % (2**63 - 1)
+        seed = (
+            params.seed
+            if params.seed is not None
+            else ((self.config.seed * 1_000_003 + index) % (2**63 - 1))
         )
         return Request(
             index=index,
@@ -420,6 +446,17 @@ class Engine:
         """Checked requests (index = position in `prompts`) for one or one-per-prompt params."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if hasattr(prompts, "tolist"):  # a 2-D tensor or array: one row per prompt
+            prompts = prompts.tolist()
+        if not isinstance(prompts, Sequence):
+            raise SpeculantError(
+                f"prompts is of type {type(prompts).__name__}; give a list of prompts (texts or "
+                "lists of token ids)"
+            )
+        if isinstance(sampling_params, dict):
+            raise SpeculantError(
+                "sampling_params is a dict; pass SamplingParams(**that dict), or a list of them"
+            )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -455,19 +492,38 @@ class Engine:
         self._cycles_before.clear()
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
-        while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
-            finished = [self._output(request) for request in self.step()]
-            for out in finished:
-                results[out.index] = out
-                if on_output is not None:
-                    on_output(out)
-                bar.update(1)
-            if on_step is not None:
-                on_step(finished)
-            if self.dp.last.all_idle:
-                break
-        bar.close()
+        try:
+            while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
+                finished = [self._output(request) for request in self.step()]
+                for out in finished:
+                    results[out.index] = out
+                    if on_output is not None:
+                        on_output(out)
+                    bar.update(1)
+                if on_step is not None:
+                    on_step(finished)
+                if self.dp.last.all_idle:
+                    break
+        except BaseException:  # Ctrl-C, a raising on_output: the next run starts empty
+            self._abandon()
+            raise
+        finally:
+            bar.close()
         return [results[r.index] for r in requests]
+
+    def _abandon(self) -> None:
+        """Drop what a run that stopped part way left: the step in flight (waited for, its
+        results unread) and every unfinished request with its pages and adaptive state, so
+        that a later `generate` on this engine neither finishes nor returns them."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            try:
+                launched.results.wait()
+            except Exception:  # the device error that stopped the run: nothing to keep
+                pass
+        for request in self.scheduler.abort_all():
+            self.chooser.forget(request.index)
+        self.chooser.idle()
 
     def _output(self, request: Request) -> RequestOutput:
         text = self.tokenizer.decode(request.output_ids) if self.tokenizer else None
@@ -761,7 +817,10 @@ class Engine:
             for r in plan.decode
         ] + [
             SeqInput(
-                c.request.row, c.start, c.tokens, successor=c.successor,
+                c.request.row,
+                c.start,
+                c.tokens,
+                successor=c.successor,
                 samples=c.last and c.successor is None,
             )  # fmt: skip
             for c in plan.chunks

@@ -61,7 +61,14 @@ class SamplingParams:
             raise SpeculantError(
                 f"seed={self.seed!r} must be an integer in {INT64_MIN}..{INT64_MAX} (int64)"
             )
-        if any(not is_integer(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (list, tuple, set, frozenset)):
+            raise SpeculantError(
+                f"stop_token_ids={stops!r} must be a list of token ids, e.g. [{stops!r}]"
+                if is_integer(stops)
+                else f"stop_token_ids={stops!r} must be a list of token ids"
+            )
+        if any(not is_integer(t) or not 0 <= t <= INT64_MAX for t in stops):
             raise SpeculantError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0

@@ -165,6 +165,17 @@ class Scheduler:
         self.kv.commit()
         return True
 
+    def abort_all(self) -> list[Request]:
+        """Drop every waiting and running request, freeing the running ones' pages and rows
+        (a run that stopped part way: the engine starts the next one empty). Returns them."""
+        dropped = [*self.running, *self.waiting]
+        for request in self.running:
+            self.kv.free(request.row)
+            request.row = -1
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
+
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.row)

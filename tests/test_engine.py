@@ -104,6 +104,30 @@ def test_text_prompt_round_trip(engine):
     )
 
 
+def test_interrupted_generate_leaves_nothing_behind(engine):
+    """A generate that stops part way (an on_output raising, as Ctrl-C in a notebook does)
+    leaves no request, page or row behind: the next generate returns its own outputs."""
+    free_pages, free_rows = len(engine.kv.free_pages), len(engine.kv.free_rows)
+    prompts = random_prompts(engine.model_config.vocab_size, (3, 4, 1), seed=6)
+    params = [SamplingParams(max_new_tokens=2, ignore_eos=True)] + [
+        SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ] * 2
+
+    def stop(out):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, params, on_output=stop)
+    assert not engine.scheduler.has_unfinished()
+    assert (len(engine.kv.free_pages), len(engine.kv.free_rows)) == (free_pages, free_rows)
+    new = random_prompts(engine.model_config.vocab_size, (2, 3), seed=7)
+    short = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    seen = []
+    outs = engine.generate(new, short, on_output=lambda o: seen.append(o.index))
+    assert [o.prompt_token_ids for o in outs] == new and sorted(seen) == [0, 1]
+    assert [o.token_ids for o in outs] == [engine.generate([p], short)[0].token_ids for p in new]
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -113,6 +137,12 @@ def test_text_prompt_round_trip(engine):
         (dict(params=SamplingParams(max_new_tokens=0)), "max_new_tokens=0"),
         (dict(params=SamplingParams(top_p=0.0)), "top_p=0.0"),
         (dict(params=SamplingParams(temperature=-1)), "temperature=-1"),
+        (dict(prompts=[5]), "prompt 1 is the integer 5"),
+        (dict(prompts=[[5, 6.7]]), "token 6.7"),
+        (dict(prompts=[[True, 5]]), "token True"),
+        (dict(prompts=[{"prompt": "hi"}]), "prompt 1 is of type dict"),
+        (dict(params=SamplingParams(max_new_tokens=4, stop_token_ids=5)), r"e\.g\. \[5\]"),
+        (dict(params={"max_new_tokens": 4}), "SamplingParams"),
     ],
 )
 def test_bad_requests_are_refused_up_front(engine, bad, match):
@@ -130,6 +160,8 @@ def test_bad_requests_are_refused_up_front(engine, bad, match):
         (dict(load_format="pt"), "load format 'pt'"),
         (dict(max_model_len=100000), "max_position_embeddings"),
         (dict(capture_sizes=[1, 64], max_num_seqs=8), "capture size 64"),
+        (dict(page_size=16.5), "page_size=16.5 must be an integer"),
+        (dict(max_num_seqs="8"), "max_num_seqs='8' must be an integer"),
     ],
 )
 def test_bad_engine_options(llama_dir, kwargs, match):
