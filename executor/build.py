@@ -5,6 +5,7 @@ their checks, and the components (`build_model`, `build_kv_cache`, `build_drafte
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,15 +272,18 @@ def build_kv_cache(
     per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, setup.dtype)
     max_requests = setup.max_num_seqs if num_pages is None else 1
     if num_pages is None:
+        # the CPU ranks of a job share the host's memory; each GPU rank has its own device
+        on_host = int(os.environ.get("LOCAL_WORLD_SIZE", setup.pctx.world_size))
         num_pages = choose_num_pages(
             cache.page_size,
             setup.max_num_seqs,
-            setup.max_model_len,
+            setup.max_positions,  # a row's context and the last step's lookahead past it
             per_token,
             setup.device,
             cache.kv_cache_memory_fraction,
             cache.num_pages,
             reserved_bytes,
+            ranks_on_host=on_host if setup.device == "cpu" else 1,
         )
         # one pool size on every rank: each rank's scheduler admits by it (free memory differs)
         num_pages = min(setup.pctx.all_gather_object(num_pages))

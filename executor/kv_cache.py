@@ -165,11 +165,14 @@ def choose_num_pages(
     memory_fraction: float,
     requested: int | None,
     reserved_bytes: int = 0,
+    ranks_on_host: int = 1,
 ) -> int:
-    """Pages for the pool: as requested, else enough for max_num_seqs full-length requests, both
+    """Pages for the pool: as requested, else enough for max_num_seqs requests of
+    `max_model_len` positions each (the caller passes the positions a row may reach), both
     capped at `memory_fraction` of the free GPU memory less `reserved_bytes` (the profiled peak
-    activations of a step), or of the available host memory on the CPU; a requested pool beyond
-    that is refused, naming the flags."""
+    activations of a step), or of this rank's share of the available host memory on the CPU
+    (`ranks_on_host` ranks share it); a requested pool beyond that is refused, naming the
+    flags."""
     full = max_num_seqs * -(-max_model_len // page_size) + 1
     page_bytes = bytes_per_token * page_size
     if str(device).startswith("cuda"):
@@ -177,8 +180,8 @@ def choose_num_pages(
         free = max(0, free - reserved_bytes)
         where = f"free after {reserved_bytes / 2**30:.2f} GiB of profiled step activations"
     else:
-        free = _available_host_memory()
-        where = "available"
+        free = _available_host_memory() // max(1, ranks_on_host)
+        where = "available" if ranks_on_host <= 1 else f"available to each of {ranks_on_host} ranks"
     budget = int(free * memory_fraction) // page_bytes
     limit = f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB {where}"
     if requested is not None:
@@ -190,9 +193,9 @@ def choose_num_pages(
             )
         num, how = requested, "--num-pages"
     elif full <= budget:
-        num, how = full, f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"
+        num, how = full, f"max_num_seqs={max_num_seqs} x {max_model_len} positions"
     else:
-        num, how = budget, f"{limit} (max_num_seqs x max_model_len would need {full} pages)"
+        num, how = budget, f"{limit} (max_num_seqs x positions would need {full} pages)"
     log.info(
         "KV cache: %d pages of %d tokens (%.1f MiB) from %s",
         num,

@@ -71,6 +71,14 @@ def test_pages_run_out_requests_wait_and_all_pages_return(llama_dir):
     assert [o.token_ids for o in roomy.generate(prompts, params)] == [o.token_ids for o in outs]
 
 
+def test_default_pool_holds_a_full_length_request(llama_dir):
+    """The pool sized for max_num_seqs rows holds each row's whole reach (max_model_len and
+    the last step's lookahead): one request running to the length limit fits it."""
+    engine = Engine(llama_dir, device="cpu", max_num_seqs=1, max_model_len=64, page_size=4)
+    out = engine.generate([[5] * 10], SamplingParams(max_new_tokens=1000, ignore_eos=True))[0]
+    assert (len(out.token_ids), out.finish_reason) == (54, "length")
+
+
 def test_request_larger_than_pool_is_a_clear_error(llama_dir):
     engine = Engine(
         llama_dir, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4, num_pages=4

@@ -451,6 +451,9 @@ def test_cpu_kv_cache_is_capped_by_available_memory(little_memory):
     assert kv_cache.choose_num_pages(16, 2, 64, per_token, "cpu", 0.85, None) == 2 * 4 + 1
     with pytest.raises(SpeculantError, match="--num-pages 10000000 .*--kv-cache-memory-fraction"):
         kv_cache.choose_num_pages(16, 2, 64, per_token, "cpu", 0.85, 10_000_000)
+    # two CPU ranks on one host (--tp/--dp 2) take half of the fraction each, not all of it
+    shared = kv_cache.choose_num_pages(16, 100000, 4096, per_token, "cpu", 0.85, None, 0, 2)
+    assert shared == int(64 * 2**20 // 2 * 0.85) // (per_token * 16)
 
 
 def test_huge_num_pages_is_one_line(capsys, llama_dir):
