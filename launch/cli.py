@@ -386,6 +386,10 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
         raise SpeculantError(
             f"{where}: not valid JSON ({exc.msg}); write one object per line"
         ) from None
+    except RecursionError:
+        raise SpeculantError(
+            f"{where}: JSON nested too deeply to read; write one flat object per line"
+        ) from None
     if not isinstance(obj, dict):
         raise SpeculantError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(PROMPT_KEYS) - set(SAMPLING_KEYS))
@@ -603,6 +607,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         device = _engine_kwargs(args)["device"]
         return launch_cli(args.argv, args.tp * args.dp, device, stderr, output=args.output)
     out_file = None
+    finished: list = []  # without --output: printed at the end, or when the run is stopped
 
     def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
         nonlocal out_file
@@ -611,10 +616,17 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
                 out_file = out_file or open(args.output, "w", encoding="utf-8")
                 out_file.write(json.dumps(out.to_json()) + "\n")
                 out_file.flush()
+        else:
+            finished.append(out)
 
     with output_lock(args.output if reads_inputs() else None):  # held until the file is done
         try:
             outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: what finished is printed, not lost
+            if finished:
+                print_completions(sorted(finished, key=lambda o: o.index), stdout, specs)
+                stdout.flush()
+            raise
         finally:
             if out_file is not None:
                 with write_errors_named(args.output, "--output"):  # close flushes the buffer
@@ -709,15 +721,20 @@ def report_outputs(
         ):
             out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
     elif not args.output:
-        for out in outputs:
-            shown = out.text if out.text is not None else out.token_ids
-            prompt = specs[out.index].prompt if specs else None
-            if isinstance(prompt, str) and out.text is not None:
-                shown = prompt + out.text
-            print(f"[{out.index}] {shown}", file=stdout)
+        print_completions(outputs, stdout, specs)
     if getattr(args, "bundled_run", False) and (line := bundled_drafter_line(args, outputs)):
         print(line, file=stderr)
     print(summary_line(outputs, seconds), file=stderr)  # the last line, as scripts expect
+
+
+def print_completions(outputs: list, stdout: TextIO, specs: list[PromptSpec] | None) -> None:
+    """One `[index] prompt+completion` line per output (the text prompt from `specs`)."""
+    for out in outputs:
+        shown = out.text if out.text is not None else out.token_ids
+        prompt = specs[out.index].prompt if specs else None
+        if isinstance(prompt, str) and out.text is not None:
+            shown = prompt + out.text
+        print(f"[{out.index}] {shown}", file=stdout)
 
 
 DRAFTER_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFLASH drafter", "draft-model": "draft LM"}
@@ -742,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
+    for stream in (sys.stdout, sys.stderr):  # a completion the terminal cannot show is escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     if not logging.getLogger().handlers:  # ours alone log INFO; libraries' INFO stays quiet
         logging.basicConfig(level=logging.WARNING, format="speculant: %(message)s")
         logging.getLogger("speculant").setLevel(logging.DEBUG if args.debug else logging.INFO)

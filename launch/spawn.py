@@ -69,12 +69,24 @@ def stop_on_sigterm() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
+RUN_STARTED = time.time()  # this process's start: what an --output file written since holds
+
+
 def stopped_line(exc: KeyboardInterrupt, output: str | None, ranks: bool) -> tuple[str, int]:
-    """The last line of a run stopped by Ctrl-C or SIGTERM, and its exit status (130, 143)."""
+    """The last line of a run stopped by Ctrl-C or SIGTERM, and its exit status (130, 143);
+    it names the --output file only when this run wrote it (no request finished: the file,
+    if any, still holds what it held before)."""
     how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
     line = f"speculant: {how}" + (": every rank stopped" if ranks else "")
     if output:
-        line += f"; the requests that finished are in {output}"
+        try:
+            written = os.stat(output).st_mtime >= RUN_STARTED
+        except OSError:
+            written = False
+        if written:
+            line += f"; the requests that finished are in {output}"
+        else:
+            line += f"; no request had finished, so {output} was not written"
     return line, 143 if isinstance(exc, Terminated) else 130
 
 

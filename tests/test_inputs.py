@@ -171,6 +171,7 @@ def test_cli_refuses_non_finite_and_out_of_int64_values_before_loading(
         ('{"prompt": "a", "top_k": 1e400}', "top_k=inf"),
         (f'{{"prompt": "a", "top_k": {2**63}}}', f"top_k={2**63}"),
         (f'{{"prompt": "a", "seed": {2**64}}}', f"seed={2**64}"),
+        ("[" * 100_000, "nested too deeply"),
     ],
 )
 def test_prompts_lines_go_through_the_same_checks(capsys, tmp_path, text, needle):
@@ -562,3 +563,32 @@ def test_accept_rate_baseline_that_is_a_directory_or_not_utf8(capsys, tmp_path):
     baseline.write_bytes(b'{"acceptance_length": "\xff"}')
     line = error_line(*run_main(capsys, "--baseline", baseline, command="accept-rate"))
     assert str(baseline) in line and "UTF-8" in line
+
+
+def test_stopped_line_names_the_output_only_when_this_run_wrote_it(tmp_path):
+    """Ctrl-C before any request finished: an --output file from an earlier run still holds
+    that run's lines, and the last line must not say it holds this run's."""
+    from speculant.launch.spawn import RUN_STARTED, stopped_line
+
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"old": 1}\n')
+    os.utime(old, (RUN_STARTED - 60, RUN_STARTED - 60))
+    line, status = stopped_line(KeyboardInterrupt(), str(old), ranks=False)
+    assert status == 130 and "no request had finished" in line and "are in" not in line
+    assert "no request had finished" in stopped_line(KeyboardInterrupt(), "missing", False)[0]
+    old.write_text('{"index": 0}\n')  # written by this run
+    assert (
+        f"the requests that finished are in {old}"
+        in stopped_line(KeyboardInterrupt(), str(old), False)[0]
+    )
+
+
+def test_completions_the_terminal_cannot_encode_are_escaped(llama_dir, tmp_path):
+    """A stdout that is not UTF-8 (PYTHONIOENCODING=ascii, a C locale) shows the completion
+    escaped instead of losing the whole run to an encoding error."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu", "--target",
+           str(llama_dir), "--prompt", "h\u00e9llo", "--max-new-tokens", "3"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("[0] h\\xe9llo"), proc.stdout

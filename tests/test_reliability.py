@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +140,40 @@ def test_ctrl_c_keeps_finished_outputs(llama_dir, tmp_path):
     assert "speculant: interrupted" in err and "Traceback" not in err
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines and lines[0]["index"] == 0 and len(lines[0]["token_ids"]) == 4
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_without_output_prints_finished_completions(llama_dir, tmp_path):
+    """Without --output completions print at the end; Ctrl-C once the short request finished
+    still prints the finished ones (`[0] ...` first), not the unfinished, and exits with 130."""
+    rows = [{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 4}]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 400} for i in range(20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--target", str(llama_dir), "--prompts", "p.jsonl", "--ignore-eos"]
+    proc = _start([*args, "--max-num-seqs", "1"], tmp_path)
+    err: list[str] = []
+
+    def drain() -> None:  # the progress bar redraws with \r: read raw chunks
+        while chunk := os.read(proc.stderr.fileno(), 4096):
+            err.append(chunk.decode(errors="replace"))
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    start = time.time()
+    done = re.compile(r" [1-9][0-9]*/21 ")  # the bar shows a finished request
+    while not done.search("".join(err)) and proc.poll() is None and time.time() - start < 60:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out = proc.stdout.read()
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the run did not stop within 30 s of Ctrl-C")
+    reader.join(timeout=5)
+    assert proc.returncode == 130, "".join(err)
+    lines = out.splitlines()
+    assert lines and lines[0].startswith("[0] ") and len(lines) < 21, out
 
 
 @pytest.mark.timeout(200)
