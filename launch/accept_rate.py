@@ -23,12 +23,24 @@ from typing import Any, TextIO
 from speculant import ASSETS, bundled
 from speculant.errors import SpeculantError
 from speculant.executor.request import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
-from speculant.launch.paths import check_readable_file, check_writable
+from speculant.launch.paths import check_readable_file, check_writable, write_errors_named
 from speculant.launch.threads import set_cpu_threads
 
 BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
 # A baseline is comparable only when these match.
 RUN_KEYS = ("algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature")
+# What --plot writes, by the path's extension (matplotlib writes each without extra software;
+# a path without an extension is written as PNG, under exactly that name).
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+# Per-line settings of a --prompts file that accept-rate refuses: every prompt of a gated run
+# uses the same flags (a baseline compares runs of one length and temperature).
+PER_LINE_FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "seed": "--seed",
+    "top_k": None,  # accept-rate samples from the full distribution
+    "top_p": None,
+}
 
 
 def bundled_prompts() -> Path:
@@ -149,8 +161,26 @@ def format_table(report: AcceptReport, baseline: dict | None, regressions: list)
     return "\n".join(lines)
 
 
+def plot_format(path: str) -> str:
+    """The format --plot writes `path` in, from its extension (PNG without one); an extension
+    matplotlib does not write is refused naming the flag and the ones it does."""
+    suffix = Path(path).suffix
+    if not suffix:
+        return "png"
+    if suffix[1:].lower() not in PLOT_FORMATS:
+        raise SpeculantError(
+            f"--plot {path!r}: cannot draw a {suffix!r} file; end the path with one of "
+            + ", ".join("." + f for f in PLOT_FORMATS)
+            + " (a path without an extension is written as PNG)"
+        )
+    return suffix[1:].lower()
+
+
 def check_plot(path: str | None) -> None:
-    """--plot needs matplotlib: refuse before any model loads rather than after the run."""
+    """--plot needs a format matplotlib writes, and matplotlib: refuse before any model loads
+    rather than after the run."""
+    if path:
+        plot_format(path)
     if path and importlib.util.find_spec("matplotlib") is None:
         raise SpeculantError(
             f"--plot {path} needs matplotlib; pip install 'speculant[plot]' or drop --plot"
@@ -215,7 +245,7 @@ def _finish(plt, fig, ax, path: str, k: int, title: str) -> None:
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=plot_format(path))  # exactly `path`, also without an extension
     plt.close(fig)
 
 
@@ -263,7 +293,8 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
         "--plot",
         metavar="R.png",
         help="chart of per-position acceptance (with --baseline: the baseline's too; with "
-        "--compare: one curve per report); needs matplotlib",
+        "--compare: one curve per report), in the format its extension names (.png, .pdf, "
+        ".svg, ...; PNG without one); needs matplotlib",
     )
     p.add_argument(
         "--compare",
@@ -339,6 +370,67 @@ def _check(args: argparse.Namespace) -> None:
     check_plot(args.plot)
 
 
+def _is_number(value: Any, low: float, high: float = math.inf) -> bool:
+    """A JSON number (not a bool) in [low, high], finite (NaN fails too)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and low <= value <= high
+        and math.isfinite(value)
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# field -> (valid?, what a valid one is); a --compare report needs the first four, a baseline all.
+REPORT_FIELDS: dict[str, tuple[Any, str]] = {
+    "algo": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    "num_draft_tokens": (_is_count, "an integer >= 1"),
+    "acceptance_length": (lambda v: _is_number(v, 0), "a finite number >= 0"),
+    "per_position_acceptance": (
+        lambda v: isinstance(v, list) and all(_is_number(r, 0, 1) for r in v),
+        "a list of rates, numbers in [0, 1]",
+    ),
+    "num_prompts": (_is_count, "an integer >= 1"),
+    "max_new_tokens": (_is_count, "an integer >= 1"),
+    "temperature": (lambda v: _is_number(v, 0), "a finite number >= 0"),
+}
+COMPARE_FIELDS = ("algo", "num_draft_tokens", "acceptance_length", "per_position_acceptance")
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_report_fields(report: Any, path: str, flag: str) -> None:
+    """Every field `flag` (--baseline, --compare) uses: present, of its type and range, and as
+    many rates as `num_draft_tokens`; refused naming the file and the field, before any model
+    loads (rather than a KeyError or TypeError after the run)."""
+    fix = "write it again with " + ("--report" if flag == "--compare" else "--write-baseline")
+    if not isinstance(report, dict):
+        raise SpeculantError(
+            f"{flag} {path!r} is not an accept-rate report (a JSON {type(report).__name__}, "
+            f"not an object); {fix}"
+        )
+    for key in COMPARE_FIELDS if flag == "--compare" else REPORT_FIELDS:
+        valid, expected = REPORT_FIELDS[key]
+        if key not in report:
+            raise SpeculantError(f"{flag} {path!r} lacks the field {key!r}; {fix}")
+        if not valid(report[key]):
+            raise SpeculantError(
+                f"{flag} {path!r}: field {key!r} is {_shown(report[key])}, not {expected}; {fix}"
+            )
+    rates, k = report["per_position_acceptance"], report["num_draft_tokens"]
+    if len(rates) != k:
+        raise SpeculantError(
+            f"{flag} {path!r}: field 'per_position_acceptance' holds {len(rates)} rate(s) but "
+            f"'num_draft_tokens' is {k}; {fix}"
+        )
+
+
 def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     try:
         baseline = json.loads(Path(path).read_bytes().decode("utf-8"))
@@ -346,8 +438,7 @@ def _read_baseline(path: str, flag: str = "--baseline") -> dict:
         raise SpeculantError(f"{flag} {path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise SpeculantError(f"{flag} {path} is not valid JSON ({exc})") from exc
-    if not isinstance(baseline, dict) or "acceptance_length" not in baseline:
-        raise SpeculantError(f"{flag} {path} is not an accept-rate report")
+    check_report_fields(baseline, path, flag)
     return baseline
 
 
@@ -377,8 +468,41 @@ def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
         lines.append(f"| {metric} | " + " | ".join(shown) + " |")
     print("\n".join(lines), file=stdout)
     if args.plot:
-        plot_compare(list(zip(labels, reports, strict=True)), args.plot)
+        with write_errors_named(args.plot, "--plot"):
+            plot_compare(list(zip(labels, reports, strict=True)), args.plot)
     return 0
+
+
+def _line_number(path: str, index: int) -> str:
+    """`FILE:LINE` of the prompt at `index` (blank lines hold none, as read_prompts_file reads
+    them); a pipe cannot be read again: `FILE: prompt N` there."""
+    if os.path.isfile(path):
+        lines = Path(path).read_bytes().splitlines()
+        for lineno, raw in enumerate(lines, start=1):
+            if raw.decode("utf-8-sig" if lineno == 1 else "utf-8", errors="replace").strip():
+                if index == 0:
+                    return f"{path}:{lineno}"
+                index -= 1
+    return f"{path}: prompt {index + 1}"
+
+
+def check_no_per_line_settings(specs: list, path: str) -> None:
+    """accept-rate runs every prompt with its flags; a --prompts line that sets its own
+    max_new_tokens, temperature, seed, top_k or top_p is refused, not silently ignored."""
+    for index, spec in enumerate(specs):
+        if not spec.overrides:
+            continue
+        key = next(k for k in PER_LINE_FLAGS if k in spec.overrides)
+        where, flag = _line_number(path, index), PER_LINE_FLAGS[key]
+        if flag:
+            raise SpeculantError(
+                f"{where}: accept-rate takes {key} from its flag {flag} for every prompt, not "
+                f"from a --prompts line; remove {key!r} from the line (and pass {flag})"
+            )
+        raise SpeculantError(
+            f"{where}: accept-rate takes no {key} (every prompt samples from the full "
+            f"distribution); remove {key!r} from the line"
+        )
 
 
 @dataclass
@@ -404,7 +528,9 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
     if os.environ.get("RANK", "0") != "0":
         return AcceptJob([], None, target, draft)
     baseline = _read_baseline(args.baseline) if args.baseline else None
-    specs = read_prompts_file(args.prompts or str(bundled_prompts()))
+    prompts = args.prompts or str(bundled_prompts())
+    specs = read_prompts_file(prompts)
+    check_no_per_line_settings(specs, prompts)
     if baseline:  # fail before loading models; k is checked after (DFLASH's comes from its block)
         known = dict(
             algo=args.algo,
@@ -523,8 +649,8 @@ def report_accept(
     stdout: TextIO,
     stderr: TextIO,
 ) -> int:
-    """Rank 0's (or the Ray driver's) part: aggregate, compare with the baseline, write the
-    reports, print the table and the verdict; returns the exit status."""
+    """Rank 0's (or the Ray driver's) part: aggregate, compare with the baseline, print the
+    table and the verdict, then write the reports; returns the exit status."""
     baseline = job.baseline
     length, per_position, steps = aggregate(outputs)
     lossless, mismatched = None, []
@@ -555,11 +681,6 @@ def report_accept(
         date=time.strftime("%Y-%m-%d"),
     )
     regressions = compare(report, baseline, args.rtol, args.baseline) if baseline else []
-    for path in (args.report, args.write_baseline):
-        if path:
-            Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    if args.plot:
-        plot(report, args.plot, baseline)
     print(format_table(report, baseline, regressions), file=stdout)
     summary = (
         f"algo={report.algo} k={report.num_draft_tokens} prompts={report.num_prompts} "
@@ -587,4 +708,28 @@ def report_accept(
             file=stderr,
         )
         status = 1
+    # The files come after the verdict: a failed write is one more line, and the status stays
+    # 1 on a FAIL (2 only when the run itself passed).
+    text = json.dumps(report.to_json(), indent=2) + "\n"
+    writes = [
+        ("--report", args.report, lambda path: Path(path).write_text(text)),
+        ("--write-baseline", args.write_baseline, lambda path: Path(path).write_text(text)),
+        ("--plot", args.plot, lambda path: plot(report, path, baseline)),
+    ]
+    for flag, path, write in writes:
+        if path and (line := _write_output(flag, path, write)):
+            print(line, file=stderr)
+            status = status or 2
     return status
+
+
+def _write_output(flag: str, path: str, write) -> str | None:
+    """Run `write(path)`; the one-line error naming the flag and the path when it fails."""
+    try:
+        with write_errors_named(path, flag):
+            write(path)
+    except SpeculantError as exc:
+        return f"speculant: error: {exc}".splitlines()[0]
+    except ValueError as exc:  # matplotlib refusing what it was given
+        return f"speculant: error: {flag} {path!r}: writing failed ({exc})".splitlines()[0]
+    return None

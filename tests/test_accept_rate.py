@@ -4,6 +4,7 @@ codes, on tiny random checkpoints (the bundled models have their own regression 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers_eagle import write_random_eagle3
@@ -144,3 +145,189 @@ def test_tp2_and_dp2_report_what_one_rank_reports(capsys, setup, llama_dir, tmp_
         assert reports[name]["lossless"] is True
         for key in ("acceptance_length", "per_position_acceptance", "num_verify_steps"):
             assert reports[name][key] == pytest.approx(reports["one"][key]), (name, key)
+
+
+# ------------------------- inputs refused before any model loads; files after the verdict
+
+
+def no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the inputs were checked")
+
+
+BASELINE = {
+    "algo": "eagle3",
+    "num_draft_tokens": 3,
+    "num_prompts": 6,
+    "max_new_tokens": 8,
+    "temperature": 0.0,
+    "acceptance_length": 1.4,
+    "per_position_acceptance": [0.3, 0.1, 0.0],
+}
+
+
+@pytest.mark.parametrize("flag", ["--baseline", "--compare"])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"algo": None}, "lacks the field 'algo'"),
+        ({"per_position_acceptance": None}, "lacks the field 'per_position_acceptance'"),
+        ({"acceptance_length": "2.0"}, "field 'acceptance_length' is \"2.0\""),
+        ({"num_draft_tokens": True}, "field 'num_draft_tokens' is true"),
+        ({"per_position_acceptance": [0.3, "x", 0.0]}, "field 'per_position_acceptance'"),
+        ({"per_position_acceptance": [0.3, 0.1]}, "holds 2 rate(s) but 'num_draft_tokens' is 3"),
+    ],
+)
+def test_report_file_fields_are_checked_when_read(
+    monkeypatch, capsys, setup, llama_dir, tmp_path, flag, change, needle
+):
+    """A --baseline or --compare file without a field, or with one of the wrong type or length,
+    is one line naming the file, the field and the fix, before any model loads (was a KeyError,
+    a TypeError or a zip() error, for --baseline after the whole run)."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    root, prompts = setup
+    bad = {k: v for k, v in {**BASELINE, **change}.items() if v is not None}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    if flag == "--baseline":
+        args = ["--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts]
+        status, _, err = accept_rate(capsys, *args, "--max-new-tokens", 8, "--baseline", path)
+        fix = "--write-baseline"
+    else:
+        good = tmp_path / "good.json"
+        good.write_text(json.dumps(BASELINE))
+        status, _, err = accept_rate(capsys, "--compare", good, path)
+        fix = "--report"
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert f"{flag} {str(path)!r}" in err and needle in err and fix in err, err
+
+
+def test_compare_needs_only_the_fields_it_shows(capsys, tmp_path):
+    """--compare reads algo, k and the rates: a report without the run settings still compares."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({k: BASELINE[k] for k in ("algo", "num_draft_tokens",
+                                "acceptance_length", "per_position_acceptance")}))  # fmt: skip
+    status, out, err = accept_rate(capsys, "--compare", path)
+    assert status == 0, err
+    assert "| acceptance_length | 1.4000 |" in out
+
+
+@pytest.mark.parametrize("key, value", [("max_new_tokens", 4), ("temperature", 0.7),
+                                        ("seed", 3), ("top_k", 5), ("top_p", 0.9)])  # fmt: skip
+def test_per_line_settings_in_prompts_are_refused(
+    monkeypatch, capsys, llama_dir, tmp_path, key, value
+):
+    """accept-rate runs every prompt with its flags: a --prompts line setting its own is refused
+    naming the line and the key (it used to be read and then silently ignored)."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"prompt_token_ids": [5, 6]}, None, {"prompt_token_ids": [7, 8], key: value}]
+    prompts.write_text("".join(("" if r is None else json.dumps(r)) + "\n" for r in lines))
+    status, _, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", llama_dir, "--algo", "draft-model",
+        "--prompts", prompts,
+    )  # fmt: skip
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1, err
+    assert f"{prompts}:3: accept-rate takes" in err and repr(key) in err, err
+    flag = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "seed": "--seed"}
+    assert flag.get(key, "full distribution") in err
+
+
+def test_plot_extension_is_checked_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    path = tmp_path / "r.xyz"
+    status, _, err = accept_rate(capsys, "--plot", path)
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and f"--plot {str(path)!r}" in err, err
+    assert ".png, .pdf, .svg" in err and "'.xyz'" in err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(BASELINE))
+    status, out, err = accept_rate(capsys, "--compare", good, "--plot", tmp_path / "c.gif")
+    assert status == 2 and "'.gif'" in err and out == "", err
+
+
+@pytest.mark.needs("matplotlib")
+def test_plot_without_extension_writes_exactly_that_path_as_png(capsys, tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(BASELINE))
+    status, _, err = accept_rate(capsys, "--compare", good, "--plot", tmp_path / "chart")
+    assert status == 0, err
+    assert (tmp_path / "chart").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "chart.png").exists()
+
+
+def fake_measure(rates: list[float], lossless: bool = True):
+    """measure_in_rank without models: every prompt ran 4 verify steps at `rates`."""
+    from types import SimpleNamespace
+
+    def measure(args, job, use_tqdm=True):
+        length = 1 + sum(rates)
+        stats = {"num_verify_steps": 4, "accept_len": length, "per_position_acceptance": rates}
+        outputs = [SimpleNamespace(token_ids=[1, 2, 3], stats=stats) for _ in job.specs]
+        plain = [SimpleNamespace(token_ids=[1, 2, 3 if lossless else 4]) for _ in job.specs]
+        return outputs, plain, 0.1
+
+    return measure
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    "rates, lossless, status",
+    [
+        ([0.3, 0.1, 0.0], True, 2),  # the run passed: the failed write is exit 2
+        ([0.1, 0.0, 0.0], True, 1),  # a regression stays exit 1
+        ([0.3, 0.1, 0.0], False, 1),  # so does a lossless failure
+    ],
+)
+def test_a_failed_write_keeps_the_table_and_the_verdict(
+    monkeypatch, capsys, setup, llama_dir, tmp_path, rates, lossless, status
+):
+    """The table and the verdict come before the files; a write that fails (/dev/full) is one
+    line naming the flag and the path, and a FAIL is still exit 1."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", fake_measure(rates, lossless))
+    root, prompts = setup
+    baseline = tmp_path / "b.json"
+    baseline.write_text(json.dumps(BASELINE))
+    got, out, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--baseline", baseline, "--report", "/dev/full",
+        "--write-baseline", tmp_path / "new.json",
+    )  # fmt: skip
+    assert got == status, err
+    assert "| acceptance_length |" in out and "accept_len=" in err
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert "speculant: error: --report '/dev/full': writing failed (no space left" in err
+    assert err.rstrip().endswith("pick another path")  # the verdict came before it
+    assert ("regressed beyond" in err) == (rates[0] < 0.3)
+    assert ("differs from plain" in err) == (not lossless)
+    written = json.loads((tmp_path / "new.json").read_text())  # the other file is written
+    assert written["per_position_acceptance"] == pytest.approx(rates)
+
+
+@pytest.mark.needs("matplotlib")
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failed_plot_names_the_flag_after_a_fail_verdict(
+    monkeypatch, capsys, setup, llama_dir, tmp_path
+):
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", fake_measure([0.1, 0.0, 0.0]))
+    root, prompts = setup
+    baseline = tmp_path / "b.json"
+    baseline.write_text(json.dumps(BASELINE))
+    status, out, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--baseline", baseline, "--plot", "/dev/full",
+    )  # fmt: skip
+    assert status == 1, err
+    assert "REGRESSED" in out and "regressed beyond" in err
+    assert "speculant: error: --plot '/dev/full': writing failed" in err, err

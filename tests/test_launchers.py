@@ -155,9 +155,14 @@ def test_torchrun_fails_when_a_rank_dies(flags):
 
 
 @pytest.fixture(scope="module")
-def accept_args(llama_dir, eagle_dir, prompts_file) -> list[str]:
+def accept_args(llama_dir, eagle_dir, tmp_path_factory) -> list[str]:
+    # accept-rate refuses per-line settings: its prompts are prompts_file's without them
+    rows = [{"prompt": "def f(x):"}, {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]},
+            {"prompt": "import"}, {"prompt_token_ids": [40, 41]}]  # fmt: skip
+    prompts = tmp_path_factory.mktemp("accept_prompts") / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return ["accept-rate", "--device", "cpu", "--target", str(llama_dir), "--draft",
-            str(eagle_dir), "--prompts", str(prompts_file), "--num-draft-tokens", "2",
+            str(eagle_dir), "--prompts", str(prompts), "--num-draft-tokens", "2",
             "--max-new-tokens", "8", "--dist-timeout", "60"]  # fmt: skip
 
 
