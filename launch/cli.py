@@ -668,7 +668,7 @@ def generate_in_rank(
     engine = Engine(target=args.target, pctx=pctx, **kwargs)
     if pctx is not None:
         fault_point(pctx.rank)
-    for i, spec in enumerate(specs):
+    for i, spec in enumerate(specs if pctx is None else ()):  # ranks: make_requests checks
         if isinstance(spec.prompt, str) and engine.tokenizer is None:
             raise SpeculantError(
                 f"prompt {i} is text but {args.target!r} has no tokenizer.json; add one or pass "

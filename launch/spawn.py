@@ -584,8 +584,8 @@ def launch_cli(
     if failure is None:
         return 0
     codes = [r.process.exitcode for r in ranks]
-    if codes[0] == 2 and all(c in (0, 2) for c in codes):
-        return 2  # a user error: rank 0 printed it as one line already
+    if codes[0] == 2 and (all(c in (0, 2) for c in codes) or failure.startswith("rank 0 ")):
+        return 2  # a user error (the others, if any, failed waiting for rank 0): its one line
     _end_line(ranks, f"speculant: error: {failure}", stderr)
     return 1
 

@@ -42,6 +42,7 @@ def broken(tmp_path_factory, llama_dir) -> dict[str, Path]:
     write_random_eagle3(
         root / "eagle_ids", llama_dir, aux_ids=[0, 1, 7], config_overrides={}, seed=2
     )
+    (copy("notok") / "tokenizer.json").unlink()
     write_random_dflash(root / "dflash_ids", llama_dir, target_layer_ids=[0, 5])
     write_random_dflash(root / "dflash_vocab", llama_dir, mask_token_id=100000)
     return {"root": root, **{p.name: p for p in root.iterdir()}}
@@ -70,6 +71,7 @@ CASES = [  # (what, args, text the one-line error must contain)
                                   "--num-draft-tokens", "40"], "num_draft_tokens=40"),
     ("capture size above max_num_seqs", ["--capture-sizes", "1,64", "--max-num-seqs", "8"], "64"),
     ("tp does not divide the heads", ["--tp", "3"], "tp=3"),
+    ("text prompt, no tokenizer, 2 ranks", ["--target", "{notok}", "--tp", "2"], "tokenizer"),
     ("MoE flags on a dense target", ["--moe-backend", "deepep"], "dense"),
 ]  # fmt: skip
 
