@@ -261,13 +261,12 @@ def _exit(code: int, device: str) -> None:
     # a gloo group left open (a rank function that did not close its context) keeps threads
     # whose destruction at interpreter exit can abort the rank ("terminate called without an
     # active exception"): tear it down locally first
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
+    dist = sys.modules.get("torch.distributed")  # never imported here: an interrupted first
+    try:  # `import torch` leaves a half-made torch that a new import raises on
+        if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
     sys.exit(code)
 
 
