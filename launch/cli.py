@@ -574,8 +574,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def summary_line(outputs: list, seconds: float) -> str:
-    """`requests=N prompt_tokens=.. output_tokens=.. time=..s tokens/s=.. [accept_len=..]`."""
+def summary_line(outputs: list, seconds: float, adaptive: bool = False) -> str:
+    """`requests=N prompt_tokens=.. output_tokens=.. time=..s tokens/s=.. [accept_len=..]`,
+    and with `adaptive` (--speculation auto) how many rows drafted and how many did not."""
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     output_tokens = sum(len(out.token_ids) for out in outputs)
     line = (
@@ -592,7 +593,7 @@ def summary_line(outputs: list, seconds: float) -> str:
         if per_position:
             line += " per_position=" + ",".join(f"{r:.2f}" for r in per_position)
     plain_steps = sum(out.stats.get("num_plain_steps", 0) for out in outputs)
-    if plain_steps:  # --speculation auto: how often rows drafted k and how often none
+    if adaptive:  # --speculation auto: how often rows drafted k and how often none
         verify_steps = sum(out.stats.get("num_verify_steps", 0) for out in outputs)
         line += f" drafted_rows={verify_steps} plain_rows={plain_steps}"
     return line
@@ -724,7 +725,8 @@ def report_outputs(
         print_completions(outputs, stdout, specs)
     if getattr(args, "bundled_run", False) and (line := bundled_drafter_line(args, outputs)):
         print(line, file=stderr)
-    print(summary_line(outputs, seconds), file=stderr)  # the last line, as scripts expect
+    adaptive = getattr(args, "speculation", None) == "auto"
+    print(summary_line(outputs, seconds, adaptive), file=stderr)  # the last line, as scripts expect
 
 
 def print_completions(outputs: list, stdout: TextIO, specs: list[PromptSpec] | None) -> None:

@@ -56,6 +56,10 @@ def test_summary_counts_the_requests_that_verified():
     assert "accept_len=1.50" in line  # (3 * 2 + 1 * 6) / 8
     assert "per_position=0.25,0.25" in line
     assert "accept_len" not in summary_line([output(0, 0)], 1.0)
+    # rows drafted / not: with --speculation auto only (a plain run's rows are all plain)
+    assert "plain_rows" not in line and "drafted_rows=8 plain_rows=" in summary_line(
+        outs, 1.0, True
+    )
 
 
 def test_summary_of_the_bundled_small_prompt_set_reports_acceptance(capsys):
