@@ -470,6 +470,8 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         return [PromptSpec(DEFAULT_PROMPT)]
     if args.prompt is None:
         raise SpeculantError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl")
+    if not args.prompt:
+        raise SpeculantError("--prompt is empty; give some text")
     if problem := text_problem(args.prompt):
         raise SpeculantError(f"--prompt {problem}; pass UTF-8 text")
     return [PromptSpec(args.prompt)]

@@ -592,3 +592,9 @@ def test_completions_the_terminal_cannot_encode_are_escaped(llama_dir, tmp_path)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("[0] h\\xe9llo"), proc.stdout
+
+
+def test_empty_prompt_flag_is_refused_before_loading(capsys, tmp_path):
+    # tmp_path holds no checkpoint: the error must come before any model loads
+    line = error_line(*run_main(capsys, "--target", tmp_path, "--prompt", ""))
+    assert "--prompt is empty" in line
