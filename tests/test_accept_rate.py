@@ -277,6 +277,21 @@ def fake_measure(rates: list[float], lossless: bool = True):
     return measure
 
 
+def gated_run(monkeypatch, capsys, setup, llama_dir, tmp_path, measure, *extra):
+    """accept-rate against BASELINE with `measure` standing in for the model run (`extra`:
+    more flags); (exit status, stdout, stderr)."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", measure)
+    root, prompts = setup
+    baseline = tmp_path / "b.json"
+    baseline.write_text(json.dumps(BASELINE))
+    return accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--baseline", baseline, *extra,
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize(
     "rates, lossless, status",
@@ -291,16 +306,9 @@ def test_a_failed_write_keeps_the_table_and_the_verdict(
 ):
     """The table and the verdict come before the files; a write that fails (/dev/full) is one
     line naming the flag and the path, and a FAIL is still exit 1."""
-    from speculant.launch import accept_rate as module
-
-    monkeypatch.setattr(module, "measure_in_rank", fake_measure(rates, lossless))
-    root, prompts = setup
-    baseline = tmp_path / "b.json"
-    baseline.write_text(json.dumps(BASELINE))
-    got, out, err = accept_rate(
-        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
-        "--max-new-tokens", 8, "--baseline", baseline, "--report", "/dev/full",
-        "--write-baseline", tmp_path / "new.json",
+    got, out, err = gated_run(
+        monkeypatch, capsys, setup, llama_dir, tmp_path, fake_measure(rates, lossless),
+        "--report", "/dev/full", "--write-baseline", tmp_path / "new.json",
     )  # fmt: skip
     assert got == status, err
     assert "| acceptance_length |" in out and "accept_len=" in err
@@ -318,15 +326,9 @@ def test_a_failed_write_keeps_the_table_and_the_verdict(
 def test_a_failed_plot_names_the_flag_after_a_fail_verdict(
     monkeypatch, capsys, setup, llama_dir, tmp_path
 ):
-    from speculant.launch import accept_rate as module
-
-    monkeypatch.setattr(module, "measure_in_rank", fake_measure([0.1, 0.0, 0.0]))
-    root, prompts = setup
-    baseline = tmp_path / "b.json"
-    baseline.write_text(json.dumps(BASELINE))
-    status, out, err = accept_rate(
-        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
-        "--max-new-tokens", 8, "--baseline", baseline, "--plot", "/dev/full",
+    status, out, err = gated_run(
+        monkeypatch, capsys, setup, llama_dir, tmp_path, fake_measure([0.1, 0.0, 0.0]),
+        "--plot", "/dev/full",
     )  # fmt: skip
     assert status == 1, err
     assert "REGRESSED" in out and "regressed beyond" in err
