@@ -14,6 +14,11 @@ step; logits come from lm_head(norm(out)) over the draft vocabulary. `d2t` holds
 skip it). A head as wide as its target ignores `embed_tokens.weight` (embeddings come from the
 target); one whose hidden differs (`target_hidden_size` != `hidden_size`, SGLang's
 `llama_eagle3`) embeds with its own `embed_tokens` [vocab, H] and `fc` maps 3*H_target -> H.
+The architecture names the decoder layers, as vLLM and SGLang pick the model class by it: Llama
+layers, or Qwen3 ones (per-head q/k RMSNorm before RoPE) for vLLM's `Eagle3Qwen3ForCausalLM`
+(models/qwen3_eagle3.py) and SpecForge's `Qwen3ForCausalLMEagle3`; a top-level model_type qwen3
+decides only where no architecture is given (`LlamaForCausalLMEagle3` with model_type qwen3 is
+built with Llama layers by both). q/k norm tensors in a head built without them are refused.
 Aux layers: `aux_layer_ids` names the target layers whose INPUT residual is taken, as SGLang's
 `layers_to_capture` (default [2, L//2, L-3]); `eagle_config.eagle_aux_hidden_state_layer_ids`
 counts layer outputs, so SGLang's `set_eagle3_layers_to_capture` adds 1 and so do we; a top-level
@@ -22,16 +27,19 @@ of layer i and is taken as is.
 
 The speculators format (vLLM's `Eagle3Converter` output, `speculators_model_type: eagle3`; see
 drafter/checkpoint.py) holds the same head: layer shapes in `transformer_layer_config` (Llama
-layers, or Qwen3 ones with q/k norms for model_type qwen3; a sliding window is refused unless it
-covers every position), `layers.0.*` for `midlayer.*`, aux ids at the top level (input of layer
-i), and the head embeds with its own `embed_tokens` when the file has one, as vLLM does (we share
-the target's table when the two are equal). EAGLE-3.1 flags, read as vLLM reads them and
+layers, or Qwen3 ones with q/k norms for model_type qwen3, as vLLM's `update_eagle3` maps),
+`layers.0.*` for `midlayer.*`, aux ids at the top level (input of layer i), and the head embeds
+with its own `embed_tokens` when the file has one, as vLLM does (we share the target's table when
+the two are equal). EAGLE-3.1 flags, read as vLLM reads them and
 defaulting to the speculators schema's False (vLLM alone defaults an absent
 `norm_before_residual` to True):
 `norm_before_residual` (layer 0's residual is hidden_norm(hidden)), `norm_before_fc` (one RMSNorm
 `input_norm` over the concatenated aux states before fc; also read from `eagle_config`),
 `fc_norm` (an RMSNorm `fc_norm.{j}` per aux state; exclusive with norm_before_fc) and
 `norm_output` (the post-norm hidden is fed back, and lm_head reads it without a second norm).
+In either format, sliding layers (`layer_types` + `sliding_window`, read as transformers' config
+class of the model_type reads them) are refused unless the window covers every position, and the
+attention heads and MLP must split over --tp.
 """
 
 from __future__ import annotations
@@ -76,6 +84,11 @@ from speculant.models.loader import (
 )
 
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+# Top-level EAGLE-3 architectures with Qwen3 decoder layers (q/k norms): vLLM's registered
+# Eagle3Qwen3ForCausalLM and SpecForge's Qwen3ForCausalLMEagle3. Others (LlamaForCausalLMEagle3,
+# Eagle3LlamaForCausalLM, vLLM's Eagle3Qwen3vlForCausalLM ...) are Llama layers in vLLM.
+QWEN3_EAGLE3_ARCHITECTURES = ("Eagle3Qwen3ForCausalLM", "Qwen3ForCausalLMEagle3")
+_QK_NORM_KEY = re.compile(r"^(?:midlayer|layers)(?:\.\d+)?\.self_attn\.[qk]_norm\.")
 _LAYER_KEY = re.compile(r"^(midlayer|layers)(?:\.(\d+))?\.(.+)$")
 
 
@@ -98,6 +111,7 @@ class Eagle3Config:
     sliding_window: int | None = None  # of its sliding layers; load_eagle3 checks it never binds
     head_embeddings: bool = False  # embeds with its own table at the target's width (vLLM)
     source: str = "config.json"
+    layers_named_by: str = ""  # the config field that picked the layers (for errors)
 
     @property
     def hidden_size(self) -> int:
@@ -117,7 +131,7 @@ class Eagle3Config:
         if fmt.speculators:
             hf = _speculators_eagle3(hf, fmt.algo, source)
         archs = hf.get("architectures") or []
-        if archs and not any("eagle3" in arch.lower() for arch in archs):
+        if archs and not any("eagle3" in str(arch).lower() for arch in archs):
             raise SpeculantError(
                 f"{source} describes {archs[0]!r}, not an EAGLE-3 head "
                 "(LlamaForCausalLMEagle3); pass the draft head's folder"
@@ -125,11 +139,10 @@ class Eagle3Config:
         for flag in ("tie_word_embeddings", "attention_bias"):
             if hf.get(flag):
                 raise SpeculantError(f"{flag}=true in {source} is not supported for EAGLE-3 heads")
-        # speculators heads may have Qwen3 layers (q/k norms), as vLLM's Eagle3Qwen3ForCausalLM
-        qwen3 = fmt.speculators and hf.get("model_type") == "qwen3"
+        qwen3, named_by = _qwen3_layers(hf, fmt.speculators)
         arch = "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"
         layer = ModelConfig.from_hf({**hf, "architectures": [arch]}, source)
-        window = _sliding_window(hf, layer.num_layers, qwen3, source) if fmt.speculators else None
+        window = _sliding_window(hf, layer.num_layers, source)
         if not hf.get("target_hidden_size") and layer.hidden_size != target.hidden_size:
             raise SpeculantError(
                 f"EAGLE-3 hidden_size {layer.hidden_size} in {source} != the "
@@ -163,13 +176,51 @@ class Eagle3Config:
             speculators=fmt.speculators,
             sliding_window=window,
             source=source,
+            layers_named_by=named_by,
+        )
+
+    def check_tp(self, tp: int, draft: str | Path) -> None:
+        """Refuse, in one line naming the head, shapes that do not split over `tp` ranks (the
+        attention heads and the MLP are sharded like the target's; KV heads may be replicated)."""
+        lc = self.layer
+        if lc.num_heads % tp:
+            bad = f"num_attention_heads={lc.num_heads} is not divisible by --tp {tp}"
+        elif lc.num_kv_heads % tp and tp % lc.num_kv_heads:
+            bad = (
+                f"num_key_value_heads={lc.num_kv_heads} neither divides nor is a multiple of "
+                f"--tp {tp}"
+            )
+        elif lc.intermediate_size % tp:
+            bad = f"intermediate_size={lc.intermediate_size} is not divisible by --tp {tp}"
+        else:
+            return
+        raise SpeculantError(
+            f"EAGLE-3 head {str(draft)!r}: {bad} ({self.source}); its attention and MLP are "
+            "split over the tensor-parallel ranks like the target's: use a --tp that divides them"
         )
 
 
-def _sliding_window(hf: dict, num_layers: int, qwen3: bool, source: str) -> int | None:
-    """The window of a speculators head's sliding layers (its training masks apply it), None
-    when it has none; load_eagle3 refuses one that would bind."""
-    types, window = layer_types_and_window(hf, num_layers, qwen3)
+def _qwen3_layers(hf: dict, speculators: bool) -> tuple[bool, str]:
+    """Whether the head's decoder layers are Qwen3's (q/k norms), as vLLM and SGLang pick the
+    model class, and the field that says so: a speculators head's layer model_type (vLLM's
+    update_eagle3); else the architecture (vLLM's registry), and model_type only without one."""
+    model_type = hf.get("model_type")
+    if speculators:
+        return model_type == "qwen3", f"transformer_layer_config.model_type={model_type!r}"
+    eagle3 = [str(a) for a in hf.get("architectures") or [] if "eagle3" in str(a).lower()]
+    if eagle3:
+        return eagle3[0] in QWEN3_EAGLE3_ARCHITECTURES, f"architectures={eagle3[:1]}"
+    return model_type == "qwen3", f"model_type={model_type!r} (no architectures)"
+
+
+def _sliding_window(hf: dict, num_layers: int, source: str) -> int | None:
+    """The window of the head's sliding layers (vLLM and its training masks apply it), None
+    when it has none; load_eagle3 refuses one that would bind. The config is read as
+    transformers' class of its model_type reads it (Qwen2/3: `sliding_window` only with
+    `use_sliding_window`), and layer i slides where `layer_types[i]` says so, as in vLLM."""
+    qwen = hf.get("model_type") in ("qwen2", "qwen3")
+    types, window = layer_types_and_window(hf, num_layers, qwen)
+    types = types[:num_layers]
     unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
     if unknown:
         raise SpeculantError(
@@ -512,7 +563,8 @@ def _check_t2d(t2d: torch.Tensor, ids: torch.Tensor, target: int, file: str) -> 
 
 
 def _refuse_unused_norms(weights: dict, cfg: Eagle3Config, source: str) -> None:
-    """EAGLE-3.1 norm tensors the config does not switch on would be dropped: refuse instead."""
+    """Norm tensors the head is not built with would be dropped: refuse instead. EAGLE-3.1 norms
+    the config does not switch on, and q/k norms (Qwen3 layers) in a head of Llama layers."""
     for key, flag, on in (
         ("input_norm.", "norm_before_fc", cfg.norm_before_fc),
         ("fc_norm.", "fc_norm", cfg.fc_norm),
@@ -523,6 +575,18 @@ def _refuse_unused_norms(weights: dict, cfg: Eagle3Config, source: str) -> None:
                 f"{source} holds {stray!r} but {flag} is not true in its config.json; "
                 f"set {flag}: true (the head was trained with it)"
             )
+    qk_norms = sorted(k for k in weights if _QK_NORM_KEY.match(k))
+    if qk_norms and not cfg.layer.qk_norm:
+        fix = (
+            'transformer_layer_config.model_type "qwen3"'
+            if cfg.speculators
+            else f'architectures ["{QWEN3_EAGLE3_ARCHITECTURES[0]}"]'
+        )
+        raise SpeculantError(
+            f"{source} holds q/k norm tensors {', '.join(map(repr, qk_norms))} but "
+            f"{cfg.layers_named_by} in {cfg.source} builds Llama layers without them; a head "
+            f"with Qwen3 layers says so with {fix} in its config.json"
+        )
 
 
 def dummy_d2t(draft_vocab: int, target_vocab: int, seed: int = 0) -> torch.Tensor:
@@ -548,6 +612,7 @@ def load_eagle3(
     (`load_format="dummy"`: random weights, no weight files needed)."""
     check_load_format(load_format)
     cfg = Eagle3Config.from_dir(path, target_cfg)
+    cfg.check_tp(pctx.tp_size, path)
     if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
         raise SpeculantError(
             f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_eagle import tiny_target_config, write_random_eagle3
+from helpers_eagle import tiny_target_config, write_random_eagle3, write_speculators_eagle3
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig
@@ -455,3 +456,231 @@ def test_missing_folder_config_and_weights(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(SpeculantError, match="no model.safetensors or pytorch_model.bin"):
         load(tmp_path, target)
+
+
+# ---------------------------------------------------------------- decoder layers, window, tp
+
+
+def layer_prefix(w, i):
+    """Layer i's published prefix: `midlayer.` (one layer), `midlayer.{i}.` or `layers.{i}.`."""
+    if "midlayer.self_attn.q_proj.weight" in w:
+        return "midlayer."
+    return f"midlayer.{i}." if f"midlayer.{i}.mlp.up_proj.weight" in w else f"layers.{i}."
+
+
+def write_head(out_dir, target, architectures, model_type, *, qk_norms, overrides=None, **kwargs):
+    """A random head (4 heads, 2 KV heads) with top-level `architectures` (none when empty) and
+    `model_type`, and per-head q/k norm tensors in each layer when `qk_norms`."""
+    from safetensors.torch import save_file
+
+    w = write_random_eagle3(out_dir, target, num_heads=4, num_kv_heads=2, seed=6, **kwargs)
+    hf = json.loads((out_dir / "config.json").read_text())
+    gen = torch.Generator().manual_seed(9)
+    for i in range(hf["num_hidden_layers"]) if qk_norms else ():
+        for x in "qk":
+            norm = 1.0 + 0.3 * torch.randn(hf["head_dim"], generator=gen)
+            w[f"{layer_prefix(w, i)}self_attn.{x}_norm.weight"] = norm.to(torch.bfloat16)
+    save_file(w, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf.update(architectures=list(architectures), model_type=model_type, **(overrides or {}))
+    if not architectures:
+        del hf["architectures"]
+    (out_dir / "config.json").write_text(json.dumps(hf))
+    return w, hf
+
+
+def qwen3_reference(w, hf, embeds, aux, positions):
+    """The head on transformers' Qwen3 decoder layers, as vLLM's Eagle3Qwen3ForCausalLM and the
+    speculators package's Qwen3DecoderEagle3FirstLayer build it: layer 0 widens q/k/v to 2H and
+    attends over cat([input_layernorm(embeds), hidden_norm(hidden)]) with the projected hidden
+    as residual; layers i > 0 are plain Qwen3 layers. Returns (pre-norm output, logits)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import (
+        Qwen3DecoderLayer,
+        Qwen3RMSNorm,
+        Qwen3RotaryEmbedding,
+    )
+
+    cfg = Qwen3Config(**{k: v for k, v in hf.items() if k != "architectures"})
+    cfg._attn_implementation = "eager"
+    H, N = cfg.hidden_size, embeds.shape[0]
+    w = {k: v.float() for k, v in w.items()}
+    mask = torch.full((N, N), float("-inf")).triu(1)[None, None]
+    rope = Qwen3RotaryEmbedding(cfg)(embeds[None], positions[None])
+    h = aux @ w["fc.weight"].T
+    for i in range(cfg.num_hidden_layers):
+        layer, p = Qwen3DecoderLayer(cfg, i), layer_prefix(w, i)
+        if i == 0:
+            for x in "qkv":
+                proj = getattr(layer.self_attn, f"{x}_proj")
+                setattr(
+                    layer.self_attn, f"{x}_proj", torch.nn.Linear(2 * H, proj.out_features, False)
+                )
+            layer.hidden_norm = Qwen3RMSNorm(H, cfg.rms_norm_eps)
+        layer.load_state_dict({k[len(p) :]: t for k, t in w.items() if k.startswith(p)})
+        with torch.no_grad():
+            if i == 0:
+                x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], dim=-1)
+                h = h + layer.self_attn(x[None], rope, mask)[0][0]
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = layer(h[None], attention_mask=mask, position_embeddings=rope)[0]
+    return h, rms(h, w["norm.weight"], cfg.rms_norm_eps) @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize(
+    "architectures,model_type,num_layers,layer_keys",
+    [
+        (["Eagle3Qwen3ForCausalLM"], "qwen3", 2, "layers"),  # vLLM's qwen3_eagle3 head
+        (["Qwen3ForCausalLMEagle3"], "qwen3", 1, "midlayer"),  # SpecForge's Qwen3 draft
+        ([], "qwen3", 1, "midlayer"),  # no architecture: the model_type says it
+    ],
+)
+def test_top_level_qwen3_head_has_qwen3_layers(
+    tmp_path, llama_dir, architectures, model_type, num_layers, layer_keys
+):
+    """A top-level head whose architecture names Qwen3 layers gets their per-head q/k norms and
+    follows transformers' Qwen3 layers (the Llama formula, without the norms, misses)."""
+    target = ModelConfig.from_dir(llama_dir)
+    w, hf = write_head(
+        tmp_path,
+        llama_dir,
+        architectures,
+        model_type,
+        qk_norms=True,
+        draft_vocab=64,
+        num_layers=num_layers,
+        layer_keys=layer_keys,
+        aux_ids=[0, 1, 2],
+        aux_ids_at="top",
+    )
+    head = load(tmp_path, target)
+    assert head.config.layer.qk_norm and head.layers[0].self_attn.q_norm is not None
+    gen = torch.Generator().manual_seed(2)
+    embeds, aux = torch.randn(7, 64, generator=gen), torch.randn(7, 192, generator=gen) * 2
+    positions = torch.arange(7) + 3
+    with torch.no_grad():
+        out = head(embeds, aux, positions, CausalAttentionStub())
+        logits = head.logits(out)
+    ref_out, ref_logits = qwen3_reference(w, hf, embeds, aux, positions)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    llama_out, _ = reference(w, hf, embeds, aux, positions)
+    assert not torch.allclose(out, llama_out, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "architectures,model_type,speculators,num_layers,layer_keys,named",
+    [
+        # vLLM and SGLang build LlamaForCausalLMEagle3 with Llama layers whatever the model_type
+        (["LlamaForCausalLMEagle3"], "qwen3", False, 1, "midlayer", r"architectures=\['Llama"),
+        (["LlamaForCausalLMEagle3"], "llama", False, 2, "layers", r"'layers\.1\.self_attn\.q_norm"),
+        (["LlamaForCausalLMEagle3"], "llama", True, 1, "midlayer", r"model_type='llama'"),
+    ],
+)
+def test_qk_norms_in_a_head_of_llama_layers_are_refused(
+    tmp_path, llama_dir, architectures, model_type, speculators, num_layers, layer_keys, named
+):
+    """q/k norm tensors the head's Llama layers would drop are refused in one line naming them."""
+    head_dir = tmp_path / "h"
+    write_head(
+        head_dir,
+        llama_dir,
+        architectures,
+        model_type,
+        qk_norms=True,
+        num_layers=num_layers,
+        layer_keys=layer_keys,
+    )
+    if speculators:
+        write_speculators_eagle3(tmp_path / "s", head_dir, llama_dir, aux_ids=[0, 1, 2])
+        head_dir = tmp_path / "s"
+    with pytest.raises(SpeculantError, match=r"holds q/k norm tensors .*k_norm.*q_norm") as err:
+        load(head_dir, ModelConfig.from_dir(llama_dir))
+    assert re.search(named, str(err.value)) and "\n" not in str(err.value)
+    assert "builds Llama layers without them" in str(err.value)
+
+
+SLIDING = ["sliding_attention"]
+
+
+@pytest.mark.parametrize(
+    "architectures,model_type,fields,refused",
+    [
+        (["LlamaForCausalLMEagle3"], "llama", {"layer_types": SLIDING, "sliding_window": 32}, True),
+        (
+            ["Eagle3Qwen3ForCausalLM"],
+            "qwen3",
+            {"layer_types": SLIDING, "sliding_window": 32, "use_sliding_window": True},
+            True,
+        ),
+        (  # Qwen3Config: the layers from max_window_layers on slide
+            ["Eagle3Qwen3ForCausalLM"],
+            "qwen3",
+            {"sliding_window": 32, "use_sliding_window": True, "max_window_layers": 0},
+            True,
+        ),
+        (  # Qwen3Config drops the window without use_sliding_window
+            ["Eagle3Qwen3ForCausalLM"],
+            "qwen3",
+            {"layer_types": SLIDING, "sliding_window": 32},
+            False,
+        ),
+        (["LlamaForCausalLMEagle3"], "llama", {"sliding_window": 32}, False),  # no layer slides
+        (  # layer 0 is full; the other entry names no layer of this one-layer head
+            ["LlamaForCausalLMEagle3"],
+            "llama",
+            {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 32},
+            False,
+        ),
+        (  # the window covers the 128 positions: exact without windowed attention
+            ["LlamaForCausalLMEagle3"],
+            "llama",
+            {"layer_types": SLIDING, "sliding_window": 128},
+            False,
+        ),
+    ],
+)
+def test_top_level_sliding_window_is_checked(
+    tmp_path, llama_dir, architectures, model_type, fields, refused
+):
+    """A top-level head's sliding layers are read as transformers' config class for its
+    model_type reads them, and refused where the window binds, as a speculators head's are."""
+    qwen3 = architectures == ["Eagle3Qwen3ForCausalLM"]
+    write_head(tmp_path, llama_dir, architectures, model_type, qk_norms=qwen3, overrides=fields)
+    target = ModelConfig.from_dir(llama_dir)
+    if refused:
+        with pytest.raises(SpeculantError, match=r"sliding_window=32 .* shorter than the 128"):
+            load(tmp_path, target)
+    else:
+        assert load(tmp_path, target).config.sliding_window in (None, 128)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,intermediate,message",
+    [
+        (3, 1, None, r"num_attention_heads=3 is not divisible by --tp 2"),
+        (6, 3, None, r"num_key_value_heads=3 neither divides nor is a multiple of --tp 2"),
+        (4, 1, 97, r"intermediate_size=97 is not divisible by --tp 2"),
+        (4, 1, None, None),  # the one KV head is replicated on both ranks
+    ],
+)
+def test_head_shapes_are_checked_against_tp(tmp_path, heads, kv_heads, intermediate, message):
+    target = tiny_target_config(num_layers=8)
+    write_random_eagle3(
+        tmp_path,
+        target,
+        hidden=48,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate,
+        aux_ids=[1, 3, 5],
+    )
+    pctx = ParallelContext(tp_size=2, tp_rank=1)
+    args = (tmp_path, target, "cpu", torch.float32, pctx, 128)
+    if message is None:
+        head = load_eagle3(*args)
+        assert (head.num_kv_heads, head.layers[0].self_attn.num_heads) == (1, heads // 2)
+        return
+    with pytest.raises(SpeculantError, match=message) as err:
+        load_eagle3(*args)
+    assert f"EAGLE-3 head {str(tmp_path)!r}" in str(err.value) and "\n" not in str(err.value)
