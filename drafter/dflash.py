@@ -17,8 +17,12 @@ Config fields the reference reads, each honoured or refused: `block_size`, `mask
 `target_layer_ids`, `input_embedding_scale` (scales the raw embeddings), `output_multiplier` and
 `final_logit_softcapping` (logits * m, then tanh(l / c) * c) from `dflash_config` or the top level;
 `is_causal` from the top level only, as the reference reads it (a causal block, every layer);
+`dflash_config.causal`, which vLLM (`_dflash_layer_causal`) reads when the top level has no
+`is_causal`, with the same meaning (the z-lab reference ignores it; `causal_head`, which neither
+reference defines, is refused unless false);
 `layer_types` with `sliding_window` (which counts only with `use_sliding_window`, as transformers'
-Qwen3Config reads it): a sliding layer's block is causal unless `is_causal` says otherwise. We run
+Qwen3Config reads it): a sliding layer's block is causal unless `is_causal` (or
+`dflash_config.causal`) says otherwise. We run
 one block mask for all layers (a mix of causal and non-causal layers is refused) and no window (a
 window is refused unless it covers every position the engine reaches, where it changes nothing).
 
@@ -207,6 +211,16 @@ def _block_attention(
             f"dflash_config.is_causal in {source}: the reference reads is_causal only at the top "
             "level of config.json; move it there"
         )
+    if extra.get("causal_head") not in (None, False):
+        raise SpeculantError(
+            f"dflash_config.causal_head={extra['causal_head']!r} in {source} is not supported: "
+            "neither reference defines what it computes"
+        )
+    override = extra.get("causal")  # vLLM's dflash_config.causal: every layer's block
+    if override is not None and not isinstance(override, bool):
+        raise SpeculantError(
+            f"dflash_config.causal={override!r} in {source} must be true or false; fix config.json"
+        )
     if speculators:  # its anchor-block mask: causal only on windowed sliding layers
         if "is_causal" in hf:
             raise SpeculantError(
@@ -215,8 +229,10 @@ def _block_attention(
             )
         causal_window = window is not None and not hf.get("sliding_window_non_causal", False)
         causal = [s and causal_window for s in sliding]
-    else:  # z-lab: is_causal for every layer, else causal on sliding layers
+    else:  # vLLM's order: is_causal, else dflash_config.causal (every layer), else sliding
         is_causal = hf.get("is_causal")
+        if is_causal is None:
+            is_causal = override
         causal = [s if is_causal is None else bool(is_causal) for s in sliding]
     if len(set(causal)) > 1:
         raise SpeculantError(
@@ -427,6 +443,7 @@ def build_block_drafter(
             f"{max_positions} positions a request may reach (--max-model-len + 2 x (k + 1)), and "
             "windowed attention is not supported; lower --max-model-len"
         )
+    check_tp_split(cfg.layer, pctx.tp_size, path)
     with default_device_and_dtype(device, dtype):
         model = model_class(cfg, max_positions, pctx)
     if load_format == "dummy":
@@ -438,10 +455,24 @@ def build_block_drafter(
     require_tensors(weights, keys, source, "drafter", what)
     load_weights(model, iter(weights.items()), source)
     return model.eval()
-    weights, source = read_head_weights(path)
-    require_tensors(weights, published_keys(cfg), source, "drafter", "a DFLASH drafter")
-    load_weights(model, iter(weights.items()), source)
-    return model.eval()
+
+
+def check_tp_split(layer: ModelConfig, tp: int, path) -> None:
+    """Refuse, in one line naming the drafter, layers that QKVParallelLinear and the MLP cannot
+    split over `tp` ranks (KV heads split, or are replicated when tp is a multiple of them)."""
+    heads, kv, inter = layer.num_heads, layer.num_kv_heads, layer.intermediate_size
+    if heads % tp:
+        problem, fix = f"{heads} attention heads", f"divides {heads}"
+    elif kv % tp and tp % kv:
+        problem, fix = f"{kv} KV heads", f"divides {kv} or is a multiple of it"
+    elif inter % tp:
+        problem, fix = f"intermediate_size {inter}", f"divides {inter}"
+    else:
+        return
+    raise SpeculantError(
+        f"the drafter {path} has {problem}, which cannot be split over --tp {tp}; use a --tp "
+        f"that {fix}"
+    )
 
 
 class DFlashDrafter(Drafter):

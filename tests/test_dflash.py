@@ -14,7 +14,9 @@ from scipy.stats import chisquare
 from test_speculative import GREEDY, assert_lossless, engine, prompts_of
 
 from speculant import SamplingParams
-from speculant.drafter.dflash import default_target_layer_ids
+from speculant.comm.groups import ParallelContext
+from speculant.config import ModelConfig
+from speculant.drafter.dflash import default_target_layer_ids, load_dflash
 from speculant.errors import SpeculantError
 from speculant.executor.sampling import GREEDY as GREEDY_VARIANT
 from speculant.executor.sampling import filtered_probs
@@ -148,13 +150,120 @@ def test_dflash_default_layer_ids_and_top_level_fields(tmp_path, qwen3_dir):
             {"config_overrides": {"layer_types": ["sliding_attention", "full_attention"]}},
             "not a mix",
         ),
+        ({"dflash_fields": {"causal_head": True}}, "dflash_config.causal_head=True .* not supp"),
+        ({"dflash_fields": {"causal": "yes"}}, "dflash_config.causal='yes' .* true or false"),
     ],
 )
 def test_dflash_bad_checkpoints_raise_one_clear_error(tmp_path, llama_dir, kwargs, message):
     kwargs.setdefault("target_layer_ids", [0, 1])
     write_random_dflash(tmp_path, llama_dir, **kwargs)
-    with pytest.raises(SpeculantError, match=message):
+    with pytest.raises(SpeculantError, match=message) as info:
         engine(llama_dir, algo="dflash", draft=str(tmp_path))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, overrides, tp, message",
+    [
+        (6, 2, {}, 4, "has 6 attention heads, which cannot be split over --tp 4"),
+        (6, 3, {}, 2, "has 3 KV heads, which cannot be split over --tp 2"),
+        (4, 2, {"intermediate_size": 130}, 4, "has intermediate_size 130, which cannot be split"),
+    ],
+)
+def test_dflash_heads_tp_cannot_split_raise_one_line(
+    tmp_path, llama_dir, heads, kv_heads, overrides, tp, message
+):
+    """A drafter whose heads (or MLP) --tp cannot split: one line naming the drafter folder, the
+    count and the tp, before any layer is built (not models/layers.py's bare ValueError)."""
+    write_random_dflash(
+        tmp_path, llama_dir, num_heads=heads, num_kv_heads=kv_heads, target_layer_ids=[0, 1],
+        config_overrides=overrides,
+    )  # fmt: skip
+    pctx = ParallelContext(tp_size=tp, tp_rank=0)
+    with pytest.raises(SpeculantError, match=message) as info:
+        load_dflash(tmp_path, ModelConfig.from_dir(llama_dir), "cpu", torch.float32, pctx, 64)
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+
+
+def _reference_probs(drafter_dir, target_dir, prompt, first, k, top_level=None):
+    """The z-lab reference (`dflash` package) over `prompt` and the block [first, mask x k]:
+    softmax of its compute_logits at temperature 1, `top_level` fields set in a copy of the
+    drafter's config.json first (the reference reads `is_causal` there only)."""
+    from dflash.model import DFlashDraftModel, _raw_input_embeddings, extract_context_feature
+    from transformers import AutoModelForCausalLM
+
+    if top_level:
+        copy = drafter_dir.parent / f"{drafter_dir.name}_ref"
+        copy.mkdir(exist_ok=True)
+        config = json.loads((drafter_dir / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, **top_level}))
+        (copy / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+        drafter_dir = copy
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        context = extract_context_feature(states, model.target_layer_ids)
+        noise = _raw_input_embeddings(target, torch.tensor([[first] + [model.mask_token_id] * k]))
+        positions = torch.arange(len(prompt) + k + 1)[None]
+        hidden = model(target_hidden=context, noise_embedding=noise, position_ids=positions)
+        logits = model.compute_logits(hidden[:, 1:], target.lm_head)
+    return torch.softmax(logits[0].float(), -1)
+
+
+SLIDING = ["sliding_attention", "sliding_attention"]
+
+
+@pytest.mark.needs("dflash")
+@pytest.mark.parametrize(
+    "top, causal, block",
+    [
+        ({}, True, True),  # full layers, made causal
+        ({"layer_types": SLIDING}, False, False),  # sliding layers, made non-causal
+        ({"layer_types": ["sliding_attention", "full_attention"]}, True, True),  # no mix left
+        ({"is_causal": False}, True, False),  # a top-level is_causal wins (the reference's own)
+    ],
+    ids=["full-causal", "sliding-noncausal", "mixed-causal", "is_causal-wins"],
+)
+def test_dflash_config_causal_as_vllm_reads_it(tmp_path, llama_dir, top, causal, block):
+    """`dflash_config.causal` sets every layer's block as vLLM's `_dflash_layer_causal` does
+    (after a top-level is_causal, before layer_types); the z-lab reference, which ignores the
+    key, computes that block when given the same causality as a top-level is_causal. Our q after
+    prefill equals it, and (where the key decides) differs from the key-blind reference's."""
+    k, prompt = 5, [5, 9, 11, 3, 40, 7, 8, 200, 31]
+    d = tmp_path / "d"
+    write_random_dflash(
+        d, llama_dir, block_size=k + 1, target_layer_ids=[0, 1], seed=6, config_overrides=top,
+        dflash_fields={"causal": causal},
+    )  # fmt: skip
+    spec = engine(llama_dir, algo="dflash", draft=str(d), num_draft_tokens=k)
+    assert spec.drafter.model.config.causal_block is block
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=7, ignore_eos=True)
+    first = spec.generate([prompt], params, use_tqdm=False)[0].token_ids[0]
+    q = spec.runner.draft_probs
+    q = q[(q.sum(-1) > 0.5).all(-1).nonzero()[0, 0]]
+    expected = _reference_probs(d, llama_dir, prompt, first, k, {"is_causal": block})
+    torch.testing.assert_close(q, expected, rtol=1e-4, atol=1e-5)
+    if "is_causal" not in top:
+        blind = _reference_probs(d, llama_dir, prompt, first, k)
+        assert not torch.allclose(blind, expected, atol=1e-4), "the key changes nothing here"
+
+
+def test_dflash_config_causal_is_lossless(plain, llama_dir, tmp_path):
+    """A causal block from `dflash_config.causal`: greedy speculative output equals plain greedy,
+    eager and eager-padded."""
+    k = 4
+    write_random_dflash(
+        tmp_path, llama_dir, block_size=k + 1, target_layer_ids=[1, 0],
+        dflash_fields={"causal": True},
+    )  # fmt: skip
+    for padding in (False, True):
+        spec = engine(
+            llama_dir, algo="dflash", draft=str(tmp_path), num_draft_tokens=k,
+            eager_padding=padding,
+        )  # fmt: skip
+        assert spec.drafter.model.config.causal_block
+        assert_lossless(spec, plain, prompts_of((3, 17, 1, 30, 9), seed=11), k)
 
 
 def test_dflash_sampling_follows_target_distribution(llama_dir, dflash_dir):
