@@ -31,8 +31,11 @@ class DraftModelDrafter(Drafter):
         cfg = draft_lm.config
         if cfg.vocab_size != target_vocab:
             raise SpeculantError(
-                f"draft LM vocabulary {cfg.vocab_size} != target vocabulary "
-                f"{target_vocab}; the draft model must share the tokenizer"
+                f"draft LM vocabulary {cfg.vocab_size} != target vocabulary {target_vocab} "
+                "(config.json vocab_size): the draft model must share the target's tokenizer "
+                "and vocabulary size (one family's checkpoints padded to different sizes, e.g. "
+                "Qwen2.5-0.5B and -7B, are not supported yet); pick a draft model of the same "
+                "vocab_size"
             )
         attn = draft_lm.model.layers[0].self_attn
         super().__init__(
