@@ -44,6 +44,12 @@ def measure(kind: str, args) -> dict:
             out["profile_bs1"] = kernel_profile(engine.graphs.graph("greedy", 1).replay)
         for row in rows:
             engine.kv.free(row)
+        if kind == "fp8" and args.fp8_tables:
+            try:
+                out["table_variants"] = table_variants(engine, vocab, args, gen)
+            except Exception as exc:  # keep the figures above
+                out["table_variants"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(f"  {args.label} tables: {out['table_variants']['error']}", flush=True)
         if kind == "fp8" and args.fp8_m1:
             try:
                 out["m1_variants"] = m1_variants(engine, vocab, args, gen)
@@ -101,6 +107,37 @@ def m1_variants(engine, vocab: int, args, gen) -> dict:
     return results
 
 
+def table_variants(engine, vocab: int, args, gen) -> dict:
+    """The bs-1 and bs-64 graph steps per FP8 path table (graphs recaptured for each), in
+    `--rounds` rounds with the tables' order rotated: {table: {bs: [ms, ...]}}."""
+    from graphs import live_rows, time_ms
+
+    from speculant.kernels import fp8 as kernels
+    from speculant.kernels import fp8_table
+
+    shipped = kernels.TUNED
+    tables = args.fp8_tables.split(";")
+    results: dict = {}
+    try:
+        for r in range(args.rounds):
+            for name in tables[r % len(tables):] + tables[: r % len(tables)]:
+                kernels.TUNED = shipped if name == "shipped" else fp8_table.load(name)
+                engine.clear_graphs()
+                engine.capture_graphs()
+                for bs in (1, 64):
+                    rows = live_rows(engine, bs, vocab, args.context, gen)
+                    ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
+                    results.setdefault(name, {}).setdefault(str(bs), []).append(ms)
+                    for row in rows:
+                        engine.kv.free(row)
+    finally:
+        kernels.TUNED = shipped
+    for name, by_bs in results.items():
+        medians = ", ".join(f"bs {b} {sorted(v)[len(v) // 2]:.3f} ms" for b, v in by_bs.items())
+        print(f"  {args.label} fp8 table {name}: {medians}", flush=True)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True)
@@ -111,6 +148,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | PATH:CONFIG'
+    )
+    parser.add_argument(
+        "--fp8-tables", default="", help='";"-separated FP8 path tables to time: shipped | PATH'
     )
     args = parser.parse_args()
     import speculant

@@ -68,6 +68,16 @@ SK_TILES = [(64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 8, 4), (32, 4, 4)]
 SK_FULL_MS = (64, 4, 32, 128, 256)
 SK_TOP = 4
 SK_PROGRAMS = (132, 1100)  # split counts tried: grids of about one to eight programs per SM
+# `--wide` (wave 13): every (BLOCK_N, warps, stages) below at each M of `--ms`, with the split
+# counts of WIDE_SPLITS (not only powers of two: whole waves over the 132 SMs) in
+# WIDE_PROGRAMS programs, and the one-pass W8A8 GEMM at every stage count. The decode
+# attention's sweep (wave 12) found Triton's stage count worth 70% -> 97% of bandwidth.
+WIDE_TILES = [(bn, w, st) for bn, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3, 4, 5)] + [
+    (256, 8, 2), (256, 8, 3)]  # fmt: skip
+WIDE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+WIDE_PROGRAMS = (128, 800)
+WIDE_GEMMS = [(bn, bm, w, st) for bn, bm, w in ((128, 64, 4), (64, 64, 4), (128, 64, 8))
+              for st in (2, 3, 4, 5)]  # fmt: skip
 
 
 def splitk_configs(dry: bool) -> list[tuple]:
@@ -175,6 +185,28 @@ def sk_configs(m: int, n: int, k: int, dry: bool) -> list[tuple]:
     return out
 
 
+def wide_sk_configs(m: int, n: int, k: int) -> list[tuple]:
+    """`--wide`: (BLOCK_N, BLOCK_M cap, warps, stages, splits) over WIDE_TILES x WIDE_SPLITS."""
+    chunks = -(-k // kernels.BLOCK)
+    out = []
+    for block_n, warps, stages in WIDE_TILES:
+        grid = -(-n // block_n) * -(-m // sk_bucket(m, 64))
+        for split in WIDE_SPLITS:
+            if split <= chunks and WIDE_PROGRAMS[0] <= grid * split <= WIDE_PROGRAMS[1]:
+                out.append((block_n, 64, warps, stages, split))
+    return out
+
+
+def wide_candidates(m: int, n: int, k: int, scaled_mm: dict | None) -> list[tuple]:
+    """`--wide`: the tensor-core paths at M rows, every stage count (see WIDE_TILES)."""
+    sk = wide_sk_configs(m, n, k)
+    out = [("sk_w8a8", c) for c in sk] + [("sk_w8a8_pre", c) for c in sk if c[3] <= 3]
+    out += [("w8a8", c) for c in WIDE_GEMMS]
+    if scaled_mm is not None:
+        out.append(("scaled_mm", scaled_mm))
+    return out
+
+
 def candidates(m: int, splitk: list, scaled_mm: dict | None, dry: bool, sk: dict) -> list[tuple]:
     """(path, config) pairs to time at M rows; sk: {path: [config, ...]} of the split-K
     tensor-core paths (chosen by the caller)."""
@@ -222,6 +254,8 @@ def sweep(args, report: dict, deadline: float) -> dict:
     device = "cuda" if cuda else "cpu"
     shapes = SHAPES_DRY if args.dry_run else SHAPES_8B
     ms = MS_DRY if args.dry_run else MS
+    if args.ms:
+        ms = tuple(int(v) for v in args.ms.split(","))
     gen = torch.Generator(device=device).manual_seed(0)
     probe = report["scaled_mm_probe"]
     scaled_config = probe["works"]
@@ -254,7 +288,11 @@ def sweep(args, report: dict, deadline: float) -> dict:
                 splitk = best_splitk.get(name, all_splitk[:SPLITK_TOP])
                 splitk = splitk + [c[:3] + ("kernel",) for c in splitk[:2]]
             sk = sk_candidates(m, n, k, args.dry_run, best_sk.get(name, {}))
-            for path, config in candidates(m, splitk, scaled_config, args.dry_run, sk):
+            if args.wide:
+                chosen = wide_candidates(m, n, k, scaled_config)
+            else:
+                chosen = candidates(m, splitk, scaled_config, args.dry_run, sk)
+            for path, config in chosen:
                 label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
                 want = ref8 if path in W8A8_PATHS else ref
                 entry[label] = measure(path, config, x, fp8, want, cuda)
@@ -314,14 +352,21 @@ def layer_sums(report: dict, shapes: dict) -> dict:
     return sums
 
 
-def write_table(rows: dict, device_name: str, path: Path) -> dict:
-    """The tuned table: this device's rows, next to the other devices of kernels/fp8_tuned.json."""
+def write_table(rows: dict, device_name: str, path: Path, merge: bool = False) -> dict:
+    """The tuned table: this device's rows, next to the other devices of kernels/fp8_tuned.json;
+    `merge`: the shipped rows of this device kept except at the M this sweep measured."""
     doc = {"devices": {}}
     if fp8_table.TUNED_PATH.exists():
         doc = json.loads(fp8_table.TUNED_PATH.read_text())
-    doc.setdefault("devices", {})[device_name] = fp8_table.to_json({device_name: rows})[
-        "devices"
-    ].get(device_name, {})
+    new = fp8_table.to_json({device_name: rows})["devices"].get(device_name, {})
+    if merge:
+        old = doc.get("devices", {}).get(device_name, {})
+        for shape, swept in new.items():
+            measured = {r["max_m"] for r in swept}
+            kept = [r for r in old.get(shape, []) if r["max_m"] not in measured]
+            new[shape] = sorted(kept + swept, key=lambda r: r["max_m"])
+        new = {**old, **new}
+    doc.setdefault("devices", {})[device_name] = new
     doc["comment"] = (
         "benchmarks/fp8_sweep.py: fastest kernels/fp8.py path per GPU, (N x K) and M (us per "
         "call in a CUDA graph, weights not L2-resident)"
@@ -372,6 +417,12 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--ms", default="", help="comma-separated row counts (default: MS)")
+    parser.add_argument("--wide", action="store_true", help="every stage count (WIDE_TILES)")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="write the table as the shipped one with only the swept M rows replaced",
+    )  # fmt: skip
     args = parser.parse_args()
     t0 = time.time()
     cuda = not args.dry_run
@@ -391,7 +442,7 @@ def main() -> int:
     deadline = t0 + args.budget_s - (args.decode_reserve_s if decode_on else 0)
     rows = sweep(args, report, deadline)
     report["layer_sums"] = layer_sums(report, SHAPES_DRY if args.dry_run else SHAPES_8B)
-    report["table"] = write_table(rows, device_name, args.table)["devices"][device_name]
+    report["table"] = write_table(rows, device_name, args.table, args.merge)["devices"][device_name]
     print(f"  table: {sum(len(r) for r in rows.values())} rows -> {args.table}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, default=str))
