@@ -198,12 +198,24 @@ def wide_sk_configs(m: int, n: int, k: int) -> list[tuple]:
 
 
 def wide_candidates(m: int, n: int, k: int, scaled_mm: dict | None) -> list[tuple]:
-    """`--wide`: the tensor-core paths at M rows, every stage count (see WIDE_TILES)."""
+    """`--wide`: the tensor-core paths at M rows, every stage count (see WIDE_TILES), each
+    with its W tiles through plain loads and through TMA (`_tma`), and the shipped table's
+    choice for (N, K, M) timed in the same run."""
     sk = wide_sk_configs(m, n, k)
-    out = [("sk_w8a8", c) for c in sk] + [("sk_w8a8_pre", c) for c in sk if c[3] <= 3]
-    out += [("w8a8", c) for c in WIDE_GEMMS]
-    if scaled_mm is not None:
+    if m < 32:  # fewer below (wave 4: 2 to 4 stages and BLOCK_N <= 128 won there)
+        sk = [c for c in sk if c[3] <= 4 and c[0] <= 128]
+    out = []
+    for tma in ("", "_tma"):
+        out += [(f"sk_w8a8{tma}", c) for c in sk]
+        out += [(f"sk_w8a8_pre{tma}", c) for c in sk if c[3] <= 3 and m >= 32]
+    if m >= 8:
+        out += [("w8a8", c) for c in WIDE_GEMMS]
+    if scaled_mm is not None and m >= 2:
         out.append(("scaled_mm", scaled_mm))
+    if torch.cuda.is_available():
+        shipped = fp8_table.lookup(fp8_table.load(), torch.device("cuda"), n, k, m)
+        if shipped is not None and shipped not in out:
+            out.append(shipped)
     return out
 
 
