@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One nvidia-h200 call (2026-12-03, wave 13, issue 24): the FP8 projections at M = 64 (the bs-64
 # decode step; with MS="64,1,4" also bs 1 and the EAGLE-3 bs-1 verify) swept over every stage
-# count, tile and split count, W tiles by plain loads and by TMA (`fp8_sweep.py --wide`; the
+# count, tile and split count (`fp8_sweep.py --wide`; at f73e52e also W tiles by TMA; the
 # shipped table kept at the other M), then the 8B FP8 graph decode step at bs 1 / 64 with the
 # shipped table vs the swept one, graphs recaptured per table in one engine, three rounds with
 # the order rotated. Logs and JSON under $OUT.
