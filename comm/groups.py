@@ -203,6 +203,17 @@ class ParallelContext:
         dist.gather_object(obj, out, dst=dst, group=self.cpu_group)
         return out
 
+    def store(self) -> Any:
+        """The job's key-value store (the default process group's TCPStore or FileStore), or None
+        without one (one process, or torch.distributed not initialised). Host-side counters
+        that must not wait on other ranks use it (executor/dp.JobProgress): no collective."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return None
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):  # a torch without it, or no store
+            return None
+
     def close(self) -> None:
         """Barrier, then tear the gloo groups down. NCCL groups are left to process exit:
         destroying them after CUDA-graph capture has hung (ranks end with `os._exit`)."""

@@ -19,9 +19,34 @@ from pathlib import Path
 
 import torch
 
-from speculant.config import read_hf_config
+from speculant.config import ModelConfig, read_hf_config
 from speculant.errors import SpeculantError
 from speculant.models.loader import iter_safetensors
+
+
+def check_tp_split(
+    layer: ModelConfig, tp: int, head: str, path: str | Path, source: str | None = None
+) -> None:
+    """Refuse, in one line, a drafter's decoder layers that QKVParallelLinear and the MLP cannot
+    split over `tp` ranks (attention heads and the MLP are sharded like the target's; KV heads
+    split, or are replicated when tp is a multiple of them). The line names the head (`head`:
+    "EAGLE-3 head", "DFLASH drafter", ...), its folder `path`, the config field and value, the
+    tp and the fix; `source` (the config file read) follows the field."""
+    heads, kv, inter = layer.num_heads, layer.num_kv_heads, layer.intermediate_size
+    if heads % tp:
+        bad, fix = f"num_attention_heads={heads} is not divisible by --tp {tp}", f"divides {heads}"
+    elif kv % tp and tp % kv:
+        bad = f"num_key_value_heads={kv} neither divides nor is a multiple of --tp {tp}"
+        fix = f"divides {kv} or is a multiple of it"
+    elif inter % tp:
+        bad, fix = f"intermediate_size={inter} is not divisible by --tp {tp}", f"divides {inter}"
+    else:
+        return
+    where = f" ({source})" if source else ""
+    raise SpeculantError(
+        f"{head} {str(path)!r}: {bad}{where}; its attention and MLP are split over the "
+        f"tensor-parallel ranks like the target's: use a --tp that {fix}"
+    )
 
 
 def read_head_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:

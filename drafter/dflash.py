@@ -55,6 +55,7 @@ from speculant.config import (
 )
 from speculant.drafter.base import Drafter, DraftInputs, Proposal
 from speculant.drafter.checkpoint import (
+    check_tp_split,
     format_of,
     read_head_weights,
     require_tensors,
@@ -443,7 +444,8 @@ def build_block_drafter(
             f"{max_positions} positions a request may reach (--max-model-len + 2 x (k + 1)), and "
             "windowed attention is not supported; lower --max-model-len"
         )
-    check_tp_split(cfg.layer, pctx.tp_size, path)
+    head = what.removeprefix("a ").removeprefix("an ")  # "DFLASH drafter", "DFlash2 drafter"
+    check_tp_split(cfg.layer, pctx.tp_size, head, path, cfg.source)
     with default_device_and_dtype(device, dtype):
         model = model_class(cfg, max_positions, pctx)
     if load_format == "dummy":
@@ -455,24 +457,6 @@ def build_block_drafter(
     require_tensors(weights, keys, source, "drafter", what)
     load_weights(model, iter(weights.items()), source)
     return model.eval()
-
-
-def check_tp_split(layer: ModelConfig, tp: int, path) -> None:
-    """Refuse, in one line naming the drafter, layers that QKVParallelLinear and the MLP cannot
-    split over `tp` ranks (KV heads split, or are replicated when tp is a multiple of them)."""
-    heads, kv, inter = layer.num_heads, layer.num_kv_heads, layer.intermediate_size
-    if heads % tp:
-        problem, fix = f"{heads} attention heads", f"divides {heads}"
-    elif kv % tp and tp % kv:
-        problem, fix = f"{kv} KV heads", f"divides {kv} or is a multiple of it"
-    elif inter % tp:
-        problem, fix = f"intermediate_size {inter}", f"divides {inter}"
-    else:
-        return
-    raise SpeculantError(
-        f"the drafter {path} has {problem}, which cannot be split over --tp {tp}; use a --tp "
-        f"that {fix}"
-    )
 
 
 class DFlashDrafter(Drafter):

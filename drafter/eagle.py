@@ -60,6 +60,7 @@ from speculant.config import (
     read_hf_config,
 )
 from speculant.drafter.checkpoint import (
+    check_tp_split,
     format_of,
     read_head_weights,
     require_tensors,
@@ -177,26 +178,6 @@ class Eagle3Config:
             sliding_window=window,
             source=source,
             layers_named_by=named_by,
-        )
-
-    def check_tp(self, tp: int, draft: str | Path) -> None:
-        """Refuse, in one line naming the head, shapes that do not split over `tp` ranks (the
-        attention heads and the MLP are sharded like the target's; KV heads may be replicated)."""
-        lc = self.layer
-        if lc.num_heads % tp:
-            bad = f"num_attention_heads={lc.num_heads} is not divisible by --tp {tp}"
-        elif lc.num_kv_heads % tp and tp % lc.num_kv_heads:
-            bad = (
-                f"num_key_value_heads={lc.num_kv_heads} neither divides nor is a multiple of "
-                f"--tp {tp}"
-            )
-        elif lc.intermediate_size % tp:
-            bad = f"intermediate_size={lc.intermediate_size} is not divisible by --tp {tp}"
-        else:
-            return
-        raise SpeculantError(
-            f"EAGLE-3 head {str(draft)!r}: {bad} ({self.source}); its attention and MLP are "
-            "split over the tensor-parallel ranks like the target's: use a --tp that divides them"
         )
 
 
@@ -612,7 +593,7 @@ def load_eagle3(
     (`load_format="dummy"`: random weights, no weight files needed)."""
     check_load_format(load_format)
     cfg = Eagle3Config.from_dir(path, target_cfg)
-    cfg.check_tp(pctx.tp_size, path)
+    check_tp_split(cfg.layer, pctx.tp_size, "EAGLE-3 head", path, cfg.source)
     if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
         raise SpeculantError(
             f"sliding_window={cfg.sliding_window} in {cfg.source} is shorter than the "

@@ -3,7 +3,8 @@ own steps (executor/scheduler.py); this module settles what must agree across DP
 
 Global rank 0 holds the user's prompts: it sends them to every rank, each DP rank takes its
 share (balanced by tokens, `assign_requests`), runs it, and rank 0 gathers the outputs back in
-input order (Engine.generate).
+input order (Engine.generate). Rank 0's progress bar counts every DP rank's finished requests
+through a counter in the job's store (`JobProgress`), outside the step protocol.
 
 The per-step protocol. Every step each DP rank sends (mode, tokens, rows, has_work): mode is
 DECODE (a pure decode step of `rows` requests, `tokens` = rows * (k + 1)), EXTEND (an eager
@@ -25,7 +26,9 @@ forward and a replayed graph make the same collectives. The drafter's forwards a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from speculant.comm.groups import ParallelContext
 from speculant.executor.cuda_graph import GraphRunner, dp_can_use_graph, dp_graph_batch_size
@@ -34,6 +37,7 @@ from speculant.executor.speculation import DraftShape
 from speculant.executor.step_plan import DPStepSizes, StepPlan
 
 IDLE, DECODE, EXTEND = 0, 1, 2  # what a DP rank runs in a step, as exchanged
+PROGRESS_INTERVAL_S = 0.2  # a DP rank touches the job's progress counter at most this often
 
 
 def assign_requests(costs: Sequence[int], dp: int) -> list[list[int]]:
@@ -51,6 +55,67 @@ def assign_requests(costs: Sequence[int], dp: int) -> list[list[int]]:
 def request_cost(request: Request) -> int:
     """Tokens a request puts through the model: its prompt and its longest output."""
     return len(request.prompt_ids) + request.max_new_tokens
+
+
+class JobProgress:
+    """The requests finished on every DP rank of one `generate` call, for rank 0's progress bar
+    (whose total is the whole job's). Each DP rank (its TP rank 0; one per DP rank) adds what it
+    finished to one counter, `key`, in the job's store (`ParallelContext.store`): no collective,
+    no rank waits for another, and a rank touches the store at most every `interval_s` seconds,
+    plus once when it has no request left. Rank 0 (`reads`) reads the sum as it adds (every
+    `interval_s` seconds even when it finished nothing). The key is new per call, so a second
+    `generate` on the same engine counts from 0.
+
+    The end is exact without waiting: a rank adds its last requests in the step that finishes
+    them (it has none left), before the next step's DP exchange where it reports no work, and the
+    generation loop ends only once every rank has reported none; so rank 0's last read
+    (`final`) holds every request of the job."""
+
+    def __init__(
+        self,
+        store: Any,
+        key: str,
+        total: int,
+        reads: bool,
+        interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.store, self.key, self.total, self.reads = store, key, total, reads
+        self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
+        self.clock = clock
+        self.pending = 0  # finished here, not yet added
+        self.count = 0  # the job's count at rank 0's last read
+        self.last = -float("inf")  # when this rank last touched the store
+
+    def update(self, finished: int, done: bool) -> int | None:
+        """This rank finished `finished` more requests (`done`: it has none left). Returns the
+        job's count when rank 0 read it now, else None."""
+        self.pending += finished
+        now = self.clock()
+        if self.pending and done:  # its last requests: before it reports no work
+            return self._add(now)
+        if now - self.last >= self.interval_s and (self.pending or self.reads):
+            return self._add(now)
+        return None
+
+    def final(self) -> int | None:
+        """After the generation loop (every rank has added all it finished): add what is left
+        and, on rank 0, return the job's count and drop the key."""
+        count = self._add(self.clock()) if self.pending or self.reads else None
+        if self.reads:
+            try:
+                self.store.delete_key(self.key)
+            except Exception:  # a store that cannot delete keeps a few bytes
+                pass
+        return count
+
+    def _add(self, now: float) -> int | None:
+        added, self.pending, self.last = self.pending, 0, now
+        total = int(self.store.add(self.key, added))
+        if not self.reads:
+            return None
+        self.count = total
+        return total
 
 
 class DPCoordinator:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from speculant.executor.build import (
 )
 from speculant.executor.catch_up import CatchUpBuffers, PendingRows
 from speculant.executor.cuda_graph import GraphRunner
-from speculant.executor.dp import DPCoordinator, assign_requests, request_cost
+from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
@@ -482,16 +483,20 @@ class Engine:
         use_tqdm: bool = False,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        progress: JobProgress | None = None,
     ) -> list[RequestOutput]:
         """Step until these requests (and, under DP, every other DP rank's) have finished;
         outputs in the order of `requests`. `on_step` gets each step's finished outputs (every
-        rank calls it every step: the DP ranks stream outputs to rank 0 through it)."""
+        rank calls it every step: the DP ranks stream outputs to rank 0 through it). Under DP,
+        `progress` counts the whole job's finished requests (executor/dp.JobProgress): the bar
+        then counts them, not this rank's."""
         for request in requests:
             self.scheduler.add(request)
         self._cycle = None  # the time since an earlier run's last step is no step's
         self._cycles_before.clear()
         results: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(requests), disable=not use_tqdm, desc="requests", unit="req")
+        total = len(requests) if progress is None else progress.total
+        bar = tqdm(total=total, disable=not use_tqdm, desc="requests", unit="req")
         try:
             while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
                 finished = [self._output(request) for request in self.step()]
@@ -499,11 +504,21 @@ class Engine:
                     results[out.index] = out
                     if on_output is not None:
                         on_output(out)
-                    bar.update(1)
+                if progress is None:
+                    if finished:
+                        bar.update(len(finished))
+                else:
+                    count = progress.update(len(finished), not self.scheduler.has_unfinished())
+                    if count is not None and count > bar.n:
+                        bar.update(count - bar.n)
                 if on_step is not None:
                     on_step(finished)
                 if self.dp.last.all_idle:
                     break
+            if progress is not None:
+                count = progress.final()
+                if count is not None and count > bar.n:
+                    bar.update(count - bar.n)
         except BaseException:  # Ctrl-C, a raising on_output: the next run starts empty
             self._abandon()
             raise
@@ -561,13 +576,22 @@ class Engine:
         others may pass None). Rank 0 returns every output in input order and passes each to
         `on_output` in the step it finishes, on whichever DP rank (one small gather per step, only
         when rank 0 has an `on_output`): nothing finished is lost to a later interrupt or rank
-        failure. Other ranks return their own DP rank's outputs."""
+        failure. Other ranks return their own DP rank's outputs. Rank 0's `use_tqdm` bar counts
+        the whole job's requests as any DP rank finishes them (a counter in the job's store,
+        executor/dp.JobProgress: no collective of its own, no rank waits)."""
         pctx = self.pctx
-        prompts, sampling_params, stream = pctx.broadcast_object(
-            (prompts, sampling_params, on_output is not None)
+        store = pctx.store()
+        # rank 0's bar counts the whole job: a store counter new to this call (JobProgress)
+        counted = use_tqdm and store is not None and pctx.dp_size > 1
+        key = f"speculant/progress/{uuid.uuid4().hex}" if counted else None
+        prompts, sampling_params, stream, key = pctx.broadcast_object(
+            (prompts, sampling_params, on_output is not None, key)
         )
         requests = self.make_requests(prompts, sampling_params)  # every rank checks every prompt
         share = assign_requests([request_cost(r) for r in requests], pctx.dp_size)[pctx.dp_rank]
+        progress = None  # one counter per DP rank: its TP rank 0 adds
+        if key is not None and store is not None and pctx.dp_size > 1 and pctx.tp_rank == 0:
+            progress = JobProgress(store, key, len(requests), reads=pctx.rank == 0)
         emitted: set[int] = set()
 
         def stream_to_rank0(finished: list[RequestOutput]) -> None:
@@ -581,6 +605,7 @@ class Engine:
             [requests[i] for i in share],
             use_tqdm=use_tqdm and pctx.rank == 0,
             on_step=stream_to_rank0 if stream else None,
+            progress=progress,
         )
         gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
         if gathered is None:

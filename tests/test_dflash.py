@@ -171,16 +171,17 @@ def test_dflash_bad_checkpoints_raise_one_clear_error(tmp_path, llama_dir, kwarg
 @pytest.mark.parametrize(
     "heads, kv_heads, overrides, tp, message",
     [
-        (6, 2, {}, 4, "has 6 attention heads, which cannot be split over --tp 4"),
-        (6, 3, {}, 2, "has 3 KV heads, which cannot be split over --tp 2"),
-        (4, 2, {"intermediate_size": 130}, 4, "has intermediate_size 130, which cannot be split"),
+        (6, 2, {}, 4, r"num_attention_heads=6 is not divisible by --tp 4 .* divides 6$"),
+        (6, 3, {}, 2, r"num_key_value_heads=3 neither divides nor is a multiple of --tp 2 "),
+        (4, 2, {"intermediate_size": 130}, 4, r"intermediate_size=130 is not divisible by --tp 4"),
     ],
 )
 def test_dflash_heads_tp_cannot_split_raise_one_line(
     tmp_path, llama_dir, heads, kv_heads, overrides, tp, message
 ):
-    """A drafter whose heads (or MLP) --tp cannot split: one line naming the drafter folder, the
-    count and the tp, before any layer is built (not models/layers.py's bare ValueError)."""
+    """A drafter whose heads (or MLP) --tp cannot split: one line naming the head (DFLASH) and
+    its folder, the field and its value, the tp and the fix, before any layer is built (not
+    models/layers.py's bare ValueError)."""
     write_random_dflash(
         tmp_path, llama_dir, num_heads=heads, num_kv_heads=kv_heads, target_layer_ids=[0, 1],
         config_overrides=overrides,
@@ -188,7 +189,8 @@ def test_dflash_heads_tp_cannot_split_raise_one_line(
     pctx = ParallelContext(tp_size=tp, tp_rank=0)
     with pytest.raises(SpeculantError, match=message) as info:
         load_dflash(tmp_path, ModelConfig.from_dir(llama_dir), "cpu", torch.float32, pctx, 64)
-    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+    assert str(info.value).startswith(f"DFLASH drafter {str(tmp_path)!r}: ")
+    assert "\n" not in str(info.value)
 
 
 def _reference_probs(drafter_dir, target_dir, prompt, first, k, top_level=None):

@@ -275,6 +275,106 @@ def test_assign_requests_balances_tokens():
     assert sorted(len(s) for s in shares) == [2, 2, 3]
 
 
+# ------------------------------------------------------------------------------- DP progress bar
+
+
+def progress_in_rank(target: str, calls: list[tuple]) -> list[tuple] | None:
+    """The body of every rank: generate each call's (prompts, params, progress interval) with
+    use_tqdm on one engine; rank 0 returns, per call, its bar's (total, counts it showed, count
+    at close, text it last drew). The bar is engine.py's own tqdm, drawn into a buffer."""
+    import io
+
+    from speculant.executor import dp as dp_module
+    from speculant.executor import engine as engine_module
+
+    bars: list[tuple] = []
+
+    class Recorded(engine_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            self.text, self.counts = io.StringIO(), []
+            super().__init__(*args, file=self.text, **kwargs)
+
+        def update(self, n=1):
+            super().update(n)
+            self.counts.append(self.n)
+
+        def close(self):
+            shown = not self.disable  # close() disables the bar
+            super().close()
+            if shown:
+                bars.append((self.total, self.counts, self.n, self.text.getvalue()))
+
+    engine_module.tqdm = Recorded
+    pctx = ParallelContext.from_env(1, 2, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    engine = Engine(target, pctx=pctx, **ENGINE, enforce_eager=True)
+    for prompts, params, interval in calls:
+        dp_module.PROGRESS_INTERVAL_S = interval
+        is_source = pctx.rank == 0
+        engine.generate(prompts if is_source else None, params if is_source else None,
+                        use_tqdm=is_source)  # fmt: skip
+    pctx.close()
+    return bars if pctx.rank == 0 else None
+
+
+def test_dp2_progress_bar_counts_the_whole_job(llama_dir):
+    """Under DP the bar on rank 0 counts every request of the job, not rank 0's share: its total
+    is all requests, it advances as DP rank 1 finishes its four while rank 0's one long request
+    still runs, and it closes at the total (no wait: rank 1 counts its last requests before it
+    reports no work). A second generate on the engine counts from 0, under the default 0.2 s
+    rate limit."""
+    short = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    calls = [  # (prompts, params, seconds between reads): shares [0] and [1, 2, 3, 4] first
+        (prompts_of((60, 3, 5, 2, 4), seed=3), [long] + [short] * 4, 0.0),
+        (prompts_of((9, 4, 6), seed=8), short, 0.2),
+    ]
+    bars = run_ranks(progress_in_rank, 2, (str(llama_dir), calls), timeout_s=LAUNCH_TIMEOUT_S)[0]
+    assert [(total, final) for total, _, final, _ in bars] == [(5, 5), (3, 3)]
+    (_, counts, _, text), (_, _, _, text2) = bars
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert 4 in counts  # rank 1's four counted while rank 0's request ran: before its own
+    assert text.rstrip().split("\r")[-1].lstrip().startswith("requests: 100%")
+    assert " 5/5 " in text.split("\r")[-1] and " 3/3 " in text2.split("\r")[-1]
+
+
+class FakeStore:
+    """A store's `add` and `delete_key`, logged."""
+
+    def __init__(self):
+        self.values: dict[str, int] = {}
+        self.adds: list[int] = []
+
+    def add(self, key: str, n: int) -> int:
+        self.adds.append(n)
+        self.values[key] = self.values.get(key, 0) + n
+        return self.values[key]
+
+    def delete_key(self, key: str) -> bool:
+        return self.values.pop(key, None) is not None
+
+
+def test_job_progress_touches_the_store_at_most_every_interval():
+    """A rank adds at most every interval (batched), at once when it has no request left; rank 0
+    reads every interval even when it finished nothing, and drops the key at the end."""
+    from speculant.executor.dp import JobProgress
+
+    now = [0.0]
+    store = FakeStore()
+    rank1 = JobProgress(store, "k", 6, reads=False, interval_s=0.2, clock=lambda: now[0])
+    rank0 = JobProgress(store, "k", 6, reads=True, interval_s=0.2, clock=lambda: now[0])
+    assert rank1.update(1, done=False) is None and store.adds == [1]  # the first: at once
+    now[0] = 0.1
+    assert rank1.update(2, done=False) is None and store.adds == [1]  # within the interval
+    assert rank0.update(0, done=False) == 1  # rank 0's first read
+    now[0] = 0.15
+    assert rank0.update(0, done=False) is None and store.adds == [1, 0]
+    assert rank1.update(1, done=True) is None and store.adds == [1, 0, 3]  # its last: at once
+    assert rank1.update(0, done=True) is None and store.adds == [1, 0, 3]  # nothing left to add
+    now[0] = 0.3
+    assert rank0.update(2, done=True) == 6
+    assert rank1.final() is None and rank0.final() == 6 and store.values == {}
+
+
 # ---------------------------------------------------------------------------------------- TP2 x DP2
 
 
