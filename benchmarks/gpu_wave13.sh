@@ -13,3 +13,6 @@ timeout 370 python3 benchmarks/fp8_sweep.py --ms "${MS:-64}" --wide --merge --sk
 timeout 190 python3 benchmarks/decode_ab.py --label w13 --kinds fp8 --rounds 3 \
     --fp8-tables "shipped;$OUT/fp8_tuned_w13.json" --json "$OUT/ab_w13.json" 2>&1 \
     | grep -v "Warning\|it/s\]\|warn" | tee "$OUT/ab_w13.log" | tail -6
+[ -n "${TESTS:-}" ] && timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_fp8_kernels.py -k "$TESTS" 2>&1 | tail -6 | tee "$OUT/pytest_w13.log"
+exit 0
