@@ -198,16 +198,15 @@ def wide_sk_configs(m: int, n: int, k: int) -> list[tuple]:
 
 
 def wide_candidates(m: int, n: int, k: int, scaled_mm: dict | None) -> list[tuple]:
-    """`--wide`: the tensor-core paths at M rows, every stage count (see WIDE_TILES), each
-    with its W tiles through plain loads and through TMA (`_tma`), and the shipped table's
-    choice for (N, K, M) timed in the same run."""
+    """`--wide`: the tensor-core paths at M rows, every stage count (see WIDE_TILES), and the
+    shipped table's choice for (N, K, M) timed in the same run. (Wave 13 also timed the W tiles
+    through a TMA tensor descriptor, f73e52e: correct, and within 2% of the plain loads;
+    dropped, results/fp8_wave6.md.)"""
     sk = wide_sk_configs(m, n, k)
     if m < 32:  # fewer below (wave 4: 2 to 4 stages and BLOCK_N <= 128 won there)
         sk = [c for c in sk if c[3] <= 4 and c[0] <= 128]
-    out = []
-    for tma in ("", "_tma"):
-        out += [(f"sk_w8a8{tma}", c) for c in sk]
-        out += [(f"sk_w8a8_pre{tma}", c) for c in sk if c[3] <= 3 and m >= 32]
+    out = [("sk_w8a8", c) for c in sk]
+    out += [("sk_w8a8_pre", c) for c in sk if c[3] <= 3 and m >= 32]
     if m >= 8:
         out += [("w8a8", c) for c in WIDE_GEMMS]
     if scaled_mm is not None and m >= 2:
@@ -306,7 +305,7 @@ def sweep(args, report: dict, deadline: float) -> dict:
                 chosen = candidates(m, splitk, scaled_config, args.dry_run, sk)
             for path, config in chosen:
                 label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
-                want = ref8 if path.removesuffix("_tma") in W8A8_PATHS else ref
+                want = ref8 if path in W8A8_PATHS else ref
                 entry[label] = measure(path, config, x, fp8, want, cuda)
             report["kernels"][f"{name}/{m}"] = entry
             if m in SK_FULL_MS:  # the fastest per path for the bucket's other M

@@ -29,9 +29,7 @@ Paths, picked by `route`: the tuned table's row for this GPU, shape (N, K) and M
   one launch, deterministic. sk_w8a16: W to bf16 in registers; sk_w8a8: x quantised to e4m3
   per row and chunk inside the kernel (no `_act_quant_kernel` launch), FP8 MMA; sk_w8a8_pre:
   the same MMA on x quantised by `_act_quant_kernel` (split-K W8A8 with the separate
-  quantisation). Under PDL each program prefetches its W slice into L2 before the wait. Each
-  also as `<path>_tma`: W tiles through a TMA tensor descriptor (sm_90 bulk copies, zero fill
-  out of bounds) instead of per-thread loads.
+  quantisation). Under PDL each program prefetches its W slice into L2 before the wait.
 - above SKINNY_MAX_M (prefill): PREFILL_GEMM picks `dequant` (W to bf16 once by
   `_dequant_kernel`, then cuBLAS), `w8a8` (x quantised per token per 128 columns by
   `_act_quant_kernel`, then `_w8a8_kernel`: FP8 tensor cores, tl.dot on float8e4nv, both
@@ -97,8 +95,6 @@ MAX_SPLIT_K = 8
 SPLITK_CONFIG = (16, 1024, 4, "atomic")
 # The split-K tensor-core paths (`_sk_kernel`) by name: the ACT value each launches
 SK_PATHS = {"sk_w8a16": 0, "sk_w8a8": 1, "sk_w8a8_pre": 2}
-# ... and with `_tma` appended: the same, W tiles loaded through a TMA tensor descriptor
-SK_PATHS.update({f"{path}_tma": act for path, act in list(SK_PATHS.items())})
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages, splits: 0 = enough for MIN_PROGRAMS) of
 # `_sk_kernel`; not yet measured
 SK_CONFIG = (64, 64, 4, 4, 0)
@@ -370,26 +366,19 @@ def _round_e4m3(v):
 
 @triton.jit
 def _sk_chunk(
-    acc, x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, rows, ms, row_ok, m_ok, kc, n_chunks, K,
-    stride_x, stride_xs, stride_w, stride_s, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-    EVEN: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, x_ptr, xs_ptr, w_ptr, s_ptr, rows, ms, row_ok, m_ok, kc, n_chunks, K, stride_x,
+    stride_xs, stride_w, stride_s, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+    EVEN: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    """acc [BLOCK_N, BLOCK_M] += (W x^T) over the 128 columns of chunk kc, scaled; TMA: the
-    W tile comes through the tensor descriptor w_desc (zero-filled out of bounds)."""
+    """acc [BLOCK_N, BLOCK_M] += (W x^T) over the 128 columns of chunk kc, scaled."""
     cols = kc * 128 + tl.arange(0, 128)
+    w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
     x_ptrs = x_ptr + ms[None, :] * stride_x + cols[:, None]
-    if TMA:
-        w = w_desc.load([tl.program_id(0) * BLOCK_N, kc * 128])
-        if EVEN:
-            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-        else:
-            xt = tl.load(x_ptrs, mask=m_ok[None, :] & (cols < K)[:, None], other=0.0)
-    elif EVEN:
-        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :])
+    if EVEN:
+        w = tl.load(w_ptrs)
         xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
     else:
         col_ok = cols < K
-        w_ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]
         w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         xt = tl.load(x_ptrs, mask=m_ok[None, :] & col_ok[:, None], other=0.0)
     if ACT == 0:  # W to the activations' dtype in registers
@@ -424,11 +413,10 @@ def _sk_chunk(
 
 @triton.jit(do_not_specialize=["M", "CHUNKS", "SPLITS"])
 def _sk_kernel(
-    x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x,
-    stride_xs, stride_w, stride_y, stride_s, CHUNKS, SPLITS, ACT: tl.constexpr,
-    BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_x, stride_xs,
+    stride_w, stride_y, stride_s, CHUNKS, SPLITS, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Split-K tensor-core GEMM for skinny x ("swap AB": acc [BLOCK_N, BLOCK_M] = W_tile x^T,
     the weight rows on the MMA's tall side). Program (n tile, m tile, split) runs CHUNKS
@@ -454,15 +442,15 @@ def _sk_kernel(
     if INTERP:  # the interpreter takes no runtime range bounds; compiled, a for loop pipelines
         i = 0
         while i < CHUNKS:
-            acc = _sk_chunk(acc, x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, rows, ms, row_ok, m_ok,
-                            kc0 + i, n_chunks, K, stride_x, stride_xs, stride_w, stride_s, ACT,
-                            BLOCK_SCALE, EVEN, DOT_F32, TMA, BLOCK_N)  # fmt: skip
+            acc = _sk_chunk(acc, x_ptr, xs_ptr, w_ptr, s_ptr, rows, ms, row_ok, m_ok, kc0 + i,
+                            n_chunks, K, stride_x, stride_xs, stride_w, stride_s, ACT,
+                            BLOCK_SCALE, EVEN, DOT_F32)  # fmt: skip
             i += 1
     else:
         for i in range(0, CHUNKS):
-            acc = _sk_chunk(acc, x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, rows, ms, row_ok, m_ok,
-                            kc0 + i, n_chunks, K, stride_x, stride_xs, stride_w, stride_s, ACT,
-                            BLOCK_SCALE, EVEN, DOT_F32, TMA, BLOCK_N)  # fmt: skip
+            acc = _sk_chunk(acc, x_ptr, xs_ptr, w_ptr, s_ptr, rows, ms, row_ok, m_ok, kc0 + i,
+                            n_chunks, K, stride_x, stride_xs, stride_w, stride_s, ACT,
+                            BLOCK_SCALE, EVEN, DOT_F32)  # fmt: skip
     if not BLOCK_SCALE:
         acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
     y_ptrs = y_ptr + ms[None, :] * stride_y + rows[:, None]
@@ -639,19 +627,12 @@ def sk_gemm(x2, weight, scale, mode, path="sk_w8a16", config=None, quantized=Non
         ws = counters = y  # unused
     even = n % block_n == 0 and k == splits * chunks * BLOCK
     pdl = pdl_mode(x2)
-    # TMA takes 16-byte aligned rows; others run the plain loads
-    tma = path.endswith("_tma") and k % 16 == 0 and weight.data_ptr() % 16 == 0
-    w_desc = weight
-    if tma:  # triton's own module (optional at import: see kernels/runtime.py)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK])
     _sk_kernel[(grid_n, grid_m, splits)](
-        xin, xs, weight, w_desc, scale, y, ws, counters, m, n, k, xin.stride(0), xs.stride(0),
+        xin, xs, weight, scale, y, ws, counters, m, n, k, xin.stride(0), xs.stride(0),
         weight.stride(0), y.stride(0), scale.stride(0), chunks, splits, ACT=act,
         BLOCK_SCALE=mode == "block", BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
-        EVEN=even, DOT_F32=INTERPRET, INTERP=INTERPRET, TMA=tma, num_warps=warps,
-        num_stages=stages, **pdl_options(pdl),
+        EVEN=even, DOT_F32=INTERPRET, INTERP=INTERPRET, num_warps=warps, num_stages=stages,
+        **pdl_options(pdl),
     )  # fmt: skip
     return y
 
@@ -793,7 +774,7 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
     else:
         raise ValueError(
             f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, sk_w8a16, sk_w8a8, "
-            "sk_w8a8_pre (each also with _tma), dequant or (CUDA, block scales) scaled_mm"
+            "sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
         )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
