@@ -29,6 +29,7 @@ from speculant.drafter.dflash2 import DFlash2Drafter, load_dflash2
 from speculant.drafter.draft_model import DraftModelDrafter
 from speculant.drafter.eagle import load_eagle3
 from speculant.drafter.eagle_drafter import Eagle3Drafter
+from speculant.drafter.tokenizer_vocab import check_draft_tokenizer
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
@@ -333,6 +334,10 @@ def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafte
             setup.attention_backend,
         )
     draft_cfg = ModelConfig.from_dir(spec.draft)
+    # another vocab_size: one tokenizer padded to other sizes, shown by the tokenizer files
+    check_draft_tokenizer(
+        cfg.target, spec.draft, setup.model_config.vocab_size, draft_cfg.vocab_size
+    )
     window = draft_cfg.sliding_window
     if window is not None and window < max_positions:  # as build_block_drafter refuses for DFLASH
         raise SpeculantError(

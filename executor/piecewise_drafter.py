@@ -90,7 +90,9 @@ class DFlashContextPiece(DrafterPiece):
 
 
 class DraftModelPiece(DrafterPiece):
-    """The draft model's forward over the chunk (its KV), on its own attention."""
+    """The draft model's forward over the chunk (its KV), on its own attention; the ids enter
+    through `DraftModelDrafter.forward` (mapped into a smaller draft vocabulary inside the
+    bucket's graph)."""
 
     def __init__(self, drafter):
         super().__init__(drafter)
@@ -100,7 +102,7 @@ class DraftModelPiece(DrafterPiece):
     def run(self, batch, ids, extra, shared_slots=None):
         d = self.drafter
         d.attn.prepare(batch, shared_slots=shared_slots)
-        return d.lm(ids, batch.positions, d.attn)
+        return d.forward(ids, batch.positions)
 
 
 def propose_extend(drafter, inputs: DraftInputs, sampling, variant: str, num_drafts: int):
