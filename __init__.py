@@ -10,7 +10,27 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from speculant.errors import SpeculantError
+
+def _unshadow() -> None:
+    """Take this folder (the package, a checkout's root) off sys.path. `python -m ...` run from
+    the checkout puts it there (as ''), and then its subfolders are top-level names too,
+    shadowing distributions of the same name: `kernels` (Hugging Face's, which transformers
+    >= 5.25 imports when installed: an ImportError from our kernels/) and `comm` (Jupyter's). A
+    module already imported from here under such a name is dropped too."""
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None) or ""
+        if "." not in name and origin and os.path.dirname(origin) == os.path.join(here, name):
+            del sys.modules[name]
+
+
+_unshadow()
+
+from speculant.errors import SpeculantError  # noqa: E402
 
 if TYPE_CHECKING:
     from speculant.config import EngineConfig, ModelConfig

@@ -369,3 +369,25 @@ def test_accept_rate_names_its_bars_and_logs_the_kv_cache_once(capsys, caplog, t
     assert err.index("speculative:") < err.index("plain reference:")
     kv = [r for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert len(kv) == 1
+
+
+def test_checkout_root_on_sys_path_does_not_shadow_distributions():
+    """`python -m ...` from the checkout puts its root (the package folder) on sys.path, where
+    `kernels/` and `comm/` would shadow the distributions of those names (Hugging Face's
+    `kernels`, which transformers 5.25 imports when installed: an ImportError from our folder).
+    Importing speculant takes the folder off sys.path; then neither name resolves into it."""
+    root = Path(speculant.__file__).resolve().parent
+    code = (
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('kernels').origin.startswith(sys.argv[1])\n"
+        "import speculant\n"
+        "for name in ('kernels', 'comm'):\n"
+        "    spec = importlib.util.find_spec(name)\n"
+        "    assert spec is None or not (spec.origin or '').startswith(sys.argv[1]), name\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root)], cwd=root, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
