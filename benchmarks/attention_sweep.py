@@ -4,7 +4,10 @@ heads, 8 KV heads, d 128, pages of 16 slots scattered over the pool): per launch
 CUDA graph (each layer its own pool, as in a step), against the KV bytes at the measured copy
 bandwidth; every variant's output checked against the shipped configuration's.
 
-    python benchmarks/attention_sweep.py --json OUT.json [--shapes 1x512,64x512,...]
+    python benchmarks/attention_sweep.py --json OUT.json [--shapes 1x512,64x512,192xjob,...]
+
+A shape's context `job`: every row its own length, as in a decode step of the realistic job
+(`job_contexts`), with the job's reachable length (4,352 keys) setting the split plan.
 """
 
 from __future__ import annotations
@@ -23,7 +26,25 @@ import torch  # noqa: E402
 HEADS, KV_HEADS, D, PAGE, LAYERS = 32, 8, 128, 16, 32
 
 
-def setup(bs: int, ctx: int, gen: torch.Generator) -> dict:
+def job_contexts(bs: int, gen: torch.Generator) -> list[int]:
+    """Contexts of `bs` rows of a decode step of benchmarks/workload.py's job: requests drawn in
+    proportion to their output length (a step sees the long-running ones more often), each part
+    way through its output (prompt lognormal median 220 sigma 1.0 in 16..3000, output median
+    180 sigma 0.9 in 16..1200, as the job draws them)."""
+    n = 20 * bs
+    prompts = (torch.randn(n, generator=gen) * 1.0 + torch.log(torch.tensor(220.0))).exp()
+    outputs = (torch.randn(n, generator=gen) * 0.9 + torch.log(torch.tensor(180.0))).exp()
+    prompts, outputs = prompts.clamp(16, 3000).long(), outputs.clamp(16, 1200).long()
+    pick = torch.multinomial(outputs.double(), bs, replacement=True, generator=gen)
+    done = (torch.rand(bs, generator=gen) * outputs[pick]).long()
+    return (prompts[pick] + done + 1).tolist()
+
+
+def setup(bs: int, ctx: int | str, gen: torch.Generator) -> dict:
+    """ctx an int (every row that long) or "job" (job_contexts; the pool sized as the job's
+    graphs are, 4,352 keys a row reachable, each row's pages only for its own context)."""
+    if ctx == "job":
+        return setup_mixed(job_contexts(bs, gen), 4352, gen)
     kv_len = -(-(ctx + 1) // 256) * 256
     pages_per_row = kv_len // PAGE
     pages = bs * pages_per_row + 1
@@ -46,6 +67,36 @@ def setup(bs: int, ctx: int, gen: torch.Generator) -> dict:
         "positions": torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
         "kv_len": kv_len,
         "bytes": bs * ctx * KV_HEADS * D * 2 * 2,
+    }
+
+
+def setup_mixed(contexts: list[int], kv_len: int, gen: torch.Generator) -> dict:
+    bs, dev = len(contexts), "cuda"
+    need = [-(-c // PAGE) for c in contexts]
+    pages = sum(need) + 1
+    order = (torch.randperm(pages - 1, generator=gen) + 1).tolist()  # page 0: the sentinel
+    table = torch.zeros(bs, kv_len // PAGE, dtype=torch.int32)
+    at = 0
+    for row, count in enumerate(need):
+        table[row, :count] = torch.tensor(order[at : at + count], dtype=torch.int32)
+        at += count
+    shape = (pages * PAGE, KV_HEADS, D)
+    pools = [
+        (
+            torch.randn(shape, device=dev, dtype=torch.bfloat16),
+            torch.randn(shape, device=dev, dtype=torch.bfloat16),
+        )
+        for _ in range(LAYERS)
+    ]
+    return {
+        "q": torch.randn(bs, HEADS, D, generator=gen).to(dev, torch.bfloat16),
+        "pools": pools,
+        "table": table.to(dev),
+        "rows": torch.arange(bs, dtype=torch.int64, device=dev),
+        "positions": torch.tensor([c - 1 for c in contexts], dtype=torch.int64, device=dev),
+        "kv_len": kv_len,
+        "bytes": sum(contexts) * KV_HEADS * D * 2 * 2,
+        "contexts": {"mean": sum(contexts) / bs, "max": max(contexts)},
     }
 
 
@@ -102,8 +153,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     for shape in args.shapes.split(","):
-        bs, ctx = (int(v) for v in shape.split("x"))
-        case = setup(bs, ctx, gen)
+        bs, ctx = shape.split("x")
+        case = setup(int(bs), ctx if ctx == "job" else int(ctx), gen)
         floor_us = case["bytes"] / bandwidth * 1e6
         want = run(case, 0, None, None, None).float()
         rows = {}
@@ -120,7 +171,8 @@ def main() -> int:
                 rows[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
         timed = {n: r for n, r in rows.items() if isinstance(r, dict) and r["err"] < 2e-2}
         best = min(timed, key=lambda n: timed[n]["us"])
-        report["shapes"][shape] = {"floor_us": round(floor_us, 2), "rows": rows, "best": best}
+        report["shapes"][shape] = {"floor_us": round(floor_us, 2), "rows": rows, "best": best,
+                                   "contexts": case.get("contexts")}  # fmt: skip
         print(f"{shape}: floor {floor_us:.1f} us, shipped {rows['shipped']['us']:.1f} us, "
               f"best {best} {timed[best]['us']:.1f} us", flush=True)  # fmt: skip
         top = sorted(timed, key=lambda n: timed[n]["us"])[:6]
