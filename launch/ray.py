@@ -1,20 +1,24 @@
 """The Ray launcher: `python -m speculant.launch.ray generate|accept-rate --tp N --dp M ...`.
 
-The process running this module is the driver. It checks the flags and reads the prompts (and
-an accept-rate baseline) before anything starts, connects to a Ray cluster (`--ray-address`,
-else RAY_ADDRESS as set inside `ray job submit`; `ray.init` then gets no resource arguments,
-the cluster's own count) or starts a local one, and reserves one placement-group bundle per
-rank: {"GPU": 1, "CPU": 1}, or {"CPU": 1} with --device cpu; STRICT_PACK when one node has
-enough of them, else PACK over several nodes. One actor per bundle runs one rank: the same
-per-rank worker as torchrun and `speculant generate --tp/--dp` (`cli.generate_in_rank`,
-`accept_rate.measure_in_rank`). Ranks are numbered node by node (bundle order within a node),
-so with TP innermost a TP group stays on one node when each node holds a multiple of tp
-ranks. torch.distributed starts from rank 0's node IP and a port found free on that node.
+The process running this module is the driver (no rank: a RANK in its environment is ignored).
+It checks the flags and reads the prompts (and an accept-rate baseline) before anything starts,
+connects to a Ray cluster (`--ray-address`, else RAY_ADDRESS as set inside `ray job submit`;
+`ray.init` then gets no resource arguments, the cluster's own count; an address nothing answers
+at within CONNECT_S is refused) or starts a local one (a CPU per rank at least, as spawn's ranks
+share the cores), and reserves one placement-group bundle per rank: {"GPU": 1, "CPU": 1}, or
+{"CPU": 1} with --device cpu; STRICT_PACK when one node has enough of them, else PACK over
+several nodes. One actor per bundle runs one rank: the same per-rank worker as torchrun and
+`speculant generate --tp/--dp` (`cli.generate_in_rank`, `accept_rate.measure_in_rank`). Ranks
+are numbered node by node (bundle order within a node), so with TP innermost a TP group stays on
+one node when each node holds a multiple of tp ranks. torch.distributed starts from rank 0's
+node IP and a port found free on that node.
 
 The driver sends rank 0 the prompts, rank 0 spreads them over the DP ranks (executor/dp.py)
-and returns every output in input order; the driver alone writes --output (an absolute path is
-safest: a job runs in a copy of its working dir) or prints the outputs, then the summary. Under
-`ray job submit` that output is the job's log.
+and returns every output in input order, and puts each on a Ray queue as its request finishes;
+the driver alone writes --output from that queue (an absolute path is safest: a job runs in a
+copy of its working dir) or prints the outputs as one process does, then the summary. Without
+--output, the completions finished when a run stops (Ctrl-C, SIGTERM) or fails are printed
+before its last line. Under `ray job submit` that output is the job's log.
 
 GPUs: Ray sets CUDA_VISIBLE_DEVICES in each actor to the one GPU of its bundle (there it would
 be cuda:0, LOCAL_RANK 0). NCCL's peer-to-peer (CUDA IPC over NVLink) needs the peers' GPUs
@@ -40,6 +44,7 @@ hold is refused at once. Ray's colour codes stay out of logs that are not a term
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -53,10 +58,12 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from speculant.errors import SpeculantError
+from speculant.launch.paths import write_errors_named
 from speculant.launch.spawn import GRACE_S, Terminated, close_progress_bars, stopped_line
 
 log = logging.getLogger("speculant")
 POLL_S = 0.5  # how often the driver looks at the actors
+CONNECT_S = 10.0  # how long a named cluster's head gets to answer before the driver gives up
 
 
 class RankWorker:
@@ -85,7 +92,7 @@ class RankWorker:
     ) -> Any:
         """Join the job described by `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
         run this rank's part of `command`; rank 0 returns what the driver reports, and puts
-        each finished request's output line on `outputs_queue` (the driver writes them)."""
+        each finished request's output on `outputs_queue` (the driver writes or keeps them)."""
         os.environ.update(env)
         rank0 = env["RANK"] == "0"
         level = logging.DEBUG if args.debug else logging.INFO if rank0 else logging.WARNING
@@ -94,7 +101,7 @@ class RankWorker:
             from speculant.launch.cli import generate_in_rank
 
             def on_output(out: Any) -> None:
-                outputs_queue.put(json.dumps(out.to_json()))
+                outputs_queue.put(out)
 
             streamed = on_output if outputs_queue is not None and rank0 else None
             outputs, seconds = generate_in_rank(args, job, on_output=streamed, use_tqdm=False)
@@ -308,38 +315,80 @@ def failure_line(ray: Any, errors: list, stuck: list[int], grace_s: float) -> tu
     return line, user
 
 
-class _OutputLines:
-    """The driver's `--output` file, fed as requests finish: rank 0's actor puts each output
-    line on a Ray queue, drained every poll and once more at the end."""
+class _Finished:
+    """Rank 0's outputs as requests finish: its actor puts each on a Ray queue that the driver
+    drains every poll and once more at the end, writing them to --output, or, without
+    --output, keeping them to print those that finished when the run stops or fails."""
 
-    def __init__(self, ray: Any, path: str | None):
+    def __init__(self, path: str | None):
         from ray.util.queue import Queue
 
-        self.path, self.file = path, None
+        self.path, self.file, self.kept = path, None, []
         # no CPU: the placement group holds every CPU the ranks need
-        self.queue = Queue(actor_options={"num_cpus": 0}) if path else None
+        self.queue = Queue(actor_options={"num_cpus": 0})
 
     def drain(self) -> None:
-        if self.queue is None:
-            return
         batch = self.queue.get_nowait_batch(self.queue.qsize())
-        if batch:
+        if not batch:
+            return
+        if self.path is None:
+            self.kept.extend(batch)
+            return
+        with write_errors_named(self.path, "--output"):
             self.file = self.file or open(self.path, "w", encoding="utf-8")
-            self.file.writelines(line + "\n" for line in batch)
+            self.file.writelines(json.dumps(out.to_json()) + "\n" for out in batch)
             self.file.flush()
 
     def close(self) -> None:
+        """Drain the rest and close the file (a write error raises, naming --output); the
+        queue's actor is removed in any case."""
         try:
-            self.drain()
-        except Exception:  # the queue's actor is gone with the cluster: keep what was written
-            pass
-        if self.file is not None:
-            self.file.close()
-        if self.queue is not None:
             try:
-                self.queue.shutdown()
-            except Exception:
+                self.drain()
+            except SpeculantError:
+                raise
+            except Exception:  # the queue's actor is gone with the cluster: keep what came
                 pass
+        finally:
+            file, self.file = self.file, None
+            with contextlib.suppress(Exception):
+                self.queue.shutdown()
+            if file is not None:
+                with write_errors_named(self.path, "--output"):
+                    file.close()
+
+    def print_kept(self, stdout: TextIO, specs: list) -> None:
+        """Print the completions kept (no --output) of a run that stopped or failed, in input
+        order, as one process does: what finished is not lost."""
+        if self.kept:
+            from speculant.launch.cli import print_completions
+
+            print_completions(sorted(self.kept, key=lambda out: out.index), stdout, specs)
+            stdout.flush()
+
+
+def check_address(address: str, timeout_s: float = CONNECT_S) -> None:
+    """Refuse at once a cluster address that nothing answers at (a typo, a head that is gone,
+    `auto` reading a stale /tmp/ray/ray_current_cluster), which ray.init would retry for many
+    minutes. Ray Client addresses (ray://) are left to ray.init."""
+    if "://" in address:
+        return
+    try:  # HOST:PORT as ray.init reads `address` (`auto`: RAY_ADDRESS, then the last `ray start`)
+        from ray._private.services import canonicalize_bootstrap_address_or_die as resolve
+    except ImportError:  # another Ray version's internals: ray.init decides
+        return
+    resolved = address
+    try:
+        resolved = resolve(address)
+        host, _, port = resolved.rpartition(":")
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:  # refused, unknown host, timed out; `auto`: none here
+        where = address if resolved == address else f"{address} = {resolved}"
+        raise SpeculantError(
+            f"no Ray cluster answers at {where} (--ray-address or RAY_ADDRESS): "
+            f"{_first_line(exc).rstrip('.')}; start one with `ray start --head`, fix the "
+            "address, or unset it to start a local cluster"
+        ) from None
 
 
 def run_driver(
@@ -354,6 +403,9 @@ def run_driver(
     driver holds the --output lock (cli.output_lock) for the run: it writes the file."""
     from speculant.launch import accept_rate, cli
 
+    # The driver is no rank: a RANK left in its environment (a launcher's, a PyTorchJob pod's)
+    # would make it read no prompts. The actors get theirs from rank_envs.
+    os.environ.pop("RANK", None)
     if args.command == "generate":
         job: Any = cli._prepare(args)
         empty: Any = []
@@ -368,59 +420,89 @@ def _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s) 
     """`run_driver` once the inputs are read and --output is locked."""
     from speculant.launch import accept_rate, cli
 
-    world = args.tp * args.dp
     ray = _import_ray()
     connected_here = not ray.is_initialized()
-    if connected_here and address:
-        ray.init(address=address)  # the cluster's resources; none of ours
-    elif connected_here:  # a new local cluster; CPU ranks may share cores, as spawn's do
-        cpus = max(os.cpu_count() or 1, world) if args.device == "cpu" else None
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+    if connected_here:
+        _connect(ray, address, args.tp * args.dp)
     if stop_on_sigterm:  # after ray.init, whose handler would abort the process instead
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    run = _Job(ray)
-    lines = _OutputLines(ray, args.output if args.command == "generate" else None)
-    ending = None  # (line, status) of a failed run, printed once everything is torn down
+    run, finished = _Job(ray), None
     try:
-        if args.device is None:
-            args.device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-        strategy = run.place(world, args.device, args.dist_timeout)
-        places = run.start(world, args.device, args.dist_timeout)
-        order = rank_order(places)
-        port = ray.get(run.actors[order[0]].free_port.remote(), timeout=args.dist_timeout)
-        envs = rank_envs(places, order, port, args.device)
-        nodes = {places[i].node_id for i in order}
-        log.info(
-            "ray: %d rank(s) on %d node(s) (%s), rank 0 at %s:%d",
-            world, len(nodes), strategy, places[order[0]].ip, port,
-        )  # fmt: skip
-        _warn_split_tp(places, order, args.tp)
-        refs = {}  # each rank's result; rank 0 alone gets the inputs
-        for rank, index in enumerate(order):
-            inputs = job if rank == 0 else empty
-            queue = lines.queue if rank == 0 else None
-            refs[run.actors[index].run.remote(envs[rank], args.command, args, inputs, queue)] = rank
-        results, errors, stuck = supervise(ray, refs, grace_s, on_poll=lines.drain)
-        if errors or stuck:
-            line, user = failure_line(ray, errors, stuck, grace_s)
-            if user:
-                ending = (f"speculant: error: {_first_line(_cause(errors[0][1]))}", 2)
-            else:
-                ending = (f"speculant: error: {line}", 1)
-    finally:
-        lines.close()  # whatever finished is in the file, also after a failure or Ctrl-C
-        run.close()
-        if connected_here:
-            ray.shutdown()  # no actor's log line comes after the driver's last line
+        if args.command == "generate":
+            finished = _Finished(args.output)
+        result, ending = _run_ranks(args, job, empty, ray, run, finished, grace_s)
+    except BaseException:  # Ctrl-C, SIGTERM: the finished completions are printed all the same
+        _teardown(ray, run, finished, connected_here)
+        if finished is not None:
+            finished.print_kept(stdout, job)
+        raise
+    _teardown(ray, run, finished, connected_here)
     if ending is not None:
+        if finished is not None:
+            finished.print_kept(stdout, job)
         close_progress_bars()
         print(ending[0], file=stderr, flush=True)
         return ending[1]
     if args.command == "generate":
-        outputs, seconds = results[0]
-        cli.report_outputs(args, outputs, seconds, stdout, stderr, write_file=False)
+        outputs, seconds = result
+        cli.report_outputs(args, outputs, seconds, stdout, stderr, write_file=False, specs=job)
         return 0
-    return accept_rate.report_accept(args, job, *results[0], stdout=stdout, stderr=stderr)
+    return accept_rate.report_accept(args, job, *result, stdout=stdout, stderr=stderr)
+
+
+def _connect(ray: Any, address: str | None, world: int) -> None:
+    """Join the cluster at `address` (refused at once when nothing answers there), else start a
+    local one with a CPU per rank at least (CPU ranks share the cores, as spawn's do)."""
+    if address:
+        check_address(address)
+        ray.init(address=address)  # the cluster's resources; none of ours
+    else:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False)
+
+
+def _run_ranks(args, job, empty, ray, run, finished, grace_s) -> tuple[Any, tuple | None]:
+    """Place and start the actors, run every rank, wait for them: (rank 0's result, None), or
+    (None, (the failure's line, exit status)) when a rank failed."""
+    world = args.tp * args.dp
+    if args.device is None:
+        args.device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    strategy = run.place(world, args.device, args.dist_timeout)
+    places = run.start(world, args.device, args.dist_timeout)
+    order = rank_order(places)
+    port = ray.get(run.actors[order[0]].free_port.remote(), timeout=args.dist_timeout)
+    envs = rank_envs(places, order, port, args.device)
+    nodes = {places[i].node_id for i in order}
+    log.info(
+        "ray: %d rank(s) on %d node(s) (%s), rank 0 at %s:%d",
+        world, len(nodes), strategy, places[order[0]].ip, port,
+    )  # fmt: skip
+    _warn_split_tp(places, order, args.tp)
+    refs = {}  # each rank's result; rank 0 alone gets the inputs and streams its outputs
+    for rank, index in enumerate(order):
+        inputs = job if rank == 0 else empty
+        queue = finished.queue if rank == 0 and finished is not None else None
+        refs[run.actors[index].run.remote(envs[rank], args.command, args, inputs, queue)] = rank
+    on_poll = finished.drain if finished is not None else lambda: None
+    results, errors, stuck = supervise(ray, refs, grace_s, on_poll=on_poll)
+    if not errors and not stuck:
+        return results[0], None
+    line, user = failure_line(ray, errors, stuck, grace_s)
+    if user:
+        return None, (f"speculant: error: {_first_line(_cause(errors[0][1]))}", 2)
+    return None, (f"speculant: error: {line}", 1)
+
+
+def _teardown(ray: Any, run: _Job, finished: _Finished | None, connected_here: bool) -> None:
+    """Kill the actors, then write (or keep) what finished: nothing reaches the queue after
+    its last drain; a cluster the driver started ends last, so that no actor's log line comes
+    after the driver's last line."""
+    try:
+        run.close()
+        if finished is not None:
+            finished.close()
+    finally:
+        if connected_here:
+            ray.shutdown()
 
 
 def _warn_split_tp(places: Sequence[_Place], order: Sequence[int], tp: int) -> None:
@@ -437,10 +519,10 @@ def main(argv: Sequence[str] | None = None, stop_on_sigterm: bool = False) -> in
     """Entry point: `python -m speculant.launch.ray [--ray-address ADDR] generate|accept-rate
     ...`; returns the exit status. `stop_on_sigterm`: SIGTERM (`ray job stop`) tears the job
     down as Ctrl-C does."""
-    from speculant.launch.cli import build_parser
+    from speculant.launch.cli import _Parser, build_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    outer = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    outer = _Parser(prog="python -m speculant.launch.ray", add_help=False, allow_abbrev=False)
     outer.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None)
     known, rest = outer.parse_known_args(argv)
     args = build_parser().parse_args(rest)  # a bad flag: one line, exit 2

@@ -6,8 +6,10 @@ recommended mode); a rank that dies mid-run (SPECULANT_TEST_KILL_RANK, launch/sp
 with no process, actor or placement group left behind. Two torchrun agents on this host form a
 real `--nnodes 2` job over a c10d rendezvous (TP spanning the nodes, warned; DP across them),
 equal to one process, and a node whose agent is killed fails the job with rank 0's line naming
-it. The Ray driver refuses a placement the cluster can never hold at once, and an --output
-another run holds; killed by SIGTERM (exit 143) or SIGKILL it leaves no actor running.
+it. The Ray driver refuses a placement the cluster can never hold at once, an --output
+another run holds, and an address nothing answers at; killed by SIGTERM (exit 143) or SIGKILL
+it leaves no actor running; without --output it prints, as one process does, every completion,
+or those finished before Ctrl-C, SIGTERM or a killed actor.
 
 Every subprocess has a timeout and every collective `--dist-timeout`. The Ray tests skip when
 Ray is not installed (`pip install 'speculant[ray]'`)."""
@@ -482,6 +484,41 @@ class TestRayDriver:
         assert "is being written by another run" in last, last
         self.assert_nothing_left(ray)
 
+    def test_ray_driver_prints_completions_as_one_process_does(self, ray, flags, capsys):
+        """Without --output the driver prints `[index] prompt+completion` in input order, as
+        one process does (text prompts shown), also with 4 prompts over 3 DP ranks."""
+        from speculant.launch.ray import main
+
+        assert cli.main(["generate", *flags]) == 0
+        alone = capsys.readouterr().out
+        assert main(["generate", *flags, "--dp", "3"]) == 0
+        assert capsys.readouterr().out == alone
+        self.assert_nothing_left(ray)
+
+    def test_ray_driver_ignores_a_rank_in_its_environment(
+        self, ray, flags, expected, tmp_path, monkeypatch
+    ):
+        """A RANK left in the driver's environment (a launcher's, a PyTorchJob pod's) does not
+        make the driver read no prompts: the driver is no rank."""
+        from speculant.launch.ray import main
+
+        monkeypatch.setenv("RANK", "1")
+        out = tmp_path / "out.jsonl"
+        assert main(["generate", *flags, "--tp", "2", "--output", str(out)]) == 0
+        assert read_tokens(out) == expected
+        self.assert_nothing_left(ray)
+
+    @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+    def test_ray_driver_names_output_when_writing_fails(self, ray, flags, capsys):
+        """--output /dev/full: one line naming --output and the path, exit 2, and every actor
+        and the placement group are gone all the same."""
+        from speculant.launch.ray import main
+
+        assert main(["generate", *flags, "--tp", "2", "--output", "/dev/full"]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("speculant: error: --output '/dev/full': writing failed"), last
+        self.assert_nothing_left(ray)
+
     def test_ray_driver_user_error_is_one_line(self, ray, flags, tmp_path, capsys):
         """A prompt too long for the context fails on every rank: status 2, one line."""
         from speculant.launch.ray import main
@@ -559,6 +596,112 @@ def test_killing_the_ray_driver_stops_every_actor(llama_dir, tmp_path, sig):
         for pid in actors:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def ray_driver(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """`python -m speculant.launch.ray ARGS` on its own local cluster, in its own session."""
+    base = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # a private local cluster
+    base.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "speculant.launch.ray", *args]
+    return subprocess.Popen(cmd, env={**base, **(env or {})}, start_new_session=True, **kwargs)
+
+
+@pytest.mark.needs("ray")
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the actors in /proc")
+# SIGTERM (`ray job stop`) takes the SIGINT path (Terminated, a BaseException): not repeated here
+@pytest.mark.parametrize("stop", ["SIGINT", "actor-killed"])
+def test_ray_driver_prints_finished_completions_when_stopped(llama_dir, tmp_path, stop):
+    """Without --output (--dp 2, two short requests, then many long ones): Ctrl-C, SIGTERM or a
+    rank's actor killed once the short ones have finished; the driver prints their completions
+    (as one process does) before its last line: exit 130, 143 or 1."""
+    rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(24)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, log = tmp_path / "driver.out", tmp_path / "driver.err"
+    args = ["generate", "--device", "cpu", "--target", str(llama_dir), "--dp", "2",
+            "--prompts", str(prompts), "--ignore-eos", "--max-num-seqs", "2",
+            "--dist-timeout", "30"]  # fmt: skip
+    with open(out, "w") as stdout, open(log, "w") as stderr:
+        driver = ray_driver(args, stdout=stdout, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 120  # Ray's start-up included
+        while "engine ready" not in log.read_text():
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        time.sleep(3)  # the short requests finish in a few steps; the long ones take ~10 s
+        if stop == "actor-killed":
+            os.kill(actor_processes(driver.pid)[-1], signal.SIGKILL)
+        else:
+            os.kill(driver.pid, getattr(signal, stop))
+        code = driver.wait(KILL_BOUND_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+    err = log.read_text().strip().splitlines()
+    assert code == {"SIGINT": 130, "SIGTERM": 143, "actor-killed": 1}[stop], err[-5:]
+    assert err[-1].startswith(("speculant: interrupted", "speculant: terminated",
+                               "speculant: error: rank")), err[-5:]  # fmt: skip
+    shown = [line.split()[0] for line in out.read_text().splitlines() if line.startswith("[")]
+    assert shown[:2] == ["[0]", "[1]"], out.read_text()
+
+
+@pytest.mark.needs("ray")
+@pytest.mark.parametrize("how", ["flag", "RAY_ADDRESS"])
+def test_ray_driver_refuses_an_address_nothing_answers_at(flags, how):
+    """A cluster address nothing listens at (a typo, a head that is gone): one line naming it,
+    exit 2, within seconds (ray.init would retry it for many minutes)."""
+    address = f"127.0.0.1:{free_port()}"
+    args = ["generate", *flags, "--tp", "2"]
+    if how == "flag":
+        driver = ray_driver(["--ray-address", address, *args], stderr=subprocess.PIPE, text=True)
+    else:
+        driver = ray_driver(args, {"RAY_ADDRESS": address}, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = driver.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculant: error: "), err
+    assert address in lines[0] and "ray start --head" in lines[0], lines[0]
+
+
+@pytest.mark.needs("ray")
+def test_ray_driver_bad_outer_flag_is_one_line(capsys):
+    """`--ray-address` without a value: one `speculant: error:` line, exit 2, as any bad flag."""
+    from speculant.launch.ray import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ray-address"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("speculant: error: argument --ray-address"), lines
+
+
+@pytest.mark.needs("ray")
+@pytest.mark.timeout(180)
+def test_ray_local_cluster_holds_every_cpu_rank(flags, expected, tmp_path):
+    """On a machine with fewer cores than ranks (here 1), the driver's own cluster still takes
+    --tp 2 CPU ranks without --device, as `speculant generate --tp 2` does: it counts at least
+    one CPU per rank."""
+    out = tmp_path / "out.jsonl"
+    args = ["generate", *[f for f in flags if f not in ("--device", "cpu")], "--tp", "2",
+            "--output", str(out)]  # fmt: skip
+    one_core = (
+        "import multiprocessing, os, sys; multiprocessing.cpu_count = os.cpu_count = lambda: 1; "
+        "from speculant.launch.ray import main; sys.exit(main(sys.argv[1:]))"
+    )
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "CUDA_VISIBLE_DEVICES": "",
+           "RAY_USE_MULTIPROCESSING_CPU_COUNT": "1"}  # fmt: skip
+    env.pop("RAY_ADDRESS", None)
+    proc = run([sys.executable, "-c", one_core, *args], env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_tokens(out) == expected
 
 
 def actor_processes(root: int | None = None) -> list[int]:
