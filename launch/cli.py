@@ -15,7 +15,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -96,9 +96,15 @@ def _piecewise_sizes(text: str) -> list[int]:
     return [] if text.strip().lower() == "none" else _capture_sizes(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the `speculant` command."""
-    parser = _Parser(prog="speculant", description="Speculative-decoding inference engine.")
+def build_parser(
+    prog: str = "speculant",
+    description: str = "Speculative-decoding inference engine.",
+    launcher_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.ArgumentParser:
+    """The argument parser of the `speculant` command; a launcher that runs the same commands
+    (launch/ray.py) passes its own `prog`, `description` and `launcher_flags`, which adds its
+    flags to the top level and to each command, so that every --help shows them."""
+    parser = _Parser(prog=prog, description=description)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     gen = commands.add_parser(
         "generate",
@@ -311,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
     accept_rate.add_parser(commands, HelpFormatter)
+    if launcher_flags is not None:
+        for each in (parser, *commands.choices.values()):
+            launcher_flags(each)
     return parser
 
 
@@ -610,7 +619,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         device = _engine_kwargs(args)["device"]
         return launch_cli(args.argv, args.tp * args.dp, device, stderr, output=args.output)
     out_file = None
-    finished: list = []  # without --output: printed at the end, or when the run is stopped
+    finished: list = []  # without --output: printed at the end, or when the run stops or fails
 
     def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
         nonlocal out_file
@@ -625,7 +634,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     with output_lock(args.output if reads_inputs() else None):  # held until the file is done
         try:
             outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: what finished is printed, not lost
+        except BaseException:  # Ctrl-C, SIGTERM, a peer rank gone: what finished is printed
             if finished:
                 print_completions(sorted(finished, key=lambda o: o.index), stdout, specs)
                 stdout.flush()

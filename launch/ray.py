@@ -515,6 +515,26 @@ def _warn_split_tp(places: Sequence[_Place], order: Sequence[int], tp: int) -> N
             )  # fmt: skip
 
 
+PROG = "python -m speculant.launch.ray"
+DESCRIPTION = (
+    "The Ray launcher: runs `speculant generate|accept-rate` with one Ray actor per rank "
+    "(--tp N --dp M) on the cluster at --ray-address (else RAY_ADDRESS, else a local cluster it "
+    "starts); this driver reads the prompts and writes --output or prints the completions."
+)
+
+
+def _ray_flags(parser: argparse.ArgumentParser) -> None:
+    """--ray-address in each --help (parsed by main's outer parser, before or after the
+    command: SUPPRESS leaves it out of the command's namespace)."""
+    parser.add_argument_group("ray").add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=argparse.SUPPRESS,
+        help="the Ray cluster to join: HOST:PORT, ray://HOST:PORT or auto (default: "
+        "RAY_ADDRESS, as `ray job submit` sets it, else a local cluster started for the job)",
+    )
+
+
 def main(argv: Sequence[str] | None = None, stop_on_sigterm: bool = False) -> int:
     """Entry point: `python -m speculant.launch.ray [--ray-address ADDR] generate|accept-rate
     ...`; returns the exit status. `stop_on_sigterm`: SIGTERM (`ray job stop`) tears the job
@@ -522,10 +542,11 @@ def main(argv: Sequence[str] | None = None, stop_on_sigterm: bool = False) -> in
     from speculant.launch.cli import _Parser, build_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    outer = _Parser(prog="python -m speculant.launch.ray", add_help=False, allow_abbrev=False)
+    outer = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     outer.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None)
-    known, rest = outer.parse_known_args(argv)
-    args = build_parser().parse_args(rest)  # a bad flag: one line, exit 2
+    known, rest = outer.parse_known_args(argv)  # --ray-address before or after the command
+    parser = build_parser(PROG, DESCRIPTION, launcher_flags=_ray_flags)  # --help shows both
+    args = parser.parse_args(rest)  # a bad flag: one line, exit 2
     args.argv = rest
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO, format="speculant: %(message)s"

@@ -547,7 +547,8 @@ def launch_cli(
     """Run `speculant ARGV` as `world_size` local ranks and return the job's exit status: 0 when
     every rank succeeded, rank 0's status when it alone reported (a user error prints one line
     there), 130/143 after Ctrl-C/SIGTERM (every rank stopped, a line saying so and where the
-    finished requests are, `output`), else 1 with one line naming the failed and stuck ranks.
+    finished requests are, `output`), else 1 with one line naming the failed and stuck ranks
+    (without `output`, rank 0 printed the completions that finished before, cli.run_generate).
     Rank 0 keeps this terminal; the others' stderr goes to unnamed files (read for their last
     line), so a launcher killed by SIGKILL leaves nothing behind."""
     check_devices(device, world_size)

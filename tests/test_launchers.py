@@ -9,7 +9,8 @@ equal to one process, and a node whose agent is killed fails the job with rank 0
 it. The Ray driver refuses a placement the cluster can never hold at once, an --output
 another run holds, and an address nothing answers at; killed by SIGTERM (exit 143) or SIGKILL
 it leaves no actor running; without --output it prints, as one process does, every completion,
-or those finished before Ctrl-C, SIGTERM or a killed actor.
+or those finished before Ctrl-C, SIGTERM or a killed actor; its --help (no Ray needed) shows
+--ray-address.
 
 Every subprocess has a timeout and every collective `--dist-timeout`. The Ray tests skip when
 Ray is not installed (`pip install 'speculant[ray]'`)."""
@@ -805,3 +806,21 @@ def importlib_missing(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is None
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["accept-rate", "-h"]])
+def test_ray_driver_help_shows_ray_address(capsys, monkeypatch, argv):
+    """`python -m speculant.launch.ray --help` (and each command's) is the Ray launcher's: its
+    usage and --ray-address, with the command's flags. No Ray needed: --help exits before
+    Ray is imported (launch/ray.py imports it only to run a job)."""
+    from speculant.launch import ray as ray_launcher
+
+    monkeypatch.setattr(ray_launcher, "_import_ray", lambda: pytest.fail("Ray was imported"))
+    with pytest.raises(SystemExit) as exit_info:
+        ray_launcher.main(argv)
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # unwrap
+    assert out.startswith("usage: python -m speculant.launch.ray "), out[:200]
+    assert "--ray-address ADDR the Ray cluster to join" in out and "RAY_ADDRESS" in out, out
+    if argv[0] != "--help":
+        assert "--tp TP" in out and "--dist-timeout S" in out

@@ -5,7 +5,8 @@ stops every rank (exit 143, finished outputs kept, a line saying so) and SIGKILL
 launcher leaves no rank running and no /tmp/speculant-ranks-* folder; two runs on one
 --output, or --output naming the --prompts file (by any spelling, link or symlink), are
 refused before any model loads; a rank stopped with SIGSTOP is named as the cause of the
-timeout it causes.
+timeout it causes; a rank killed mid-run without --output leaves the completions finished
+before it printed.
 
 Every subprocess runs in its own session, is waited for with a timeout and killed at the end."""
 
@@ -105,15 +106,16 @@ class Job:
 
     def __init__(self, tmp_path: Path, args: list[str], env: dict | None = None):
         self.mark, self.err_path = uuid.uuid4().hex, tmp_path / "stderr.txt"
+        self.out_path = tmp_path / "stdout.txt"  # the completions, without --output
         self.tmpdir = tmp_path / "tmp"  # the launcher's TMPDIR: what it leaves there is seen
         self.tmpdir.mkdir()
         env = {**os.environ, "SPECULANT_TEST_MARK": self.mark, "TMPDIR": str(self.tmpdir),
                "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
         cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu",
                "--target", str(TARGET), *args]  # fmt: skip
-        with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                                         stderr=err, start_new_session=True)  # fmt: skip
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=err,
+                                         start_new_session=True)  # fmt: skip
 
     def wait(self, timeout: float = WAIT_S) -> tuple[int, str]:
         try:
@@ -188,6 +190,26 @@ def test_launcher_error_line_is_last_when_rank0_dies_mid_bar(job, tmp_path):
     code, err = started.wait()
     assert code == 1, err
     assert last_line(err).startswith("speculant: error: rank 0 was killed by SIGKILL"), err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", ["--tp", "--dp"])
+def test_a_dead_rank_keeps_the_finished_completions(job, tmp_path, layout):
+    """Without --output: rank 1 killed (SIGKILL) once the two short requests have finished
+    (under --dp one of them on rank 1, streamed to rank 0 in its step). Rank 0's collective
+    fails; it prints their completions, as on Ctrl-C, and the launcher's line naming rank 1 is
+    still the last on stderr: exit 1."""
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    started = job([layout, "2", "--prompts", str(prompts), "--ignore-eos", "--max-num-seqs", "2",
+                   "--dist-timeout", "30"], env={"TQDM_MININTERVAL": "0"})  # fmt: skip
+    wait_until(lambda: "2/4" in started.err_path.read_text(), "the two short requests", 30)
+    time.sleep(0.5)  # rank 1's part of the step's gather has been sent; the long ones run ~30 s
+    os.kill(rank_pid(started.mark, 1), signal.SIGKILL)
+    code, err = started.wait(30)
+    assert code == 1, err
+    assert last_line(err).startswith("speculant: error: rank 1 was killed by SIGKILL"), err
+    shown = started.out_path.read_text().splitlines()
+    assert [line.split()[0] for line in shown] == ["[0]", "[1]"], shown
 
 
 # ---------------------------------------------------------- killing the launcher (SIGTERM, SIGKILL)
