@@ -219,7 +219,7 @@ def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
     spec.loader.exec_module(sweep)
     monkeypatch.setattr(sweep, "SHAPES_DRY", {"a": (64, 256)})
     monkeypatch.setattr(sweep, "MS_DRY", (1, 2))
-    args = argparse.Namespace(dry_run=True)
+    args = argparse.Namespace(dry_run=True, ms="", wide=False)
     report = {"t0": 0.0, "kernels": {}, "scaled_mm_probe": sweep.probe_scaled_mm(False)}
     assert report["scaled_mm_probe"]["works"] is None
     rows = sweep.sweep(args, report, deadline=float("inf"))
@@ -236,6 +236,13 @@ def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "TUNED", table)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert kernels.route(x, 64, 256, "block") == table["cpu"][(64, 256)][0][1:]
+    # --merge (a sweep of some M): the other M keep the installed table's rows
+    monkeypatch.setattr(fp8_table, "TUNED_PATH", tmp_path / "tuned.json")
+    sweep.write_table({(64, 256): [(1, "dot", (64, 64, 4, 2), 1.0)]}, "cpu",
+                      tmp_path / "merged.json", merge=True)  # fmt: skip
+    merged = fp8_table.load(tmp_path / "merged.json")["cpu"][(64, 256)]
+    assert [m for m, *_ in merged] == [1, 2] and merged[0][1:] == ("dot", (64, 64, 4, 2))
+    assert merged[1] == table["cpu"][(64, 256)][1]
 
 
 @pytest.mark.gpu
