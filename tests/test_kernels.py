@@ -148,6 +148,27 @@ def test_paged_attention_split_counts(device, dtype, T):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 4])
+def test_paged_attention_row_aware_splits(device, T):
+    """Row-aware splits (ROW_SPLIT_KEYS, for batches that fill the GPU): rows of mixed lengths,
+    each split by its own length (short rows: one program writing directly, the merge skipping
+    them; the longest: every split; the sentinel row: one key), against the reference."""
+    from speculant.kernels import paged_attention as attention
+
+    dtype, kv_heads, page_size, max_pages = torch.bfloat16, 2, 16, 5
+    bs = 12 if device == "cpu" else 160  # enough programs for the one-split plan
+    gen = generator("row splits", device, T)
+    case = PagedScenario(gen, bs, T, kv_heads, 64, page_size, max_pages, dtype, device)
+    keys = 16
+    plan = attention.plan_splits(bs * kv_heads, case.kv_len, torch.device(device), None, True, keys)
+    assert plan == (case.kv_len // keys, True), plan
+    for _ in range(2):  # fresh queries, the same plan
+        q = randn(gen, bs * T, 4 * kv_heads, 64, dtype=dtype, device=device)
+        out, ref = case.run(q, block_n=16, row_split_keys=keys)
+        assert_close(out, ref, dtype, f"row-aware splits, T={T}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_paged_attention_back_to_back_calls(device):
     """Consecutive launches (layers, steps) with fresh inputs, on the same and on other shapes,
     each match the reference (no state carried between calls)."""
