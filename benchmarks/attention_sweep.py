@@ -45,32 +45,12 @@ def setup(bs: int, ctx: int | str, gen: torch.Generator) -> dict:
     graphs are, 4,352 keys a row reachable, each row's pages only for its own context)."""
     if ctx == "job":
         return setup_mixed(job_contexts(bs, gen), 4352, gen)
-    kv_len = -(-(ctx + 1) // 256) * 256
-    pages_per_row = kv_len // PAGE
-    pages = bs * pages_per_row + 1
-    order = torch.randperm(pages - 1, generator=gen) + 1  # page 0: the sentinel
-    table = order.view(bs, pages_per_row).to(torch.int32)
-    dev = "cuda"
-    shape = (pages * PAGE, KV_HEADS, D)
-    pools = [
-        (
-            torch.randn(shape, device=dev, dtype=torch.bfloat16),
-            torch.randn(shape, device=dev, dtype=torch.bfloat16),
-        )
-        for _ in range(LAYERS)
-    ]
-    return {
-        "q": torch.randn(bs, HEADS, D, generator=gen).to(dev, torch.bfloat16),
-        "pools": pools,
-        "table": table.to(dev),
-        "rows": torch.arange(bs, dtype=torch.int64, device=dev),
-        "positions": torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
-        "kv_len": kv_len,
-        "bytes": bs * ctx * KV_HEADS * D * 2 * 2,
-    }
+    return setup_mixed([ctx] * bs, -(-(ctx + 1) // 256) * 256, gen)
 
 
 def setup_mixed(contexts: list[int], kv_len: int, gen: torch.Generator) -> dict:
+    """Row i holds contexts[i] keys on pages scattered over the pool (only its own pages);
+    kv_len keys reachable (the split plan's length); one pool per layer."""
     bs, dev = len(contexts), "cuda"
     need = [-(-c // PAGE) for c in contexts]
     pages = sum(need) + 1

@@ -44,18 +44,15 @@ def measure(kind: str, args) -> dict:
             out["profile_bs1"] = kernel_profile(engine.graphs.graph("greedy", 1).replay)
         for row in rows:
             engine.kv.free(row)
-        if kind == "fp8" and args.fp8_tables:
+        for key, wanted, run in (("table_variants", args.fp8_tables, table_variants),
+                                 ("m1_variants", args.fp8_m1, m1_variants)):  # fmt: skip
+            if kind != "fp8" or not wanted:
+                continue
             try:
-                out["table_variants"] = table_variants(engine, vocab, args, gen)
+                out[key] = run(engine, vocab, args, gen)
             except Exception as exc:  # keep the figures above
-                out["table_variants"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-                print(f"  {args.label} tables: {out['table_variants']['error']}", flush=True)
-        if kind == "fp8" and args.fp8_m1:
-            try:
-                out["m1_variants"] = m1_variants(engine, vocab, args, gen)
-            except Exception as exc:  # keep the figures above
-                out["m1_variants"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-                print(f"  {args.label} M1 variants: {out['m1_variants']['error']}", flush=True)
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(f"  {args.label} {key}: {out[key]['error']}", flush=True)
         out["graph_equals_eager"] = check_equal(engine, vocab, sizes=(1, 3))
     finally:
         free(engine)
