@@ -33,7 +33,7 @@ from speculant.drafter.tokenizer_vocab import check_draft_tokenizer
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
-from speculant.executor.request import is_integer
+from speculant.executor.request import INT64_MAX, INT64_MIN, is_integer, is_number
 from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
@@ -99,12 +99,53 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-# Engine options that take whole numbers (None: the default), checked before anything uses them
+# Engine options that take whole numbers, checked before anything uses them (seed: an int64):
+# the least value (None: check_spec checks the range) and whether None (the default) may be given
 INTEGER_OPTIONS = {
-    "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages",
-    "max_capture_size", "num_draft_tokens", "catch_up_depth", "tp", "dp",
-    "moe_max_tokens_per_rank", "seed",
+    "page_size": (1, False), "max_num_seqs": (1, True), "max_num_batched_tokens": (1, True),
+    "max_model_len": (1, True), "num_pages": (1, True), "max_capture_size": (1, True),
+    "tp": (1, False), "dp": (1, False), "moe_max_tokens_per_rank": (1, True),
+    "num_draft_tokens": (None, True), "catch_up_depth": (None, True),
 }  # fmt: skip
+SIZE_LIST_OPTIONS = ("capture_sizes", "piecewise_sizes")  # lists of sizes (piecewise: [] = none)
+BOOL_OPTIONS = ("enforce_eager", "eager_padding", "disable_graph_padding", "piecewise", "overlap")
+
+
+def check_options(options: dict) -> None:
+    """One SpeculantError line for an option value of the wrong kind or range (the CLI's
+    argparse refuses the same values): whole numbers (a bool is not one), lists of sizes, the
+    memory fraction, switches."""
+    for name in INTEGER_OPTIONS.keys() & options.keys():
+        value, (least, nullable) = options[name], INTEGER_OPTIONS[name]
+        if value is None and nullable:
+            continue
+        if least is None:
+            if not is_integer(value):  # check_spec checks the range
+                raise SpeculantError(f"{name}={value!r} must be an integer")
+        elif not is_integer(value) or value < least:
+            default = " (None: the default)" if nullable else ""
+            raise SpeculantError(f"{name}={value!r} must be an integer >= {least}{default}")
+    seed = options.get("seed", 0)  # dummy weights seed torch with it, the requests with a hash
+    if not (is_integer(seed) and INT64_MIN <= seed <= INT64_MAX):
+        raise SpeculantError(
+            f"seed={seed!r} must be an integer in {INT64_MIN}..{INT64_MAX} (int64)"
+        )
+    for name in SIZE_LIST_OPTIONS:
+        value = options.get(name)
+        if value is not None and (
+            not isinstance(value, (list, tuple)) or not all(is_integer(v) and v >= 1 for v in value)
+        ):
+            none = "; [] for none" if name == "piecewise_sizes" else ""
+            raise SpeculantError(
+                f"{name}={value!r} must be a list of integers >= 1 (None: the default{none})"
+            )
+    fraction = options.get("kv_cache_memory_fraction", 0.85)
+    if not is_number(fraction) or not 0 < fraction <= 1:  # NaN and inf fail too
+        raise SpeculantError(f"kv_cache_memory_fraction={fraction!r} must be a number in (0, 1]")
+    for name in BOOL_OPTIONS:
+        value = options.get(name, False)
+        if type(value).__name__ not in ("bool", "bool_"):  # a bool or numpy's (1 and 0 are not)
+            raise SpeculantError(f"{name}={value!r} must be True or False")
 
 
 def engine_config(target: str, **options) -> EngineConfig:
@@ -148,10 +189,7 @@ def engine_config(target: str, **options) -> EngineConfig:
         "parallel": (ParallelConfig, {"tp", "dp"}),
         "moe": (MoeConfig, {"moe_backend", "moe_max_tokens_per_rank"}),
     }
-    for name in INTEGER_OPTIONS & set(options):
-        value = options[name]
-        if value is not None and not is_integer(value):
-            raise SpeculantError(f"{name}={value!r} must be an integer")
+    check_options(options)
     sections = {}
     for section, (cls, names) in groups.items():
         values = {n: options.pop(n) for n in list(options) if n in names}
@@ -231,9 +269,11 @@ def check_capture_sizes(config: EngineConfig) -> None:
             "--max-num-seqs"
         )
     if not capture_sizes(graph, config.cache.max_num_seqs, config.parallel.dp):
+        smallest = min(graph.capture_sizes or [1])
         raise SpeculantError(
-            f"no batch size to capture under --max-capture-size="
-            f"{graph.max_capture_size}; raise it to at least 1"
+            f"no batch size to capture under --max-capture-size={graph.max_capture_size}: "
+            f"the smallest capture size is {smallest}; raise --max-capture-size to at least "
+            f"{smallest} or give smaller --capture-sizes"
         )
 
 

@@ -115,11 +115,6 @@ class Engine:
         on_gpu = self.device.startswith("cuda")
         if cache.max_num_seqs is None:
             cache.max_num_seqs = max(DEFAULT_MAX_NUM_SEQS[on_gpu], cfg.parallel.dp)
-        if cache.page_size < 1 or cache.max_num_seqs < 1:
-            raise SpeculantError(
-                f"page_size={cache.page_size} and max_num_seqs="
-                f"{cache.max_num_seqs} must be positive"
-            )
         self.max_num_seqs = cache.max_num_seqs // cfg.parallel.dp  # per DP rank
         if self.max_num_seqs < 1:
             raise SpeculantError(
