@@ -617,9 +617,15 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         from speculant.launch.spawn import launch_cli
 
         device = _engine_kwargs(args)["device"]
-        return launch_cli(args.argv, args.tp * args.dp, device, stderr, output=args.output)
+        return launch_cli(
+            args.argv, args.tp * args.dp, device, stderr, output=args.output, stdout=stdout
+        )
+    from speculant.launch.spawn import rank_spool
+
     out_file = None
     finished: list = []  # without --output: printed at the end, or when the run stops or fails
+    spool = None if args.output else rank_spool()  # rank 0 under launch_cli: its launcher's
+    on_printed = None if spool is None else spool.printed
 
     def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
         nonlocal out_file
@@ -630,13 +636,16 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
                 out_file.flush()
         else:
             finished.append(out)
+            if spool is not None:  # the launcher prints it if this rank cannot
+                spool.add(out.index, completion_line(out, specs))
 
     with output_lock(args.output if reads_inputs() else None):  # held until the file is done
         try:
             outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
         except BaseException:  # Ctrl-C, SIGTERM, a peer rank gone: what finished is printed
             if finished:
-                print_completions(sorted(finished, key=lambda o: o.index), stdout, specs)
+                done = sorted(finished, key=lambda o: o.index)
+                print_completions(done, stdout, specs, on_printed=on_printed)
                 stdout.flush()
             raise
         finally:
@@ -644,7 +653,8 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
                 with write_errors_named(args.output, "--output"):  # close flushes the buffer
                     out_file.close()
     if outputs is not None:  # rank 0 (or the one process) reports
-        report_outputs(args, outputs, seconds, stdout, stderr, write_file=False, specs=specs)
+        kept = dict(write_file=False, specs=specs, on_printed=on_printed)
+        report_outputs(args, outputs, seconds, stdout, stderr, **kept)
     return 0
 
 
@@ -722,10 +732,12 @@ def report_outputs(
     stderr: TextIO,
     write_file: bool = True,
     specs: list[PromptSpec] | None = None,
+    on_printed: Callable[[int], None] | None = None,
 ) -> None:
     """Rank 0's (or the Ray driver's) report: the --output file (when `write_file`; a single
     process wrote it as requests finished), or else one `[index] prompt+completion` per request
-    (the text prompt from `specs`, so the program reads whole); then the summary line."""
+    (the text prompt from `specs`, so the program reads whole; `on_printed` as for
+    print_completions); then the summary line."""
     if args.output and write_file:
         with (
             write_errors_named(args.output, "--output"),
@@ -733,21 +745,36 @@ def report_outputs(
         ):
             out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
     elif not args.output:
-        print_completions(outputs, stdout, specs)
+        print_completions(outputs, stdout, specs, on_printed=on_printed)
     if getattr(args, "bundled_run", False) and (line := bundled_drafter_line(args, outputs)):
         print(line, file=stderr)
     adaptive = getattr(args, "speculation", None) == "auto"
     print(summary_line(outputs, seconds, adaptive), file=stderr)  # the last line, as scripts expect
 
 
-def print_completions(outputs: list, stdout: TextIO, specs: list[PromptSpec] | None) -> None:
-    """One `[index] prompt+completion` line per output (the text prompt from `specs`)."""
+def print_completions(
+    outputs: list,
+    stdout: TextIO,
+    specs: list[PromptSpec] | None,
+    on_printed: Callable[[int], None] | None = None,
+) -> None:
+    """One `[index] prompt+completion` line per output (the text prompt from `specs`). With
+    `on_printed` (rank 0 of a spawn job: its launcher's spool, launch/spawn.py), each line is
+    flushed and then its index passed to it: the launcher prints only the lines not passed."""
     for out in outputs:
-        shown = out.text if out.text is not None else out.token_ids
-        prompt = specs[out.index].prompt if specs else None
-        if isinstance(prompt, str) and out.text is not None:
-            shown = prompt + out.text
-        print(f"[{out.index}] {shown}", file=stdout)
+        print(completion_line(out, specs), file=stdout)
+        if on_printed is not None:
+            stdout.flush()
+            on_printed(out.index)
+
+
+def completion_line(out: Any, specs: list[PromptSpec] | None) -> str:
+    """`[index] prompt+completion` (the text prompt from `specs`), or `[index] [token ids]`."""
+    shown = out.text if out.text is not None else out.token_ids
+    prompt = specs[out.index].prompt if specs else None
+    if isinstance(prompt, str) and out.text is not None:
+        shown = prompt + out.text
+    return f"[{out.index}] {shown}"
 
 
 DRAFTER_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFLASH drafter", "draft-model": "draft LM"}

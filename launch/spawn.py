@@ -10,11 +10,19 @@ with `os._exit` after flushing: destroying NCCL groups after graph capture has h
 
 Ranks end with their launcher: SIGTERM to the launcher stops every rank as Ctrl-C does (finished
 outputs kept, exit 143), and a rank whose parent dies, SIGKILL included, stops by itself
-(`end_with_parent`). Nothing is written to disk for the ranks (their logs are unnamed files)."""
+(`end_with_parent`). Nothing is written to disk for the ranks (their logs are unnamed files).
+
+Without --output, rank 0 prints the completions (at the end, or when its run stops or fails);
+it also appends each one, as it finishes, to the launcher's spool (`CompletionSpool`, an unnamed
+file it inherits), and marks each once printed: a rank 0 killed, or still blocked in a
+collective when the grace period ends, loses nothing it finished: the launcher prints what rank
+0 had not, in its order and format, before its last line."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import multiprocessing
 import os
 import re
@@ -217,6 +225,100 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
+
+
+SPOOL_ENV = "SPECULANT_COMPLETION_SPOOL"  # FD:DEV:INO of the launcher's spool, for rank 0
+
+
+class CompletionSpool:
+    """The completions rank 0 of a `launch_cli` job (without --output) has finished, kept by
+    the launcher so that none is lost with rank 0: an unnamed file (nothing is left behind,
+    however the launcher ends) whose descriptor rank 0 inherits, with one flushed JSON line per
+    completion as it finishes, {"index": i, "line": "[i] ..."} (the line rank 0 prints), and
+    {"printed": i} once rank 0 has printed it. After the ranks have ended, the launcher prints
+    the lines not marked printed (`print_unprinted`): none after a run that rank 0 finished."""
+
+    def __init__(self, stdout: TextIO) -> None:
+        self.stdout, self.shown = stdout, set()  # shown: the indices this printed
+        self.file = tempfile.TemporaryFile(prefix="speculant-completions-")
+        fd = self.file.fileno()
+        info = os.fstat(fd)
+        self.fd, self.env = fd, {SPOOL_ENV: f"{fd}:{info.st_dev}:{info.st_ino}"}
+
+    def unprinted(self) -> list[tuple[int, str]]:
+        """(index, line) of each completion neither rank 0 nor this printed, by index."""
+        data = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
+        lines: dict[int, str] = {}
+        printed: set[int] = set()
+        for raw in data.split(b"\n")[:-1]:  # the last piece: b"" or a record cut short
+            try:
+                record = json.loads(raw)
+                if "printed" in record:
+                    printed.add(int(record["printed"]))
+                else:
+                    lines.setdefault(int(record["index"]), str(record["line"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        done = printed | self.shown
+        return [(i, lines[i]) for i in sorted(lines) if i not in done]
+
+    def print_unprinted(self) -> None:
+        """Print, once, every completion rank 0 finished but did not print (it was killed)."""
+        try:
+            for index, line in self.unprinted():
+                self.shown.add(index)
+                print(line, file=self.stdout)
+            self.stdout.flush()
+        except (OSError, ValueError):  # a closed or broken stdout: the last line still comes
+            pass
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class RankSpool:
+    """Rank 0's end of the launcher's `CompletionSpool`: `add` each completion as it finishes,
+    `printed` each once its line is out (flushed). A write that fails (a full disk) empties the
+    spool and stops it: the launcher then prints nothing, rather than a line printed already."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def add(self, index: int, line: str) -> None:
+        self._write({"index": index, "line": line})
+
+    def printed(self, index: int) -> None:
+        self._write({"printed": index})
+
+    def _write(self, record: dict) -> None:
+        if self.fd is None:
+            return
+        data = (json.dumps(record) + "\n").encode()  # ASCII: lone surrogates kept as escapes
+        try:
+            while data:
+                data = data[os.write(self.fd, data) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+            self.fd = None
+
+
+def rank_spool() -> RankSpool | None:
+    """The launcher's completion spool, in rank 0 of a `launch_cli` job without --output; None
+    elsewhere (one process, torchrun, Ray, --output), or if SPOOL_ENV does not name the very
+    file the launcher opened (an environment copied from elsewhere)."""
+    value = os.environ.pop(SPOOL_ENV, None)  # not for any process this rank starts
+    if not value or os.environ.get("RANK", "0") != "0":
+        return None
+    try:
+        fd, dev, ino = (int(part) for part in value.split(":"))
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != (dev, ino):
+            return None
+        os.set_inheritable(fd, False)
+    except (ValueError, OSError):
+        return None
+    return RankSpool(fd)
 
 
 def fault_point(rank: int) -> None:
@@ -542,35 +644,51 @@ def check_output_free(path: str | None) -> None:
 
 
 def launch_cli(
-    argv: Sequence[str], world_size: int, device: str, stderr: TextIO, output: str | None = None
+    argv: Sequence[str],
+    world_size: int,
+    device: str,
+    stderr: TextIO,
+    output: str | None = None,
+    stdout: TextIO | None = None,
 ) -> int:
     """Run `speculant ARGV` as `world_size` local ranks and return the job's exit status: 0 when
     every rank succeeded, rank 0's status when it alone reported (a user error prints one line
     there), 130/143 after Ctrl-C/SIGTERM (every rank stopped, a line saying so and where the
-    finished requests are, `output`), else 1 with one line naming the failed and stuck ranks
-    (without `output`, rank 0 printed the completions that finished before, cli.run_generate).
-    Rank 0 keeps this terminal; the others' stderr goes to unnamed files (read for their last
-    line), so a launcher killed by SIGKILL leaves nothing behind."""
+    finished requests are, `output`), else 1 with one line naming the failed and stuck ranks.
+    With `stdout` (`generate` without `output`), rank 0 prints the completions, those that
+    finished before a failure or stop included (cli.run_generate), and spools each as it
+    finishes (`CompletionSpool`): any that a killed or stuck rank 0 did not print, this prints
+    on `stdout` before the last line. Rank 0 keeps this terminal; the others' stderr goes to
+    unnamed files (read for their last line), so a launcher killed by SIGKILL leaves nothing
+    behind."""
     check_devices(device, world_size)
     check_output_free(output)
     port = free_port()
     ranks: list[_Rank] = []
+    spool = CompletionSpool(stdout) if stdout is not None and not output else None
     try:
         for rank in range(world_size):
             env = {**os.environ, **rank_env(rank, world_size, port)}
             env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
+            env.pop(SPOOL_ENV, None)
             if device == "cpu":  # share the cores instead of oversubscribing them
                 env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
             cmd = [sys.executable, "-m", "speculant.launch.spawn", *argv]
             if rank == 0:  # rank 0 keeps this terminal: it writes the outputs
-                ranks.append(_Rank(rank, _Proc(subprocess.Popen(cmd, env=env))))
+                fds = () if spool is None else (spool.fd,)
+                env.update(spool.env if spool is not None else {})
+                ranks.append(_Rank(rank, _Proc(subprocess.Popen(cmd, env=env, pass_fds=fds))))
                 continue
             log = tempfile.TemporaryFile(prefix=f"speculant-rank{rank}-")
             handle = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
             ranks.append(_Rank(rank, _Proc(handle), log))
         failure = _supervise(ranks, None, GRACE_S)
+        if spool is not None:  # none unless rank 0 was killed or stuck
+            spool.print_unprinted()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         _stop(ranks)
+        if spool is not None:  # what a rank 0 killed by _stop had not printed
+            spool.print_unprinted()
         line, code = stopped_line(exc, output, ranks=True)
         _end_line(ranks, line, stderr)
         return code
@@ -581,6 +699,8 @@ def launch_cli(
         for r in ranks:
             if r.log is not None:
                 r.log.close()
+        if spool is not None:
+            spool.close()
     if failure is None:
         return 0
     codes = [r.process.exitcode for r in ranks]
