@@ -354,8 +354,10 @@ def _check(args: argparse.Namespace) -> None:
         raise SpeculantError(f"--tp {args.tp} / --dp {args.dp} must be positive integers")
     if not 0 <= args.rtol < 1:
         raise SpeculantError(f"--rtol {args.rtol} must be in [0, 1)")
-    if args.threads is not None and args.threads < 1:
-        raise SpeculantError(f"--threads {args.threads} must be a positive integer")
+    for flag in ("threads", "max_num_seqs", "dist_timeout"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SpeculantError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
     for flag in ("target", "draft"):
         value = getattr(args, flag)
         if value and not Path(value).is_dir():

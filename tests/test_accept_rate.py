@@ -99,6 +99,8 @@ def test_sampled_run_reports_no_lossless_verdict(capsys, setup, llama_dir, tmp_p
     [
         (["--max-new-tokens", "1"], "--max-new-tokens 1"),
         (["--rtol", "1.5"], "--rtol 1.5"),
+        (["--max-num-seqs", "0"], "--max-num-seqs 0"),
+        (["--dist-timeout", "-1"], "--dist-timeout -1"),
         (["--baseline", "/no/such.json"], "/no/such.json"),
         (["--draft", "/no/such/dir"], "/no/such/dir"),
         (["--num-draft-tokens", "5", "--baseline", "BASELINE"], "num_draft_tokens=3"),
