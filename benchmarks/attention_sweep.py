@@ -80,26 +80,29 @@ def setup_mixed(contexts: list[int], kv_len: int, gen: torch.Generator) -> dict:
     }
 
 
-def run(case: dict, layer: int, splits, block_n, launch, row_keys=None):
-    from speculant.kernels.paged_attention import paged_attention
+def run(case: dict, layer: int, splits, block_n, launch, ordered=False):
+    from speculant.kernels.paged_attention import longest_first, paged_attention
 
     k, v = case["pools"][layer]
+    if ordered and "order" not in case:  # once, as the engine sorts once a step
+        case["order"] = longest_first(case["positions"], len(case["rows"]), 1)
     return paged_attention(
         case["q"], k, v, case["table"], case["rows"], case["positions"], PAGE, case["kv_len"], 1,
-        num_splits=splits, block_n=block_n, launch=launch, row_split_keys=row_keys,
+        num_splits=splits, block_n=block_n, launch=launch,
+        row_order=case["order"] if ordered else None,
     )  # fmt: skip
 
 
-def time_variant(case: dict, splits, block_n, launch, row_keys=None) -> float:
+def time_variant(case: dict, splits, block_n, launch, ordered=False) -> float:
     from graphs import time_ms
 
     for layer in range(2):
-        run(case, layer, splits, block_n, launch, row_keys)  # compile, allocate
+        run(case, layer, splits, block_n, launch, ordered)  # compile, allocate
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
-            run(case, layer, splits, block_n, launch, row_keys)
+            run(case, layer, splits, block_n, launch, ordered)
     ms = time_ms(graph.replay, 20)
     del graph
     return ms * 1e3 / LAYERS
@@ -124,8 +127,9 @@ def main() -> int:
         "shapes": {},
     }
     configs = [("shipped", None, None, None), ("default_stages", None, None, (4, None))]
-    # row-aware splits (kernels/paged_attention.py ROW_SPLIT_KEYS): rows split by their length
-    configs += [(f"rowsplit{keys}", None, None, None, keys) for keys in (256, 512, 1024, 2048)]
+    # rows started longest first (paged_attention's row_order, as the engine's steps run)
+    configs += [("ordered", None, None, None, True), ("split2s2_ordered", 2, None, (4, 2), True),
+                ("split4s2_ordered", 4, None, (4, 2), True)]  # fmt: skip
     grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3)) if args.grid else ()
     for block_n, warps, stages in grid:
         configs.append((f"n{block_n}w{warps}s{stages}", None, block_n, (warps, stages)))
@@ -140,14 +144,14 @@ def main() -> int:
         floor_us = case["bytes"] / bandwidth * 1e6
         want = run(case, 0, None, None, None).float()
         rows = {}
-        for name, splits, block_n, launch, *row_keys in configs:
+        for name, splits, block_n, launch, *ordered in configs:
             if time.perf_counter() - start > args.budget_s:
                 rows[name] = "skipped (budget)"
                 continue
             try:
-                got = run(case, 0, splits, block_n, launch, *row_keys).float()
+                got = run(case, 0, splits, block_n, launch, *ordered).float()
                 err = (got - want).abs().max().item()
-                us = time_variant(case, splits, block_n, launch, *row_keys)
+                us = time_variant(case, splits, block_n, launch, *ordered)
                 rows[name] = {"us": round(us, 2), "err": err, "of_floor": round(floor_us / us, 3)}
             except Exception as exc:  # out of shared memory and the like: recorded
                 rows[name] = f"{type(exc).__name__}: {str(exc)[:120]}"

@@ -11,7 +11,7 @@ import torch
 from speculant.executor.attention import PoolAttention
 from speculant.executor.forward_batch import ForwardBatch
 from speculant.kernels.ops import TritonOps
-from speculant.kernels.paged_attention import paged_attention, varlen_tiles
+from speculant.kernels.paged_attention import longest_first, paged_attention, varlen_tiles
 from speculant.kernels.rope import rope_and_write_kv
 
 
@@ -22,12 +22,18 @@ class TritonPagedAttention(PoolAttention):
     None; a drafter's torch backend then gathers its own)."""
 
     ops = TritonOps()
+    # rows of a batch start longest first (kernels/paged_attention.longest_first; one sort a
+    # step, made at the first layer): a decode batch of mixed context lengths otherwise waits on
+    # long rows started late. False: batch order (benchmarks/job_step.py compares both).
+    order_rows = True
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Remember the step; `shared_slots` (a torch backend's gather) is not needed. A packed
-        batch's tile tables are made at the first layer (they depend on the GQA group)."""
+        batch's tile tables and a batch's row order are made at the first layer (the tables
+        depend on the GQA group)."""
         self.batch = batch
         self.tiles = {}
+        self.row_order = None
 
     def forward(
         self,
@@ -55,6 +61,8 @@ class TritonPagedAttention(PoolAttention):
             elif group not in self.tiles:
                 self.tiles[group] = varlen_tiles(list(batch.seq_lens), group, q.device)
             varlen = self.tiles[group]
+        elif self.order_rows and batch.bs > 1 and self.row_order is None:
+            self.row_order = longest_first(batch.positions, batch.bs, batch.tokens_per_req)
         return paged_attention(
             q,
             k_pool,
@@ -66,6 +74,7 @@ class TritonPagedAttention(PoolAttention):
             batch.kv_len,
             batch.tokens_per_req,
             varlen=varlen,
+            row_order=self.row_order,
         )
 
 

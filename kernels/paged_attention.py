@@ -34,14 +34,6 @@ MAX_SPLITS = 64
 # 129.7 vs 170.1; benchmarks/attention_sweep.py, results/decode_wave12.md). Split launches (few
 # rows, long contexts) and packed prefill keep the default: there it measured no better.
 UNSPLIT_LAUNCH = (4, 2)
-# Row-aware splits (off: None). A batch that fills the GPU gets one split per row, so a step
-# waits on its longest rows (the job's context mix: 176 us a layer at bs 192 against 115 with
-# every row at the mean; results/job_step_wave13.md). With ROW_SPLIT_KEYS = K such a launch
-# (one tile per row, not packed) gets a grid of S = ceil(kv_len / K) splits, and each row uses
-# ceil(its length / K) of them (at most S): rows up to K keys run as one program that writes its
-# output directly, the other programs of the row do nothing, and the merge skips such rows.
-# Not yet timed on a GPU: benchmarks/attention_sweep.py's `rowsplitK` variants measure it.
-ROW_SPLIT_KEYS: int | None = None
 
 
 @triton.jit
@@ -79,7 +71,7 @@ def _attend_block(
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit(do_not_specialize=["tokens_per_req", "kv_len", "num_splits", "m_tiles", "row_keys"])
+@triton.jit(do_not_specialize=["tokens_per_req", "kv_len", "num_splits", "m_tiles"])
 def _paged_attention_kernel(
     q_ptr,
     k_pool_ptr,
@@ -87,6 +79,7 @@ def _paged_attention_kernel(
     req_to_page_ptr,
     rows_ptr,
     positions_ptr,
+    order_ptr,
     tile_seq_ptr,
     tile_m0_ptr,
     seq_start_ptr,
@@ -106,7 +99,6 @@ def _paged_attention_kernel(
     kv_len,
     num_splits,
     m_tiles,
-    row_keys,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -115,7 +107,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
-    ROW_SPLIT: tl.constexpr,
+    ORDERED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -131,8 +123,17 @@ def _paged_attention_kernel(
         m_ok = m < GROUP * tl.load(seq_len_ptr + row)
         token = tl.load(seq_start_ptr + row).to(tl.int64) + m // GROUP
     else:
+        tile = pid % m_tiles
         row = (pid // m_tiles).to(tl.int64)
-        m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = token * GROUP + head
+        if ORDERED:  # the hardware starts programs in linear order: the longest rows' first
+            flat = pid + tl.num_programs(0) * (kv_head + tl.num_programs(1) * split)
+            split = flat % num_splits
+            flat = flat // num_splits
+            kv_head = flat % (NUM_HEADS // GROUP)
+            flat = flat // (NUM_HEADS // GROUP)
+            tile = flat % m_tiles
+            row = tl.load(order_ptr + flat // m_tiles).to(tl.int64)
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = token * GROUP + head
         m_ok = m < GROUP * tokens_per_req
         token = row * tokens_per_req + m // GROUP
     head = kv_head * GROUP + m % GROUP
@@ -140,11 +141,7 @@ def _paged_attention_kernel(
 
     # this program's keys: an equal share (in whole blocks) of the tile's live length
     seq_len = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
-    if ROW_SPLIT:  # this row's own share of the splits (see ROW_SPLIT_KEYS)
-        row_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, row_keys), 1), num_splits)
-    else:
-        row_splits = num_splits
-    per_split = tl.cdiv(tl.cdiv(seq_len, row_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     table = req_to_page_ptr + tl.load(rows_ptr + row).to(tl.int64) * stride_table
@@ -178,56 +175,35 @@ def _paged_attention_kernel(
             )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
     if SPLIT:
         part = (token * NUM_HEADS + head) * num_splits + split
-        live = split < row_splits  # a row-aware launch: its splits past the row's do nothing
-        if ROW_SPLIT:  # a row of one split: its output directly, the merge skips the row
-            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask & (row_splits == 1)
-                     & (split == 0))  # fmt: skip
-            live = live & (row_splits > 1)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out,
-                 mask=q_mask & live)  # fmt: skip
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=m_ok & live)
+        tl.store(part_lse_ptr + part, lse, mask=m_ok)
     else:
+        dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "tokens_per_req", "kv_len", "row_keys"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    positions_ptr,
     stride_on,
     stride_oh,
     num_splits,
-    tokens_per_req,
-    kv_len,
-    row_keys,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    ROW_SPLIT: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
     token, head = pid // NUM_HEADS, pid % NUM_HEADS
     s = tl.arange(0, BLOCK_S)
-    row_splits = num_splits
-    write = True
-    if ROW_SPLIT:  # the row's split count as the attention kernel derived it (one tile a row)
-        t = tl.arange(0, BLOCK_T)
-        row0 = (token // tokens_per_req) * tokens_per_req
-        pos = tl.load(positions_ptr + row0 + t, mask=t < tokens_per_req, other=-1)
-        seq_len = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
-        row_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, row_keys), 1), num_splits)
-        write = row_splits > 1  # one split: written by the attention kernel
-    s_ok = s < row_splits
+    s_ok = s < num_splits
     lse = tl.load(part_lse_ptr + pid * num_splits + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -242,7 +218,7 @@ def _merge_splits_kernel(
     total = tl.sum(weight, axis=0)
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
     dst = out_ptr + token * stride_on + head * stride_oh + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok & write)
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @dataclass
@@ -306,23 +282,11 @@ def choose_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def plan_splits(
-    programs: int,
-    kv_len: int,
-    device: torch.device,
-    num_splits: int | None,
-    one_tile_per_row: bool,
-    row_keys: int | None,
-) -> tuple[int, bool]:
-    """(the launch's split count, whether rows take their own share of it): `num_splits` when
-    forced, else choose_num_splits'; where that is one split, rows hold one tile each and
-    `row_keys` is set (ROW_SPLIT_KEYS), ceil(kv_len / row_keys) splits shared out by length."""
-    if num_splits:
-        return num_splits, False
-    splits = choose_num_splits(programs, kv_len, device)
-    if splits == 1 and one_tile_per_row and row_keys and kv_len > row_keys:
-        return min(MAX_SPLITS, -(-kv_len // row_keys)), True
-    return splits, False
+def longest_first(positions: torch.Tensor, bs: int, tokens_per_req: int) -> torch.Tensor:
+    """The step's rows ordered by context length, longest first (int32 [bs]): paged_attention's
+    `row_order`, made once a step (every layer reads the same positions)."""
+    last = positions.view(bs, tokens_per_req)[:, -1]
+    return torch.argsort(last, descending=True).to(torch.int32)
 
 
 def paged_attention(
@@ -339,15 +303,18 @@ def paged_attention(
     block_n: int | None = None,
     varlen: VarlenTiles | None = None,
     launch: tuple[int, int | None] | None = None,
-    row_split_keys: int | None = None,
+    row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [bs * T, heads, d] (row-major: T query tokens per row), pools [num_slots, kv_heads, d],
     req_to_page [rows, max_pages] int32, req_pool_indices [bs], positions [bs * T]; keys at
     positions < kv_len (a multiple of page_size) are reachable. Returns [bs * T, heads, d].
     With `varlen` (see `varlen_tiles`) the bs sequences are packed, each of its own length, and
     `tokens_per_req` is unused. `num_splits` / `block_n` override the split-K plan and key block,
-    `launch` (num_warps, num_stages or None) the launch (tests, benchmarks/attention_sweep.py),
-    `row_split_keys` ROW_SPLIT_KEYS (row-aware splits where the plan gives one split)."""
+    `launch` (num_warps, num_stages or None) the launch (tests, benchmarks/attention_sweep.py).
+    `row_order` (a permutation of the bs rows, `longest_first`) sets the order programs start
+    in: a batch whose programs run in several waves otherwise waits on long rows that started
+    late (the job's context mix: 176 us a layer at bs 192 against 115 with every row at the
+    mean; results/job_step_wave13.md); outputs do not depend on it."""
     if not runs_triton(q):
         if varlen is not None:
             return reference.paged_attention_varlen(
@@ -376,11 +343,7 @@ def paged_attention(
         programs = bs * m_tiles
     block_d = max(16, next_power_of_2(d))
     block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)  # shared memory
-    row_keys = ROW_SPLIT_KEYS if row_split_keys is None else row_split_keys
-    splits, row_split = plan_splits(
-        programs * kv_heads, kv_len, q.device, num_splits, varlen is None and m_tiles == 1,
-        row_keys,
-    )  # fmt: skip
+    splits = num_splits or choose_num_splits(programs * kv_heads, kv_len, q.device)
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -398,6 +361,7 @@ def paged_attention(
         req_to_page,
         req_pool_indices,
         positions,
+        row_order if row_order is not None else positions,  # unread without row_order
         *tables,
         out,
         part_out,
@@ -414,7 +378,6 @@ def paged_attention(
         kv_len,
         splits,
         m_tiles,
-        row_keys or 1,
         NUM_HEADS=heads,
         GROUP=group,
         PAGE_SIZE=page_size,
@@ -423,13 +386,11 @@ def paged_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         SPLIT=splits > 1,
-        ROW_SPLIT=row_split,
+        ORDERED=row_order is not None and varlen is None,
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
         VARLEN=varlen is not None,
-        **_launch_options(
-            launch or (UNSPLIT_LAUNCH if (splits == 1 or row_split) and varlen is None else None)
-        ),
+        **_launch_options(launch or (UNSPLIT_LAUNCH if splits == 1 and varlen is None else None)),
         **pdl_options(pdl),
     )
     if splits > 1:
@@ -437,19 +398,13 @@ def paged_attention(
             part_out,
             part_lse,
             out,
-            positions,
             out.stride(0),
             out.stride(1),
             splits,
-            T,
-            kv_len,
-            row_keys or 1,
             NUM_HEADS=heads,
             HEAD_DIM=d,
             BLOCK_S=max(2, next_power_of_2(splits)),
             BLOCK_D=block_d,
-            ROW_SPLIT=row_split,
-            BLOCK_T=max(2, next_power_of_2(T)),
             num_warps=1 if block_d <= 64 else 2,
             **pdl_options(pdl),
         )

@@ -148,24 +148,26 @@ def test_paged_attention_split_counts(device, dtype, T):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T", [1, 4])
-def test_paged_attention_row_aware_splits(device, T):
-    """Row-aware splits (ROW_SPLIT_KEYS, for batches that fill the GPU): rows of mixed lengths,
-    each split by its own length (short rows: one program writing directly, the merge skipping
-    them; the longest: every split; the sentinel row: one key), against the reference."""
-    from speculant.kernels import paged_attention as attention
+@pytest.mark.parametrize("T, num_splits", [(1, 1), (1, 3), (4, 1), (20, 2)])
+def test_paged_attention_row_order(device, T, num_splits):
+    """Programs started in a given row order (`row_order`: the step's rows longest first, or any
+    permutation) give every row its own output: one split or several, one query tile a row or
+    two (T = 20, GQA group 4: 80 query rows), the sentinel row included."""
+    from speculant.kernels.paged_attention import longest_first
 
     dtype, kv_heads, page_size, max_pages = torch.bfloat16, 2, 16, 5
-    bs = 12 if device == "cpu" else 160  # enough programs for the one-split plan
-    gen = generator("row splits", device, T)
+    bs = 6 if device == "cpu" else 40
+    gen = generator("row order", device, T, num_splits)
     case = PagedScenario(gen, bs, T, kv_heads, 64, page_size, max_pages, dtype, device)
-    keys = 16
-    plan = attention.plan_splits(bs * kv_heads, case.kv_len, torch.device(device), None, True, keys)
-    assert plan == (case.kv_len // keys, True), plan
-    for _ in range(2):  # fresh queries, the same plan
+    order = longest_first(case.positions, bs, T)
+    lengths = case.positions.view(bs, T)[:, -1]
+    assert sorted(order.tolist()) == list(range(bs)) and order.dtype == torch.int32
+    assert (lengths[order.long()].diff() <= 0).all(), "longest_first: not longest first"
+    shuffled = torch.randperm(bs, generator=gen).int().to(device)
+    for row_order in (order, shuffled):
         q = randn(gen, bs * T, 4 * kv_heads, 64, dtype=dtype, device=device)
-        out, ref = case.run(q, block_n=16, row_split_keys=keys)
-        assert_close(out, ref, dtype, f"row-aware splits, T={T}")
+        out, ref = case.run(q, block_n=16, num_splits=num_splits, row_order=row_order)
+        assert_close(out, ref, dtype, f"row order {row_order.tolist()}, T={T}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
