@@ -574,7 +574,7 @@ def dummy_d2t(draft_vocab: int, target_vocab: int, seed: int = 0) -> torch.Tenso
     """Offsets for random weights: identity for equal vocabularies, else a random sorted subset."""
     if draft_vocab == target_vocab:
         return torch.zeros(draft_vocab, dtype=torch.int64)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed % 2**64)  # any integer seed
     ids = torch.randperm(target_vocab, generator=gen)[:draft_vocab].sort().values
     return ids - torch.arange(draft_vocab)
 

@@ -33,7 +33,7 @@ from speculant.drafter.tokenizer_vocab import check_draft_tokenizer
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
-from speculant.executor.request import INT64_MAX, INT64_MIN, is_integer, is_number
+from speculant.executor.request import is_integer, is_number
 from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
@@ -99,7 +99,7 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-# Engine options that take whole numbers, checked before anything uses them (seed: an int64):
+# Engine options that take whole numbers, checked before anything uses them (and seed):
 # the least value (None: check_spec checks the range) and whether None (the default) may be given
 INTEGER_OPTIONS = {
     "page_size": (1, False), "max_num_seqs": (1, True), "max_num_batched_tokens": (1, True),
@@ -125,11 +125,9 @@ def check_options(options: dict) -> None:
         elif not is_integer(value) or value < least:
             default = " (None: the default)" if nullable else ""
             raise SpeculantError(f"{name}={value!r} must be an integer >= {least}{default}")
-    seed = options.get("seed", 0)  # dummy weights seed torch with it, the requests with a hash
-    if not (is_integer(seed) and INT64_MIN <= seed <= INT64_MAX):
-        raise SpeculantError(
-            f"seed={seed!r} must be an integer in {INT64_MIN}..{INT64_MAX} (int64)"
-        )
+    seed = options.get("seed", 0)  # any integer: dummy weights take it mod 2**64, requests a hash
+    if not is_integer(seed):
+        raise SpeculantError(f"seed={seed!r} must be an integer")
     for name in SIZE_LIST_OPTIONS:
         value = options.get(name)
         if value is not None and (

@@ -276,7 +276,8 @@ def file_holding(source: str | Path, name: str) -> str:
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights in place, in the parameters' own dtype and device (no fp32 copy); FP8
     layers get random e4m3 weights and scales (fp8.Fp8Linear.init_dummy)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed % 2**64)  # any integer seed
     for name, param in model.named_parameters():
         if param.dtype == FP8 or hasattr(param, "fp8_scale"):
             continue

@@ -243,8 +243,9 @@ def test_text_prompt_with_a_lone_surrogate_is_one_clear_error():
         engine.generate(["def f(\udc80):"], SamplingParams(max_new_tokens=2))
 
 
-def test_huge_engine_seed_still_samples(llama_dir):
-    engine = Engine(str(llama_dir), device="cpu", seed=2**70)
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_huge_engine_seed_still_samples(llama_dir, load_format):
+    engine = Engine(str(llama_dir), device="cpu", seed=2**70, load_format=load_format)
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=1.0))
     assert len(out[0].token_ids) == 3
 

@@ -175,8 +175,8 @@ BAD_OPTIONS = [
     # None is the default only where the default is None
     (dict(page_size=None), r"^page_size=None must be an integer >= 1$"),
     (dict(tp=None), r"^tp=None must be an integer >= 1$"),
-    (dict(seed=None), r"^seed=None must be an integer in -9223372036854775808\.\."),
-    (dict(seed=2**64), r"^seed=18446744073709551616 must be an integer in .* \(int64\)$"),
+    (dict(seed=None), r"^seed=None must be an integer$"),
+    (dict(seed=1.5), r"^seed=1\.5 must be an integer$"),
     # a bool is not a size
     (dict(max_num_seqs=True), r"^max_num_seqs=True must be an integer >= 1"),
     (dict(page_size=16.0), r"^page_size=16\.0 must be an integer >= 1"),
