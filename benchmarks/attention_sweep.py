@@ -6,8 +6,11 @@ bandwidth; every variant's output checked against the shipped configuration's.
 
     python benchmarks/attention_sweep.py --json OUT.json [--shapes 1x512,64x512,192xjob,...]
 
-A shape's context `job`: every row its own length, as in a decode step of the realistic job
-(`job_contexts`), with the job's reachable length (4,352 keys) setting the split plan.
+`shipped` is the kernel in batch order with the static split plan (what the engine ran before
+wave 14), `ordered` the same with rows longest first, `planned` a step's RowPlan (the engine's
+default). A shape's context `job`: every row its own length, as in a decode step of the
+realistic job (`job_contexts`), with the job's reachable length (4,352 keys) setting the split
+plan.
 """
 
 from __future__ import annotations
@@ -80,29 +83,35 @@ def setup_mixed(contexts: list[int], kv_len: int, gen: torch.Generator) -> dict:
     }
 
 
-def run(case: dict, layer: int, splits, block_n, launch, ordered=False):
-    from speculant.kernels.paged_attention import longest_first, paged_attention
+def run(case: dict, layer: int, splits, block_n, launch, layout=None):
+    """One layer's launch; `layout` "ordered" (rows longest first) or "planned" (a RowPlan),
+    made once per case as the engine makes them once a step."""
+    from speculant.kernels.paged_attention import longest_first, paged_attention, row_plan
 
     k, v = case["pools"][layer]
-    if ordered and "order" not in case:  # once, as the engine sorts once a step
-        case["order"] = longest_first(case["positions"], len(case["rows"]), 1)
+    bs = len(case["rows"])
+    if layout == "ordered" and "order" not in case:
+        case["order"] = longest_first(case["positions"], bs, 1)
+    if layout == "planned" and "plan" not in case:
+        case["plan"] = row_plan(case["positions"], bs, 1, case["kv_len"], KV_HEADS)
     return paged_attention(
         case["q"], k, v, case["table"], case["rows"], case["positions"], PAGE, case["kv_len"], 1,
         num_splits=splits, block_n=block_n, launch=launch,
-        row_order=case["order"] if ordered else None,
+        row_order=case["order"] if layout == "ordered" else None,
+        plan=case["plan"] if layout == "planned" else None,
     )  # fmt: skip
 
 
-def time_variant(case: dict, splits, block_n, launch, ordered=False) -> float:
+def time_variant(case: dict, splits, block_n, launch, layout=None) -> float:
     from graphs import time_ms
 
     for layer in range(2):
-        run(case, layer, splits, block_n, launch, ordered)  # compile, allocate
+        run(case, layer, splits, block_n, launch, layout)  # compile, allocate
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
-            run(case, layer, splits, block_n, launch, ordered)
+            run(case, layer, splits, block_n, launch, layout)
     ms = time_ms(graph.replay, 20)
     del graph
     return ms * 1e3 / LAYERS
@@ -127,9 +136,10 @@ def main() -> int:
         "shapes": {},
     }
     configs = [("shipped", None, None, None), ("default_stages", None, None, (4, None))]
-    # rows started longest first (paged_attention's row_order, as the engine's steps run)
-    configs += [("ordered", None, None, None, True), ("split2s2_ordered", 2, None, (4, 2), True),
-                ("split4s2_ordered", 4, None, (4, 2), True)]  # fmt: skip
+    # rows started longest first (row_order) and a step's RowPlan (the engine's default)
+    configs += [("planned", None, None, None, "planned"), ("ordered", None, None, None, "ordered"),
+                ("split2s2_ordered", 2, None, (4, 2), "ordered"),
+                ("split4s2_ordered", 4, None, (4, 2), "ordered")]  # fmt: skip
     grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3)) if args.grid else ()
     for block_n, warps, stages in grid:
         configs.append((f"n{block_n}w{warps}s{stages}", None, block_n, (warps, stages)))
@@ -144,14 +154,14 @@ def main() -> int:
         floor_us = case["bytes"] / bandwidth * 1e6
         want = run(case, 0, None, None, None).float()
         rows = {}
-        for name, splits, block_n, launch, *ordered in configs:
+        for name, splits, block_n, launch, *layout in configs:
             if time.perf_counter() - start > args.budget_s:
                 rows[name] = "skipped (budget)"
                 continue
             try:
-                got = run(case, 0, splits, block_n, launch, *ordered).float()
+                got = run(case, 0, splits, block_n, launch, *layout).float()
                 err = (got - want).abs().max().item()
-                us = time_variant(case, splits, block_n, launch, *ordered)
+                us = time_variant(case, splits, block_n, launch, *layout)
                 rows[name] = {"us": round(us, 2), "err": err, "of_floor": round(floor_us / us, 3)}
             except Exception as exc:  # out of shared memory and the like: recorded
                 rows[name] = f"{type(exc).__name__}: {str(exc)[:120]}"

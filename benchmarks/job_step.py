@@ -4,11 +4,11 @@ drawn as in a decode step of benchmarks/workload.py's job (attention_sweep.job_c
 the same batch with every row at the mean context; then the kernel profile of the mixed step
 (torch profiler; under PDL a kernel's time includes its wait, so the figures overlap).
 
-    python benchmarks/job_step.py --json OUT.json [--bs 192] [--row-order on,off]
+    python benchmarks/job_step.py --json OUT.json [--bs 192] [--row-layout plan,longest_first,batch]
 
-`--row-order on,off`: the step with the attention's rows started longest first (the engine's
-default, executor/triton_attention.py `order_rows`) and in batch order, graphs recaptured for
-each, in order, then again (two rounds); the profile is the first setting's.
+`--row-layout`: the step per decode-attention layout (executor/triton_attention.py
+`row_layout`: a RowPlan, rows longest first, batch order), graphs recaptured for each, in
+order, then again (two rounds); the profile is the first setting's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--bs", type=int, default=192)
-    parser.add_argument("--row-order", default="on,off")
+    parser.add_argument("--row-layout", default="plan,longest_first,batch")
     args = parser.parse_args()
     from attention_sweep import job_contexts
     from decode import build_engine, free, kernel_profile
@@ -68,27 +68,27 @@ def main() -> int:
         "contexts": {"mean": mean, "max": max(contexts)},
     }
     engine = build_engine(targets()["bf16"], "triton", 3584, [args.bs], piecewise=False)
-    shipped = TritonPagedAttention.order_rows
-    settings = args.row_order.split(",")
+    shipped = TritonPagedAttention.row_layout
+    settings = args.row_layout.split(",")
     try:
         for round_ in range(2 if len(settings) > 1 else 1):
             for setting in settings:
-                TritonPagedAttention.order_rows = {"on": True, "off": False}[setting]
+                TritonPagedAttention.row_layout = setting
                 engine.clear_graphs()
                 engine.capture_graphs()
                 graph = engine.graphs.graph("greedy", args.bs)
-                tag = f"/order_{setting}/r{round_}"
+                tag = f"/{setting}/r{round_}"
                 for name, ctxs in (("job", contexts), ("uniform", [mean] * args.bs)):
                     rows = fill_rows(engine, ctxs, vocab, gen)
                     key = f"graph_ms/{name}{tag}"
                     report[key] = time_ms(graph.replay, 30)
-                    print(f"  bs {args.bs} {name} row order {setting}: {report[key]:.3f} ms")
+                    print(f"  bs {args.bs} {name} {setting}: {report[key]:.3f} ms")
                     if name == "job" and "profile_job" not in report:
                         report["profile_job"] = kernel_profile(graph.replay, top=20)
                     for row in rows:
                         engine.kv.free(row)
     finally:
-        TritonPagedAttention.order_rows = shipped
+        TritonPagedAttention.row_layout = shipped
         free(engine)
     Path(args.json).write_text(json.dumps(report, indent=1))
     for k in report.get("profile_job", {}).get("top", [])[:12]:

@@ -7,10 +7,12 @@ model's shape, for a CPU check of the script); `eagle3` runs an EAGLE-3-shape du
 
 Each named configuration is one `speculant generate` process (start-up included in `wall_s`,
 not in `gen_s`, the generate call the CLI's summary line times). `--tree DIR` runs the same job
-through another checkout's CLI as `baseline` (the code this replaces), in the same run.
+through another checkout's CLI as `baseline` (the code this replaces), in the same run, first
+(`--baseline-last`: after; the first run compiles the Triton kernels both trees share during
+its extend steps, ~2 s on an H200: results/job_step_wave14.md).
 
     python benchmarks/workload.py --out OUT [--requests 1000] [--configs default,seqs256,...]
-        [--tree OLD_CHECKOUT] [--device cuda]
+        [--tree OLD_CHECKOUT [--baseline-last]] [--device cuda]
 """
 
 from __future__ import annotations
@@ -40,8 +42,16 @@ CONFIGS = {  # name: extra CLI flags
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
     "eagle3_auto": ["--algo", "eagle3", "--num-draft-tokens", "3", "--speculation", "auto"],
     # auto with the drafter caught up in every plain step (what the deferred catch-up replaced)
-    "eagle3_auto_d0": ["--algo", "eagle3", "--num-draft-tokens", "3", "--speculation", "auto",
-                       "--catch-up-depth", "0"],  # fmt: skip
+    "eagle3_auto_d0": [
+        "--algo",
+        "eagle3",
+        "--num-draft-tokens",
+        "3",
+        "--speculation",
+        "auto",
+        "--catch-up-depth",
+        "0",
+    ],  # fmt: skip
     "eager": ["--enforce-eager"],
     "nopiecewise": ["--piecewise-sizes", "none"],  # extend steps eager, decode graphs kept
     "lazypiecewise": ["--piecewise-capture", "lazy"],
@@ -123,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="default,seqs256,seqs512,eagle3")
     parser.add_argument("--tree", default=None, help="another checkout, run as `baseline`")
     parser.add_argument("--baseline-configs", default="default")
+    parser.add_argument(
+        "--baseline-last",
+        action="store_true",
+        help="run the baseline after this tree's configurations: kernels both trees share are "
+        "then compiled (Triton's cache) by this tree's first run, in its generate time, not the "
+        "baseline's (the default order gives this tree that advantage)",
+    )
     parser.add_argument("--shape", choices=["llama8b", "small"], default="llama8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
@@ -150,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = [(name, None) for name in args.configs.split(",") if name]
     if args.tree:
-        runs = [(f"baseline_{n}", args.tree) for n in args.baseline_configs.split(",")] + runs
+        baseline = [(f"baseline_{n}", args.tree) for n in args.baseline_configs.split(",")]
+        runs = runs + baseline if args.baseline_last else baseline + runs
     for name, tree in runs:
         flags = list(CONFIGS[name.removeprefix("baseline_")])
         if "eagle3" in name:
@@ -159,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"].append(result)
         print(json.dumps(result), flush=True)
         (Path(args.out) / "workload.json").write_text(json.dumps(report, indent=2))
-    print(f"\njob: {report['requests']} requests, {report['job_prompt_tokens']} prompt + "
-          f"{report['job_output_tokens']} output tokens ({args.shape}, {report['date']})")
+    print(
+        f"\njob: {report['requests']} requests, {report['job_prompt_tokens']} prompt + "
+        f"{report['job_output_tokens']} output tokens ({args.shape}, {report['date']})"
+    )
     print("| config | output tok/s | total tok/s | generate s | wall s | peak GiB | preemptions "
           "| mean decode batch |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

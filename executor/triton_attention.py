@@ -11,8 +11,15 @@ import torch
 from speculant.executor.attention import PoolAttention
 from speculant.executor.forward_batch import ForwardBatch
 from speculant.kernels.ops import TritonOps
-from speculant.kernels.paged_attention import longest_first, paged_attention, varlen_tiles
+from speculant.kernels.paged_attention import (
+    longest_first,
+    paged_attention,
+    plans_rows,
+    row_plan,
+    varlen_tiles,
+)
 from speculant.kernels.rope import rope_and_write_kv
+from speculant.kernels.runtime import runs_triton
 
 
 class TritonPagedAttention(PoolAttention):
@@ -22,10 +29,13 @@ class TritonPagedAttention(PoolAttention):
     None; a drafter's torch backend then gathers its own)."""
 
     ops = TritonOps()
-    # rows of a batch start longest first (kernels/paged_attention.longest_first; one sort a
-    # step, made at the first layer): a decode batch of mixed context lengths otherwise waits on
-    # long rows started late. False: batch order (benchmarks/job_step.py compares both).
-    order_rows = True
+    # How a decode / verify batch's programs are laid out (made once a step, at the first layer):
+    # "auto" (a RowPlan where kernels/paged_attention.plans_rows says so, else longest first),
+    # "plan" (kernels/paged_attention.RowPlan: splits by each row's length, live items first,
+    # longest rows first), "longest_first" (the static split plan, rows longest first), "batch"
+    # (batch order). A batch of mixed context lengths in batch order waits on long rows started
+    # late (benchmarks/job_step.py, attention_sweep.py compare them).
+    row_layout = "auto"
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Remember the step; `shared_slots` (a torch backend's gather) is not needed. A packed
@@ -33,7 +43,7 @@ class TritonPagedAttention(PoolAttention):
         depend on the GQA group)."""
         self.batch = batch
         self.tiles = {}
-        self.row_order = None
+        self.row_order = self.plan = None
 
     def forward(
         self,
@@ -61,8 +71,16 @@ class TritonPagedAttention(PoolAttention):
             elif group not in self.tiles:
                 self.tiles[group] = varlen_tiles(list(batch.seq_lens), group, q.device)
             varlen = self.tiles[group]
-        elif self.order_rows and batch.bs > 1 and self.row_order is None:
-            self.row_order = longest_first(batch.positions, batch.bs, batch.tokens_per_req)
+        elif batch.bs > 1 and self.row_order is None and self.plan is None and runs_triton(q):
+            bs, T, kv_heads = batch.bs, batch.tokens_per_req, k.shape[1]
+            layout = self.row_layout
+            if layout == "auto":
+                plan = plans_rows(bs, T, q.shape[1], kv_heads, q.device)
+                layout = "plan" if plan else "longest_first"
+            if layout == "plan":
+                self.plan = row_plan(batch.positions, bs, T, batch.kv_len, kv_heads)
+            elif layout == "longest_first":
+                self.row_order = longest_first(batch.positions, bs, T)
         return paged_attention(
             q,
             k_pool,
@@ -75,6 +93,7 @@ class TritonPagedAttention(PoolAttention):
             batch.tokens_per_req,
             varlen=varlen,
             row_order=self.row_order,
+            plan=self.plan,
         )
 
 

@@ -80,6 +80,9 @@ def _paged_attention_kernel(
     rows_ptr,
     positions_ptr,
     order_ptr,
+    item_row_ptr,
+    item_split_ptr,
+    item_splits_ptr,
     tile_seq_ptr,
     tile_m0_ptr,
     seq_start_ptr,
@@ -108,6 +111,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
     ORDERED: tl.constexpr,
+    PLANNED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -133,15 +137,28 @@ def _paged_attention_kernel(
             flat = flat // (NUM_HEADS // GROUP)
             tile = flat % m_tiles
             row = tl.load(order_ptr + flat // m_tiles).to(tl.int64)
+        item = 0
+        row_splits = num_splits
+        if PLANNED:  # work item i of the step's RowPlan (live items first, longest rows first)
+            flat = pid + tl.num_programs(0) * kv_head
+            kv_head = flat % (NUM_HEADS // GROUP)
+            flat = flat // (NUM_HEADS // GROUP)
+            tile = flat % m_tiles
+            item = flat // m_tiles
+            row_splits = tl.load(item_splits_ptr + item)  # 0: an item past the plan's last
+            row = tl.where(row_splits > 0, tl.load(item_row_ptr + item), 0).to(tl.int64)
+            split = tl.where(row_splits > 0, tl.load(item_split_ptr + item), 0)
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = token * GROUP + head
-        m_ok = m < GROUP * tokens_per_req
+        m_ok = (m < GROUP * tokens_per_req) & (row_splits > 0)
         token = row * tokens_per_req + m // GROUP
     head = kv_head * GROUP + m % GROUP
     pos = tl.load(positions_ptr + token, mask=m_ok, other=-1)
 
     # this program's keys: an equal share (in whole blocks) of the tile's live length
     seq_len = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if VARLEN:
+        row_splits = num_splits
+    per_split = tl.cdiv(tl.cdiv(seq_len, tl.maximum(row_splits, 1)), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     table = req_to_page_ptr + tl.load(rows_ptr + row).to(tl.int64) * stride_table
@@ -175,13 +192,20 @@ def _paged_attention_kernel(
             )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if SPLIT:
+    dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    if PLANNED:  # a row of one item writes its output; others their part, by item
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask & (row_splits == 1))
+        part = (item * tokens_per_req + m // GROUP) * NUM_HEADS + head
+        split_ok = m_ok & (row_splits > 1)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=split_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(part_lse_ptr + part, lse, mask=split_ok)
+    elif SPLIT:
         part = (token * NUM_HEADS + head) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=m_ok)
     else:
-        dst = out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -219,6 +243,102 @@ def _merge_splits_kernel(
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
     dst = out_ptr + token * stride_on + head * stride_oh + d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit(do_not_specialize=["tokens_per_req"])
+def _merge_planned_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    order_ptr,
+    rank_first_ptr,
+    rank_splits_ptr,
+    stride_on,
+    stride_oh,
+    tokens_per_req,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Merge the parts of the plan's split rows: program (rank k, token t, head); ranks of one
+    item (written directly by the attention kernel) and past the split rows do nothing."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    head = pid % NUM_HEADS
+    t = (pid // NUM_HEADS) % tokens_per_req
+    rank = pid // NUM_HEADS // tokens_per_req
+    splits = tl.load(rank_splits_ptr + rank)
+    first = tl.load(rank_first_ptr + rank).to(tl.int64)
+    row = tl.load(order_ptr + rank).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = (s < splits) & (splits > 1)
+    part = ((first + s) * tokens_per_req + t) * NUM_HEADS + head
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + (row * tokens_per_req + t) * stride_on + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok & (splits > 1))
+
+
+@triton.jit(do_not_specialize=["bs", "tokens_per_req", "kv_len", "num_items"])
+def _row_plan_kernel(
+    positions_ptr,
+    order_ptr,
+    rank_first_ptr,
+    rank_splits_ptr,
+    item_row_ptr,
+    item_split_ptr,
+    item_splits_ptr,
+    bs,
+    tokens_per_req,
+    kv_len,
+    num_items,
+    kv_heads,
+    slots,
+    MIN_KEYS: tl.constexpr,
+    MAX_ROW_SPLITS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: RowPlan's tables from the step's positions (see row_plan)."""
+    pdl_enter(PDL)
+    r = tl.arange(0, BLOCK_B)
+    ok = r < bs
+    last = tl.load(positions_ptr + r * tokens_per_req + tokens_per_req - 1, mask=ok, other=-1)
+    lens = tl.where(ok, tl.minimum(last + 1, kv_len), 0).to(tl.int64)
+    # longest first, ties by row: one sort of length * BLOCK_B + (BLOCK_B - 1 - row)
+    key = tl.where(ok, lens * BLOCK_B + (BLOCK_B - 1 - r), -1)
+    key = tl.sort(key, 0, descending=True)
+    rank_row = (BLOCK_B - 1 - key % BLOCK_B).to(tl.int32)
+    rank_len = key // BLOCK_B
+    target = tl.maximum(tl.cdiv(tl.sum(lens, axis=0) * kv_heads, slots), MIN_KEYS)
+    splits = tl.minimum(tl.maximum(tl.cdiv(rank_len, target), 1), MAX_ROW_SPLITS)
+    splits = tl.where(ok, splits, 0).to(tl.int32)
+    first = tl.cumsum(splits, 0) - splits
+    tl.store(order_ptr + r, rank_row, mask=ok)
+    tl.store(rank_first_ptr + r, first, mask=ok)
+    tl.store(rank_splits_ptr + r, splits, mask=ok)
+    i = tl.arange(0, BLOCK_I)  # every item empty, then the plan's written over
+    tl.store(item_splits_ptr + i, tl.zeros([BLOCK_I], dtype=tl.int32), mask=i < num_items)
+    tl.debug_barrier()
+    for split in range(MAX_ROW_SPLITS):
+        live = split < splits
+        tl.store(item_row_ptr + first + split, rank_row, mask=live)
+        tl.store(item_split_ptr + first + split, tl.zeros_like(splits) + split, mask=live)
+        tl.store(item_splits_ptr + first + split, splits, mask=live)
 
 
 @dataclass
@@ -282,6 +402,76 @@ def choose_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+MAX_ROW_SPLITS = 16  # a RowPlan's splits of one row at most
+
+
+@dataclass
+class RowPlan:
+    """A decode / verify step's attention work, made once a step on the device (`row_plan`) and
+    read by every layer: each row gets splits by its own length, so that no program holds much
+    more than an even share of the step's keys, and the work items are laid out live first,
+    longest rows first (the hardware starts a launch's programs in linear order).
+
+    With L the sum of the rows' live lengths, a row of length l gets ceil(l / target) splits
+    (1..MAX_ROW_SPLITS), target = max(MIN_KEYS_PER_SPLIT, ceil(L * kv_heads / slots)) and
+    slots = two programs per SM; so the items number at most bs + slots / kv_heads (the static
+    `num_items`, the launch's grid) and the rows of more than one item at most slots / kv_heads
+    (`merge_ranks`, the merge's grid). Items past the plan's last and ranks of one item cost an
+    empty program each."""
+
+    bs: int
+    order: torch.Tensor  # int32 [bs]: rank k's row (rows longest first)
+    rank_first: torch.Tensor  # int32 [bs]: rank k's first item
+    rank_splits: torch.Tensor  # int32 [bs]: rank k's items
+    item_row: torch.Tensor  # int32 [num_items]
+    item_split: torch.Tensor  # int32 [num_items]: the item's split of its row
+    item_splits: torch.Tensor  # int32 [num_items]: its row's splits (0: an empty item)
+    num_items: int
+    merge_ranks: int
+
+
+def query_tiles(group: int, tokens_per_req: int) -> tuple[int, int]:
+    """(block_m, tiles a row) of a decode / verify launch: a row's group * T query rows."""
+    block_m = min(64, max(16, next_power_of_2(group * tokens_per_req)))
+    return block_m, -(-group * tokens_per_req // block_m)
+
+
+def plans_rows(bs: int, tokens_per_req: int, heads: int, kv_heads: int, device) -> bool:
+    """Whether a decode / verify batch takes a RowPlan rather than one split a row started
+    longest first: when its one-split programs are fewer than four per slot. With more, the
+    longest-first order alone evens the slots out and the plan's merge launch costs more than
+    it saves (8B shape, H200: 192 rows of the job's contexts 141 us a layer ordered vs 147
+    planned; 64 rows 95 vs 61; results/job_step_wave14.md)."""
+    programs = bs * query_tiles(heads // kv_heads, tokens_per_req)[1] * kv_heads
+    return programs < 4 * plan_slots(torch.device(device))
+
+
+def plan_slots(device: torch.device) -> int:
+    """Programs the GPU runs at once, as the plans count them (two per SM)."""
+    return 2 * _num_sms(device)
+
+
+def row_plan(positions: torch.Tensor, bs: int, tokens_per_req: int, kv_len: int,
+             kv_heads: int) -> RowPlan:  # fmt: skip
+    """The step's RowPlan (one launch, graph-capturable): rows of `tokens_per_req` positions
+    each (the last the longest), keys at positions < kv_len reachable."""
+    slots = plan_slots(positions.device)
+    extra = -(-slots // kv_heads)
+    num_items, merge_ranks = bs + extra, min(bs, extra)
+    dev = positions.device
+    ranks = torch.empty((3, bs), dtype=torch.int32, device=dev)
+    items = torch.empty((3, num_items), dtype=torch.int32, device=dev)
+    _row_plan_kernel[(1,)](
+        positions, ranks[0], ranks[1], ranks[2], items[0], items[1], items[2], bs,
+        tokens_per_req, kv_len, num_items, kv_heads, slots,
+        MIN_KEYS=MIN_KEYS_PER_SPLIT, MAX_ROW_SPLITS=MAX_ROW_SPLITS,
+        BLOCK_B=max(2, next_power_of_2(bs)), BLOCK_I=next_power_of_2(num_items), num_warps=4,
+        **pdl_options(pdl_mode(positions)),
+    )  # fmt: skip
+    return RowPlan(bs, ranks[0], ranks[1], ranks[2], items[0], items[1], items[2], num_items,
+                   merge_ranks)  # fmt: skip
+
+
 def longest_first(positions: torch.Tensor, bs: int, tokens_per_req: int) -> torch.Tensor:
     """The step's rows ordered by context length, longest first (int32 [bs]): paged_attention's
     `row_order`, made once a step (every layer reads the same positions)."""
@@ -304,6 +494,7 @@ def paged_attention(
     varlen: VarlenTiles | None = None,
     launch: tuple[int, int | None] | None = None,
     row_order: torch.Tensor | None = None,
+    plan: RowPlan | None = None,
 ) -> torch.Tensor:
     """q [bs * T, heads, d] (row-major: T query tokens per row), pools [num_slots, kv_heads, d],
     req_to_page [rows, max_pages] int32, req_pool_indices [bs], positions [bs * T]; keys at
@@ -314,7 +505,8 @@ def paged_attention(
     `row_order` (a permutation of the bs rows, `longest_first`) sets the order programs start
     in: a batch whose programs run in several waves otherwise waits on long rows that started
     late (the job's context mix: 176 us a layer at bs 192 against 115 with every row at the
-    mean; results/job_step_wave13.md); outputs do not depend on it."""
+    mean; results/job_step_wave13.md); outputs do not depend on it. `plan` (a RowPlan of the
+    step, not with `varlen`, `num_splits` or `row_order`) lays the launch out by its items."""
     if not runs_triton(q):
         if varlen is not None:
             return reference.paged_attention_varlen(
@@ -338,22 +530,32 @@ def paged_attention(
         assert varlen.group == group, (varlen.group, group)
         block_m, m_tiles, programs = varlen.block_m, 1, varlen.num_tiles
     else:
-        block_m = min(64, max(16, next_power_of_2(group * T)))
-        m_tiles = -(-group * T // block_m)
+        block_m, m_tiles = query_tiles(group, T)
         programs = bs * m_tiles
     block_d = max(16, next_power_of_2(d))
     block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)  # shared memory
-    splits = num_splits or choose_num_splits(programs * kv_heads, kv_len, q.device)
+    planned = plan is not None and varlen is None
+    if planned:
+        assert plan.bs == bs and num_splits is None and row_order is None, (plan.bs, bs)
+        splits, programs = 1, plan.num_items * m_tiles
+    else:
+        splits = num_splits or choose_num_splits(programs * kv_heads, kv_len, q.device)
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     pdl = pdl_mode(q)
-    if splits > 1:
+    if planned:  # parts by (item, token, head)
+        part_out = torch.empty(
+            (plan.num_items * T * heads, d), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((plan.num_items * T * heads,), dtype=torch.float32, device=q.device)
+    elif splits > 1:
         part_out = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
     tables = varlen.tensors if varlen is not None else (req_pool_indices,) * 4  # unread
+    items = (plan.item_row, plan.item_split, plan.item_splits) if planned else (positions,) * 3
     _paged_attention_kernel[(programs, kv_heads, splits)](
         q,
         k_pool,
@@ -362,6 +564,7 @@ def paged_attention(
         req_pool_indices,
         positions,
         row_order if row_order is not None else positions,  # unread without row_order
+        *items,  # unread without a plan
         *tables,
         out,
         part_out,
@@ -387,13 +590,32 @@ def paged_attention(
         BLOCK_D=block_d,
         SPLIT=splits > 1,
         ORDERED=row_order is not None and varlen is None,
+        PLANNED=planned,
         UPCAST=not q.is_cuda,
         IEEE=q.dtype == torch.float32,
         VARLEN=varlen is not None,
         **_launch_options(launch or (UNSPLIT_LAUNCH if splits == 1 and varlen is None else None)),
         **pdl_options(pdl),
     )
-    if splits > 1:
+    if planned:
+        _merge_planned_kernel[(plan.merge_ranks * T * heads,)](
+            part_out,
+            part_lse,
+            out,
+            plan.order,
+            plan.rank_first,
+            plan.rank_splits,
+            out.stride(0),
+            out.stride(1),
+            T,
+            NUM_HEADS=heads,
+            HEAD_DIM=d,
+            BLOCK_S=MAX_ROW_SPLITS,
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+            **pdl_options(pdl),
+        )
+    elif splits > 1:
         _merge_splits_kernel[(n * heads,)](
             part_out,
             part_lse,

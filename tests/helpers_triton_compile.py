@@ -112,21 +112,27 @@ def _gemv(n, k, dtype):
     return lambda: gemv.linear(t(1, k, dtype=dtype), t(n, k, dtype=dtype))
 
 
-def _attention(bs, tokens, heads, kv_heads, d, kv_len, dtype, page_size=16, seq_lens=None):
+def _attention(
+    bs, tokens, heads, kv_heads, d, kv_len, dtype, page_size=16, seq_lens=None, layout=None
+):
     """Decode / verify (`tokens` per row), a DFlash block (tokens = 16) or, with `seq_lens`, a
-    packed prefill."""
+    packed prefill; `layout` "plan" (a step's RowPlan) or "order" (rows longest first)."""
 
     def run():
         n = sum(seq_lens) if seq_lens else bs * tokens
         pool = (4096 * page_size, kv_heads, d)
-        varlen = None
+        varlen = plan = order = None
         if seq_lens:
             varlen = paged_attention.varlen_tiles(seq_lens, heads // kv_heads, "meta")
+        if layout == "plan":
+            plan = paged_attention.row_plan(t(n, dtype=I64), bs, tokens, kv_len, kv_heads)
+        elif layout == "order":
+            order = t(bs, dtype=I32)
         paged_attention.paged_attention(
             t(n, (heads + 2 * kv_heads) * d, dtype=dtype)[:, : heads * d].view(n, heads, d),
             t(*pool, dtype=dtype), t(*pool, dtype=dtype), t(513, 64, dtype=I32),
             t(len(seq_lens) if seq_lens else bs, dtype=I64), t(n, dtype=I64), page_size,
-            kv_len, tokens, varlen=varlen,
+            kv_len, tokens, varlen=varlen, plan=plan, row_order=order,
         )  # fmt: skip
 
     return run
@@ -288,6 +294,10 @@ CASES = [
     ("attention bf16 tiny 4/2x64 page 32", 0, _attention(3, 2, 4, 2, 64, 512, BF16, 32)),
     ("attention bf16 tp8 8/1 decode", 1, _attention(1, 1, 8, 1, 128, 4096, BF16)),
     ("attention bf16 decode", 1, _attention(64, 1, 32, 8, 128, 256, BF16)),
+    ("attention bf16 decode plan", 1, _attention(192, 1, 32, 8, 128, 4352, BF16, layout="plan")),
+    ("attention fp16 verify 4 plan", 2, _attention(96, 4, 32, 8, 128, 2048, FP16, layout="plan")),
+    ("attention bf16 verify 20 plan", 0, _attention(5, 20, 32, 8, 128, 512, BF16, layout="plan")),
+    ("attention bf16 decode order", 1, _attention(192, 1, 32, 8, 128, 4352, BF16, layout="order")),
     ("attention fp16 prefill varlen", 1, _prefill([48, 16], 16, 8, 128, 64, FP16)),
     ("attention fp16 head_dim 96 page 1", 0, _attention(4, 3, 8, 2, 96, 128, FP16, 1)),
     ("record bf16 eagle-3 3x4096", 0, _record(5, (4096, 4096, 4096), BF16)),

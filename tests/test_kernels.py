@@ -148,11 +148,11 @@ def test_paged_attention_split_counts(device, dtype, T):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T, num_splits", [(1, 1), (1, 3), (4, 1), (20, 2)])
+@pytest.mark.parametrize("T, num_splits", [(1, 1), (4, 3)])
 def test_paged_attention_row_order(device, T, num_splits):
     """Programs started in a given row order (`row_order`: the step's rows longest first, or any
-    permutation) give every row its own output: one split or several, one query tile a row or
-    two (T = 20, GQA group 4: 80 query rows), the sentinel row included."""
+    permutation) give every row its own output: one split or several, the sentinel row
+    included."""
     from speculant.kernels.paged_attention import longest_first
 
     dtype, kv_heads, page_size, max_pages = torch.bfloat16, 2, 16, 5
@@ -168,6 +168,62 @@ def test_paged_attention_row_order(device, T, num_splits):
         q = randn(gen, bs * T, 4 * kv_heads, 64, dtype=dtype, device=device)
         out, ref = case.run(q, block_n=16, num_splits=num_splits, row_order=row_order)
         assert_close(out, ref, dtype, f"row order {row_order.tolist()}, T={T}")
+
+
+def expected_plan(positions, bs, T, kv_len, kv_heads, slots):
+    """RowPlan's tables as its docstring defines them, in torch."""
+    from speculant.kernels.paged_attention import MAX_ROW_SPLITS, MIN_KEYS_PER_SPLIT
+
+    lens = (positions.view(bs, T)[:, -1] + 1).clamp(max=kv_len).cpu().tolist()
+    order = sorted(range(bs), key=lambda r: (-lens[r], r))
+    target = max(MIN_KEYS_PER_SPLIT, -(-sum(lens) * kv_heads // slots))
+    splits = [min(MAX_ROW_SPLITS, max(1, -(-lens[r] // target))) for r in order]
+    items = [(r, i, n) for r, n in zip(order, splits, strict=True) for i in range(n)]
+    return order, splits, items
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T, lengths", [(1, "mixed"), (4, "mixed"), (20, "mixed"), (1, "uniform")])
+def test_paged_attention_row_plan(device, T, lengths):
+    """A step's RowPlan (each row split by its own length, items live first, rows longest
+    first): its tables as defined, within the static bounds, and every row's attention output
+    (one item or several, one query tile or two, the sentinel row) against the reference."""
+    from speculant.kernels import paged_attention as attention
+
+    dtype, kv_heads, page_size = torch.bfloat16, 2, 16
+    bs, max_pages = (7, 24) if device == "cpu" else (96, 160)
+    gen = generator("row plan", device, T, lengths)
+    case = PagedScenario(gen, bs, T, kv_heads, 64, page_size, max_pages, dtype, device)
+    if lengths == "uniform":
+        case.positions = (torch.full((bs, 1), 300) + torch.arange(T)).reshape(-1).to(device)
+    plan = attention.row_plan(case.positions, bs, T, case.kv_len, kv_heads)
+    slots = attention.plan_slots(torch.device(device))
+    order, splits, items = expected_plan(case.positions, bs, T, case.kv_len, kv_heads, slots)
+    assert plan.order.tolist() == order
+    assert plan.rank_splits.tolist() == splits
+    assert plan.rank_first.tolist() == [sum(splits[:k]) for k in range(bs)]
+    assert len(items) <= plan.num_items and sum(n > 1 for n in splits) <= plan.merge_ranks
+    live = plan.item_splits.tolist()
+    got = list(zip(plan.item_row.tolist(), plan.item_split.tolist(), live, strict=True))
+    assert got[: len(items)] == items and live[len(items) :] == [0] * (plan.num_items - len(items))
+    if lengths == "mixed":
+        assert max(splits) > 1, splits  # the long rows split, or the check checks little
+    for _ in range(2):  # fresh queries, the same plan
+        q = randn(gen, bs * T, 4 * kv_heads, 64, dtype=dtype, device=device)
+        out, ref = case.run(q, block_n=32, plan=plan)
+        assert_close(out, ref, dtype, f"row plan, T={T}, {lengths}")
+
+
+def test_row_plan_only_where_few_programs_share_a_slot():
+    """`plans_rows`: a RowPlan for batches of fewer one-split programs than four a slot (the
+    slots: two programs per SM; 8 "SMs" on the CPU), longest first above that; verify rows of
+    two query tiles count twice."""
+    from speculant.kernels.paged_attention import plan_slots, plans_rows
+
+    slots = plan_slots(torch.device("cpu"))
+    assert slots == 16
+    assert plans_rows(31, 1, 8, 2, "cpu") and not plans_rows(32, 1, 8, 2, "cpu")  # 62, 64
+    assert plans_rows(16, 4, 8, 2, "cpu") and not plans_rows(16, 20, 8, 2, "cpu")  # 32, 64
 
 
 @pytest.mark.parametrize("device", DEVICES)

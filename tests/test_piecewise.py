@@ -20,6 +20,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, when first imported
 
 import helpers_ckpt  # noqa: E402
+from helpers_eagle import write_random_eagle3  # noqa: E402
 
 from speculant import Engine, SamplingParams, SpeculantError  # noqa: E402
 from speculant.comm.groups import ParallelContext  # noqa: E402
@@ -277,6 +278,33 @@ def test_eager_padding_on_the_triton_backend(llama_dir):
     out = padded.generate(PROMPTS, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert padded.piecewise.stats.padded_eager > 0
+
+
+@pytest.mark.needs("triton")
+def test_triton_decode_layouts_equal_the_torch_backend(llama_dir, monkeypatch, tmp_path):
+    """Decode steps of mixed context lengths (5..90 + 10) through the Triton backend's decode
+    attention layouts: a step's RowPlan and rows longest first (the default picks one by the
+    batch), each token-equal to the torch backend (greedy and seeded sampled requests); EAGLE-3
+    verify and drafting steps through the plan: greedy spec == greedy plain."""
+    from speculant.executor.triton_attention import TritonPagedAttention
+
+    params = mixed_params(len(PROMPTS))
+    ref = engine(llama_dir, piecewise_sizes=[], attention_backend="torch").generate(PROMPTS, params)
+    for layout in ("plan", "longest_first"):
+        monkeypatch.setattr(TritonPagedAttention, "row_layout", layout)
+        out = engine(llama_dir, piecewise_sizes=[], attention_backend="triton")
+        got = out.generate(PROMPTS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref], layout
+    # verify steps (4 query tokens a row) and the drafter's decode steps through the plan:
+    # greedy speculative output equals greedy plain output
+    write_random_eagle3(tmp_path / "eagle3", llama_dir, draft_vocab=200, seed=7)
+    prompts, greedy = PROMPTS[1:4], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = engine(llama_dir, piecewise_sizes=[], attention_backend="torch")
+    want = [o.token_ids for o in plain.generate(prompts, greedy)]
+    monkeypatch.setattr(TritonPagedAttention, "row_layout", "plan")
+    spec = engine(llama_dir, piecewise_sizes=[], attention_backend="triton", algo="eagle3",
+                  draft=str(tmp_path / "eagle3"), num_draft_tokens=3)  # fmt: skip
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == want
 
 
 def test_steps_past_the_largest_bucket_run_unpadded(llama_dir):
