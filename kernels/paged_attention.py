@@ -209,6 +209,22 @@ def _paged_attention_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+@triton.jit
+def _lse_merge(part_out_ptr, part_lse_ptr, part, s_ok, d, d_ok, HEAD_DIM: tl.constexpr):
+    """The log-sum-exp merge of the parts at indices `part` where `s_ok` (float32 [BLOCK_D])."""
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    return tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr,
@@ -227,20 +243,10 @@ def _merge_splits_kernel(
     pid = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head
     token, head = pid // NUM_HEADS, pid % NUM_HEADS
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    lse = tl.load(part_lse_ptr + pid * num_splits + s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    parts = tl.load(
-        part_out_ptr + (pid * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    part = pid * num_splits + s
+    out = _lse_merge(part_out_ptr, part_lse_ptr, part, s < num_splits, d, d_ok, HEAD_DIM)
     dst = out_ptr + token * stride_on + head * stride_oh + d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -273,21 +279,11 @@ def _merge_planned_kernel(
     first = tl.load(rank_first_ptr + rank).to(tl.int64)
     row = tl.load(order_ptr + rank).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
-    s_ok = (s < splits) & (splits > 1)
-    part = ((first + s) * tokens_per_req + t) * NUM_HEADS + head
-    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    parts = tl.load(
-        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    part = ((first + s) * tokens_per_req + t) * NUM_HEADS + head
+    s_ok = (s < splits) & (splits > 1)
+    out = _lse_merge(part_out_ptr, part_lse_ptr, part, s_ok, d, d_ok, HEAD_DIM)
     dst = out_ptr + (row * tokens_per_req + t) * stride_on + head * stride_oh + d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_ok & (splits > 1))
 
