@@ -5,8 +5,10 @@ gloo), and watch them. `speculant generate --tp N --dp M` re-runs itself in N*M 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun would set
 them. A run never hangs on a bad rank: collectives time out (`--dist-timeout`), and once any
 rank fails, ranks that have not exited `grace_s` seconds later are killed and named (a rank
-whose process is stopped, state T, is named as the cause: it stopped answering). GPU ranks end
-with `os._exit` after flushing: destroying NCCL groups after graph capture has hung.
+whose process is stopped, state T, is named as the cause: it stopped answering; one stopped
+for --dist-timeout + REPORT_S + GRACE_S with no rank failed is killed and named all the same).
+GPU ranks end with `os._exit` after flushing: destroying NCCL groups after graph capture has
+hung.
 
 Ranks end with their launcher: SIGTERM to the launcher stops every rank as Ctrl-C does (finished
 outputs kept, exit 143), and a rank whose parent dies, SIGKILL included, stops by itself
@@ -41,11 +43,13 @@ from typing import Any, TextIO
 
 from speculant.errors import SpeculantError
 
+DEFAULT_DIST_TIMEOUT_S = 300.0  # --dist-timeout's default (comm/groups.DEFAULT_TIMEOUT_S)
 GRACE_S = 5.0  # how long the other ranks get to exit after one fails
 SETTLE_S = 0.5  # how long to look for the real cause once a rank has failed
 STOP_S = 5.0  # how long ranks get to stop after SIGTERM (Ctrl-C, SIGTERM) before SIGKILL
 PARENT_CHECK_S = 1.0  # how often a rank checks that its parent is alive
 ROLL_CALL_S = 3.0  # how long a rank whose collective failed waits for its peers to report
+REPORT_S = 2 * ROLL_CALL_S + 1.0  # the most a failed rank's report takes (connect, roll call)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCHDOG = "speculant-parent-watchdog"
 
@@ -167,7 +171,23 @@ def report_failure(exc: BaseException) -> str | None:
     collective's (a timeout, a lost peer), name its cause: the ranks that failed on their own,
     else those that do not report within ROLL_CALL_S (their process or node is gone, stopped,
     or stuck outside the collective). None when no one is named or the store does not answer
-    (its host, rank 0 or torchrun's rendezvous node, is gone)."""
+    within REPORT_S (its host, rank 0 or torchrun's rendezvous node, is gone or stopped).
+
+    The report runs in a daemon thread that is given up on after REPORT_S: a TCPStore client
+    waits for its server's answers without a timeout (the connection's ping, `check`, `get`),
+    so a store whose host is stopped (SIGSTOP: the kernel still accepts the connection) would
+    hold this rank, and the launcher waiting for it, forever."""
+    result: list[str | None] = []
+    worker = threading.Thread(
+        target=lambda: result.append(_roll_call(exc)), name="speculant-roll-call", daemon=True
+    )
+    worker.start()
+    worker.join(REPORT_S)
+    return result[0] if result else None
+
+
+def _roll_call(exc: BaseException) -> str | None:
+    """`report_failure`'s report, unbounded where the store does not answer."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -403,7 +423,7 @@ def cli_rank_main(argv: Sequence[str]) -> None:
     except KeyboardInterrupt:
         code = 130
     except BaseException as exc:  # a peer's death or a timeout: one line, as user errors are
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the report is bounded (ROLL_CALL_S)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the report is bounded (REPORT_S)
         close_progress_bars()
         if "--debug" in argv:
             traceback.print_exc()
@@ -496,29 +516,53 @@ def _supervise(
     timeout_s: float | None,
     grace_s: float,
     on_poll: Callable[[], None] = lambda: None,
+    stopped_s: float | None = None,
 ) -> str | None:
     """Wait for every rank; None when all exited 0, else one line naming the cause (a stopped
     rank first: the others failed waiting for it; else the first failure) and any rank that was
-    still running `grace_s` later (killed as stuck). `on_poll` runs every poll."""
+    still running `grace_s` later (killed as stuck; a stopped rank, which cannot exit by itself,
+    is not waited for once the others have ended). A rank seen stopped (state T) for
+    `stopped_s` seconds while no rank has failed is the failure itself: the others should have
+    failed waiting for it by then (their collectives time out), so they are stuck outside any
+    collective, in something that waits on the stopped rank without a timeout. `on_poll` runs
+    every poll."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failure, stuck_since, first_seen, stopped = None, None, None, []
+    stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped, in a row
+    last_poll = time.monotonic()
     while True:
         on_poll()
         alive = [r for r in ranks if r.process.exitcode is None]
         failed = [r for r in ranks if r.process.exitcode not in (None, 0)]
+        now = time.monotonic()
         if failed and first_seen is None:
-            first_seen = time.monotonic()
+            first_seen = now
+        if stopped_s is not None and failure is None:
+            if now - last_poll > 1.0:  # this launcher was stopped too (Ctrl-Z) or starved
+                stopped_since.clear()
+            for r in ranks:
+                if r.process.exitcode is None and r.process.stopped:
+                    stopped_since.setdefault(r.rank, now)
+                else:
+                    stopped_since.pop(r.rank, None)
+            long_stopped = [r for r in alive if now - stopped_since.get(r.rank, now) > stopped_s]
+            if long_stopped and not failed:
+                failure, stopped, stuck_since = long_stopped[0], long_stopped, now
+                for r in long_stopped:  # killed now: what waits on it may then fail by itself
+                    r.process.kill()
+        last_poll = now
         # Name the cause only after a short settle: a killed rank's peers abort on the broken
         # connection within moments, sometimes before the killed rank is seen to have exited.
-        settled = first_seen is not None and (not alive or time.monotonic() - first_seen > SETTLE_S)
+        settled = first_seen is not None and (not alive or now - first_seen > SETTLE_S)
         if failure is None and settled:
             failure = min(failed, key=lambda r: (_blame(r.process.exitcode), r.rank))
             stopped = [r for r in alive if r.process.stopped]  # never reached the collective
-            stuck_since = time.monotonic()
+            stuck_since = now
         if not alive:
             break
-        now = time.monotonic()
-        if failure is not None and now - stuck_since > grace_s:
+        if failure is not None and (
+            now - stuck_since > grace_s or all(r.process.stopped for r in alive)
+        ):
             break
         if failure is None and deadline is not None and now > deadline:
             break
@@ -534,15 +578,23 @@ def _supervise(
     if failure is None:
         names = ", ".join(str(r.rank) for r in stuck)
         return f"rank(s) {names} did not finish within {timeout_s:.0f} s and were killed"
+    if stopped:  # the cause: alive, but it never reached the collective the others failed in
+        names = ", ".join(str(r.rank) for r in stopped)
+        line = (
+            f"rank{'s' if len(stopped) > 1 else ''} {names} stopped answering (its process was "
+            "stopped, state T: SIGSTOP or a debugger) and was killed"
+        )
+        if failure in stopped:  # no rank failed: the others were stuck waiting for it
+            others = [r for r in stuck if r not in stopped]
+            line += f" after {stopped_s:.0f} s stopped"
+            if others:
+                names = ", ".join(str(r.rank) for r in others)
+                line += f"; rank(s) {names} did not exit within {grace_s:.0f} s and were killed"
+            return line
+        return f"{line}; rank {failure.rank} {_describe(failure.process.exitcode)} waiting for it"
     described = f"rank {failure.rank} {_describe(failure.process.exitcode)}"
     if failure.process.exitcode > 0 and failure.last_line():  # its error line
         described += f": {failure.last_line()}"
-    if stopped:  # the cause: alive, but it never reached the collective the others failed in
-        names = ", ".join(str(r.rank) for r in stopped)
-        return (
-            f"rank{'s' if len(stopped) > 1 else ''} {names} stopped answering (its process was "
-            f"stopped, state T: SIGSTOP or a debugger) and was killed; {described} waiting for it"
-        )
     line = described
     if stuck:
         names = ", ".join(str(r.rank) for r in stuck)
@@ -633,6 +685,21 @@ def run_ranks(
     return results
 
 
+def dist_timeout(argv: Sequence[str]) -> float:
+    """The --dist-timeout of a `speculant generate` command line (its default, 300 s, when it
+    has none or one that is not a number: the command itself refuses that)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--dist-timeout" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--dist-timeout="):
+            value = arg.split("=", 1)[1]
+    try:
+        return float(value) if value is not None else DEFAULT_DIST_TIMEOUT_S
+    except ValueError:
+        return DEFAULT_DIST_TIMEOUT_S
+
+
 def check_output_free(path: str | None) -> None:
     """Refuse an --output file that another run holds locked (cli.output_lock) before any rank
     starts; rank 0 takes the lock itself for the run."""
@@ -682,7 +749,10 @@ def launch_cli(
             log = tempfile.TemporaryFile(prefix=f"speculant-rank{rank}-")
             handle = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
             ranks.append(_Rank(rank, _Proc(handle), log))
-        failure = _supervise(ranks, None, GRACE_S)
+        # a rank stopped this long while no rank failed: the others are stuck, not waiting
+        # in a collective (which would have timed out and been reported by now)
+        stopped_s = dist_timeout(argv) + REPORT_S + GRACE_S
+        failure = _supervise(ranks, None, GRACE_S, stopped_s=stopped_s)
         if spool is not None:  # none unless rank 0 was killed or stuck
             spool.print_unprinted()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
