@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from test_processes import environ  # the /proc reading the process tests use
 
 from speculant.launch import spawn
 
@@ -40,16 +41,6 @@ SHORT = [{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 4},
          {"prompt_token_ids": [5, 8, 7], "max_new_tokens": 4}]  # fmt: skip
 LONG = [{"prompt_token_ids": [9 + i, 10], "max_new_tokens": 900} for i in range(2)]  # ~30 s
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks in /proc")
-
-
-def environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(
-        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
-    )
 
 
 def state(pid: int) -> str:
