@@ -36,6 +36,7 @@ from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
+from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import Request, RequestOutput, SamplingParams, is_integer
@@ -121,6 +122,20 @@ class Engine:
                 f"max_num_seqs={cache.max_num_seqs} is less than dp={cfg.parallel.dp}; raise "
                 "--max-num-seqs (it counts requests over all DP ranks)"
             )
+        rows = rows_that_fit(
+            self.max_num_seqs,
+            cache.page_size,
+            kv_bytes_per_token(
+                mc.num_layers, max(1, mc.num_kv_heads // cfg.parallel.tp), mc.head_dim, self.dtype
+            ),
+            self._row_bytes(cfg, mc),
+            self.device,
+            cache.kv_cache_memory_fraction,
+            ranks_on_host=1 if on_gpu else cfg.parallel.tp * cfg.parallel.dp,
+        )
+        rows = min(self.pctx.all_gather_object(rows))  # every rank the same: steps line up
+        if rows < self.max_num_seqs:
+            self.max_num_seqs, cache.max_num_seqs = rows, rows * cfg.parallel.dp
         check_capture_sizes(cfg)
         self.tokens_per_req = cfg.spec.num_draft_tokens + 1
         self.max_num_batched_tokens = cache.max_num_batched_tokens or max(
@@ -145,6 +160,7 @@ class Engine:
         )
         reserved = self.activation_bytes * (2 if piecewise_graphs else 1)
         reserved += self._catch_up_bytes(cfg)  # kept out of the pool like activations
+        reserved += (self.max_num_seqs + 1) * self._row_bytes(cfg, mc)  # allocated after it
         self.kv = build_kv_cache(setup, self.model, reserved_bytes=reserved)
         if self.drafter is not None:
             self.drafter.bind_kv(self.kv)
@@ -219,6 +235,13 @@ class Engine:
                 self.decode_capture_seconds,
                 self.piecewise.total_capture_seconds,
             )
+
+    @staticmethod
+    def _row_bytes(cfg, mc: ModelConfig) -> int:
+        """Bytes a request row holds besides its KV pages, allocated for every row up front:
+        the q of its drafts over the vocabulary (ModelRunner.draft_probs) with a drafter."""
+        k = cfg.spec.num_draft_tokens if cfg.spec.algo is not None else 0
+        return k * mc.vocab_size * 4
 
     def _catch_up_bytes(self, cfg) -> int:
         """Device bytes of the deferred catch-up's buffers (0: none, the drafter catches up in

@@ -175,15 +175,7 @@ def choose_num_pages(
     flags."""
     full = max_num_seqs * -(-max_model_len // page_size) + 1
     page_bytes = bytes_per_token * page_size
-    if str(device).startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        free = max(0, free - reserved_bytes)
-        where = f"free after {reserved_bytes / 2**30:.2f} GiB of profiled step activations"
-    else:
-        free = _available_host_memory() // max(1, ranks_on_host)
-        where = "available" if ranks_on_host <= 1 else f"available to each of {ranks_on_host} ranks"
-    budget = int(free * memory_fraction) // page_bytes
-    limit = f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB {where}"
+    budget, limit = page_budget(page_bytes, device, memory_fraction, reserved_bytes, ranks_on_host)
     if requested is not None:
         if requested > budget:
             raise SpeculantError(
@@ -204,6 +196,48 @@ def choose_num_pages(
         how,
     )
     return num
+
+
+def page_budget(
+    page_bytes: int,
+    device: str,
+    memory_fraction: float,
+    reserved_bytes: int = 0,
+    ranks_on_host: int = 1,
+) -> tuple[int, str]:
+    """The KV pages `memory_fraction` of the free GPU memory less `reserved_bytes` holds (of
+    this rank's share of the available host memory on the CPU), and the limit in words."""
+    if str(device).startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        free = max(0, free - reserved_bytes)
+        where = f"free after {reserved_bytes / 2**30:.2f} GiB of profiled step activations"
+    else:
+        free = max(0, _available_host_memory() // max(1, ranks_on_host) - reserved_bytes)
+        where = "available" if ranks_on_host <= 1 else f"available to each of {ranks_on_host} ranks"
+        if reserved_bytes:
+            where += f" after {reserved_bytes / 2**30:.2f} GiB of request-row buffers"
+    budget = int(free * memory_fraction) // page_bytes
+    return budget, f"{memory_fraction:.0%} of {free / 2**30:.1f} GiB {where}"
+
+
+def rows_that_fit(
+    max_num_seqs: int, page_size: int, bytes_per_token: int, row_bytes: int, device: str,
+    memory_fraction: float, ranks_on_host: int = 1,
+) -> int:  # fmt: skip
+    """One rank's request rows, lowered (with a warning) to what memory could hold at all:
+    every running sequence holds at least one KV page besides its row's own buffers
+    (`row_bytes`, allocated for every row up front), so rows past that never run and their
+    buffers would exhaust memory first."""
+    page_bytes = bytes_per_token * page_size
+    pages, limit = page_budget(page_bytes, device, memory_fraction, ranks_on_host=ranks_on_host)
+    rows = max(1, min(max_num_seqs, pages * page_bytes // (page_bytes + row_bytes) - 1))
+    if rows < max_num_seqs:
+        log.warning(
+            "max_num_seqs lowered to %d rows a rank (asked %d): every running sequence holds a "
+            "KV page of %d tokens and %d bytes of row buffers, and %s holds %d of them",
+            rows, max_num_seqs, page_size, row_bytes, limit, rows + 1,
+        )  # fmt: skip
+    return rows
 
 
 def _available_host_memory() -> int:

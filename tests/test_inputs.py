@@ -463,10 +463,14 @@ def test_huge_num_pages_is_one_line(capsys, llama_dir):
     assert "--num-pages 1000000000000" in line and "GiB" in line
 
 
-def test_huge_max_num_seqs_runs_in_a_capped_pool(capsys, llama_dir, little_memory):
+@pytest.mark.parametrize("rows", [100000, 10**8])
+def test_huge_max_num_seqs_runs_in_a_capped_pool(capsys, caplog, llama_dir, little_memory, rows):
+    # rows past the pages memory could hold are lowered (they never run, and their buffers,
+    # sized before the pool, would exhaust memory: 10**8 was a 26 GB allocation's traceback)
     status, err = run_main(capsys, "--target", llama_dir, "--prompt", "x", "--max-num-seqs",
-                           100000, "--max-new-tokens", 3)  # fmt: skip
+                           rows, "--max-new-tokens", 3)  # fmt: skip
     assert status == 0 and "Traceback" not in err, err
+    assert "max_num_seqs lowered to" in caplog.text and f"(asked {rows})" in caplog.text
 
 
 # ------------------------------------------------------------- item 8: messages name the value
