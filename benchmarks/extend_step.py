@@ -11,6 +11,12 @@ alone, then its kernel profile (torch profiler) by kernel family.
 
     python benchmarks/extend_step.py --json OUT.json [--rows 185] [--iters 10]
         [--shape small --device cpu]   (a CPU check of the script)
+        [--varlen 64:64:4:0,128:64:8:2,...]
+
+`--varlen BM:BN:WARPS:STAGES,...`: the packed-prefill attention launch (kernels/
+paged_attention.py VARLEN_BLOCK_M, VARLEN_LAUNCH; stages 0: Triton's default) per setting,
+each first checked against the float64 reference on a packed batch, then the mixed and
+prefill-only steps timed, two rounds in rotation (the first setting is the shipped one).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--shape", default="llama8b")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--varlen", default="")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     from attention_sweep import job_contexts
@@ -143,6 +150,9 @@ def main() -> int:
         report[f"{name}_ms"] = ms
         report[f"{name}_host_ms"] = host_ms
         print(f"  {name}: {ms:.2f} ms (host returns after {host_ms:.2f} ms)", flush=True)
+    if args.varlen:
+        report["varlen"] = varlen_sweep(args, run(decode + chunks, info(len(decode) + len(chunks))),
+                                        run(chunks, info(len(chunks))), time_ms, cuda)  # fmt: skip
     report["gemm_floor_ms_at_700tflops"] = flops / 700e12 * 1e3
     report["mixed_tflops"] = (flops + attn) / (report["mixed_ms"] / 1e3) / 1e12
     if not cuda:
@@ -164,6 +174,62 @@ def main() -> int:
     free(engine)
     Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def varlen_check(device: str) -> float:
+    """Max abs error of packed-prefill attention (bf16) against the float64 reference."""
+    from speculant.kernels import reference
+    from speculant.kernels.paged_attention import paged_attention, varlen_tiles
+
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, page, rows_n, per_row = 32, 8, 128, 16, 6, 80
+    lens, starts = [700, 33, 1, 250, 1300, 90], [0, 64, 900, 17, 0, 400]
+    k_pool = torch.randn((rows_n * per_row + 1) * page, kv_heads, d, generator=gen)
+    v_pool = torch.randn(k_pool.shape, generator=gen)
+    table = torch.zeros(rows_n + 1, per_row, dtype=torch.int32)
+    table[:rows_n] = 1 + torch.randperm(rows_n * per_row, generator=gen).view(rows_n, -1)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+    q = torch.randn(sum(lens), heads, d, generator=gen)
+    rows = torch.arange(rows_n)
+    want = reference.paged_attention_varlen(
+        q.double(), k_pool.double(), v_pool.double(), table, rows, pos, page, per_row * page, lens
+    )  # fmt: skip
+    dev = torch.device(device)
+    bf = [t.to(dev, torch.bfloat16) for t in (q, k_pool, v_pool)]
+    got = paged_attention(
+        bf[0], bf[1], bf[2], table.to(dev), rows.to(dev), pos.to(dev), page, per_row * page, 0,
+        varlen=varlen_tiles(lens, heads // kv_heads, dev),
+    )  # fmt: skip
+    return float((got.double().cpu() - want).abs().max())
+
+
+def varlen_sweep(args, mixed, prefill, time_ms, cuda) -> dict:
+    from speculant.kernels import paged_attention as pa
+
+    shipped = pa.VARLEN_BLOCK_M, pa.VARLEN_LAUNCH
+    settings = [tuple(int(v) for v in item.split(":")) for item in args.varlen.split(",")]
+    out: dict = {}
+    try:
+        for round_ in range(2):
+            for bm, bn, warps, stages in settings:
+                pa.VARLEN_BLOCK_M, pa.VARLEN_LAUNCH = bm, (bn, warps, stages or None)
+                tag = f"{bm}:{bn}:{warps}:{stages}"
+                row = out.setdefault(tag, {"mixed_ms": [], "prefill_ms": []})
+                if round_ == 0:
+                    try:
+                        row["max_abs_error"] = varlen_check(args.device)
+                    except Exception as e:  # noqa: BLE001 (a launch out of resources)
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                if "error" in row:
+                    continue
+                row["mixed_ms"].append(time_ms(mixed, args.iters, cuda))
+                row["prefill_ms"].append(time_ms(prefill, args.iters, cuda))
+                print(f"  varlen {tag}: mixed {row['mixed_ms'][-1]:.2f} ms, prefill "
+                      f"{row['prefill_ms'][-1]:.2f} ms, error {row['max_abs_error']:.2e}",
+                      flush=True)  # fmt: skip
+    finally:
+        pa.VARLEN_BLOCK_M, pa.VARLEN_LAUNCH = shipped
+    return out
 
 
 def sync() -> None:

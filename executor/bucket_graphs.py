@@ -19,8 +19,7 @@ from speculant.comm.groups import ParallelContext
 from speculant.config import GraphConfig
 from speculant.errors import SpeculantError
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode
-from speculant.kernels.paged_attention import VarlenTiles, tile_layout
-from speculant.kernels.runtime import next_power_of_2
+from speculant.kernels.paged_attention import VarlenTiles, tile_layout, varlen_block_m
 
 log = logging.getLogger("speculant")
 
@@ -42,7 +41,7 @@ def check_same_order(pctx: ParallelContext, order: list[int], what: str) -> None
 
 def tile_block_m(group: int, num_tokens: int) -> int:
     """Query rows per tile of a bucket (the eager plan's rule at its longest sequence)."""
-    return min(64, max(16, next_power_of_2(group * num_tokens)))
+    return varlen_block_m(group, num_tokens)
 
 
 @dataclass

@@ -34,6 +34,10 @@ MAX_SPLITS = 64
 # 129.7 vs 170.1; benchmarks/attention_sweep.py, results/decode_wave12.md). Split launches (few
 # rows, long contexts) and packed prefill keep the default: there it measured no better.
 UNSPLIT_LAUNCH = (4, 2)
+# packed prefill (varlen): query rows (tokens x the group's heads) a tile holds at most, and
+# (BLOCK_N, num_warps, num_stages or None: Triton's default) of its launch
+VARLEN_BLOCK_M = 64
+VARLEN_LAUNCH: tuple[int, int, int | None] = (64, 4, None)
 
 
 @triton.jit
@@ -366,8 +370,7 @@ def tile_layout(seq_lens, group: int, block_m: int) -> tuple[list[int], list[int
 def varlen_tiles(seq_lens: list[int], group: int, device: torch.device) -> VarlenTiles:
     """Tiles over packed sequences of `seq_lens` query tokens (laid out back to back), with
     `group` query heads per KV head; one host-to-device copy."""
-    longest = max(seq_lens, default=1)
-    block_m = min(64, max(16, next_power_of_2(group * longest)))
+    block_m = varlen_block_m(group, max(seq_lens, default=1))
     starts, tile_seq, tile_m0 = tile_layout(seq_lens, group, block_m)
     num_tiles = len(tile_seq)
     packed = torch.tensor(tile_seq + tile_m0 + starts + list(seq_lens), dtype=torch.int32).to(
@@ -376,6 +379,11 @@ def varlen_tiles(seq_lens: list[int], group: int, device: torch.device) -> Varle
     n, bs = num_tiles, len(seq_lens)
     tensors = (packed[:n], packed[n : 2 * n], packed[2 * n : 2 * n + bs], packed[2 * n + bs :])
     return VarlenTiles(tuple(seq_lens), group, block_m, num_tiles, tensors)
+
+
+def varlen_block_m(group: int, longest: int) -> int:
+    """Query rows a packed-prefill tile holds: the longest sequence's, 16..VARLEN_BLOCK_M."""
+    return min(VARLEN_BLOCK_M, max(16, next_power_of_2(group * longest)))
 
 
 def _launch_options(launch: tuple[int, int | None] | None) -> dict:
@@ -529,6 +537,8 @@ def paged_attention(
         block_m, m_tiles = query_tiles(group, T)
         programs = bs * m_tiles
     block_d = max(16, next_power_of_2(d))
+    if varlen is not None and launch is None and q.element_size() <= 2 and block_d <= 128:
+        block_n, launch = block_n or VARLEN_LAUNCH[0], VARLEN_LAUNCH[1:]
     block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)  # shared memory
     planned = plan is not None and varlen is None
     if planned:
