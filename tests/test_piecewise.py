@@ -269,9 +269,11 @@ def test_eager_padding_is_token_equal_to_unpadded_steps(llama_dir, tmp_path, kin
 @pytest.mark.needs("triton")
 def test_eager_padding_on_the_triton_backend(llama_dir):
     """The Triton backend's padded batches carry the static tile table (its CPU fallback reads
-    the padded sequence lengths): still token-equal."""
+    the padded sequence lengths): still token-equal to unpadded steps (those of the torch
+    backend here: the Triton backend's unpadded steps equal them,
+    test_triton_decode_row_plan_equals_the_torch_backend)."""
     params = mixed_params(len(PROMPTS))
-    ref = engine(llama_dir, piecewise_sizes=[], attention_backend="triton").generate(
+    ref = engine(llama_dir, piecewise_sizes=[], attention_backend="torch").generate(
         PROMPTS, params
     )
     padded = engine(llama_dir, eager_padding=True, attention_backend="triton")
