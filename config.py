@@ -57,6 +57,11 @@ def _json_kind(value: object) -> str:
 def read_hf_config(path: str | Path) -> dict:
     """Read `config.json` of a Hugging Face checkpoint directory, with clear errors."""
     path = Path(path)
+    if path.is_file():
+        raise SpeculantError(
+            f"checkpoint {str(path)!r} is a file; pass the folder holding it (config.json and "
+            "*.safetensors)"
+        )
     if not path.is_dir():
         raise SpeculantError(
             f"checkpoint directory {str(path)!r} does not exist; pass a folder "

@@ -242,7 +242,7 @@ def check_spec(spec: SpecConfig) -> None:
     if spec.draft is None:
         raise SpeculantError(f"--algo {spec.algo} needs --draft DIR (the drafter checkpoint)")
     if k == 0:
-        log.info("num_draft_tokens=0: plain decoding, the %s drafter is not loaded", spec.algo)
+        log.warning("num_draft_tokens=0: plain decoding, the %s drafter is not loaded", spec.algo)
         return
     if k is None:
         k = fmt.num_draft_tokens if fmt.speculators and fmt.algo == spec.algo else None

@@ -420,9 +420,9 @@ class Engine:
             )
         if len(ids) >= self.max_model_len:
             raise SpeculantError(
-                f"prompt {index} has {len(ids)} tokens, more than the context "
-                f"allows (max_model_len={self.max_model_len}); shorten it or "
-                "raise --max-model-len"
+                f"prompt {index} has {len(ids)} tokens, leaving no room for output in the "
+                f"context (max_model_len={self.max_model_len}: at most "
+                f"{self.max_model_len - 1} prompt tokens); shorten it or raise --max-model-len"
             )
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -454,6 +454,10 @@ class Engine:
         are also passed to `on_output` as each request finishes. Every prompt is checked before
         any generation starts. With several ranks, every rank calls this; rank 0's prompts are
         spread over the DP ranks and rank 0 returns all outputs (see executor/dp.py)."""
+        if on_output is not None and not callable(on_output):
+            raise SpeculantError(
+                f"on_output={on_output!r} is not callable; pass a function of one RequestOutput"
+            )
         if self.pctx.world_size > 1:
             return self._generate_distributed(
                 prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output

@@ -7,12 +7,15 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+import numpy as np
+
 from speculant.errors import SpeculantError
 
 # Temperatures below this sample greedily: logits / T overflows float32 long before T reaches 0
 # (a subnormal T turns every logit into inf), and so does vLLM (its _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k travel to the device as int64
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperatures and top_p travel as float32
 
 
 def is_integer(value: object) -> bool:
@@ -45,9 +48,10 @@ class SamplingParams:
             raise SpeculantError(
                 f"max_new_tokens={self.max_new_tokens!r} must be an integer of at least 1"
             )
-        if not is_number(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise SpeculantError(
-                f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)"
+                f"temperature={self.temperature!r} must be a finite number in 0..{FLOAT32_MAX:.4g} "
+                "(float32; 0 is greedy)"
             )
         if not is_integer(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
             raise SpeculantError(
@@ -70,6 +74,8 @@ class SamplingParams:
             )
         if any(not is_integer(t) or not 0 <= t <= INT64_MAX for t in stops):
             raise SpeculantError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise SpeculantError(f"ignore_eos={self.ignore_eos!r} must be True or False")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
 

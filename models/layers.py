@@ -220,11 +220,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         pctx: ParallelContext,
     ):
         tp = pctx.tp_size
+        fits = [t for t in range(1, num_heads + 1) if num_heads % t == 0
+                and (num_kv_heads * max(1, t // num_kv_heads)) % t == 0]  # fmt: skip
         if num_heads % tp:
-            raise ValueError(f"{num_heads} attention heads are not divisible by tp={tp}")
+            raise ValueError(
+                f"{num_heads} attention heads are not divisible by tp={tp}; use --tp "
+                f"{', '.join(map(str, fits))}"
+            )
         self.kv_replicas = max(1, tp // num_kv_heads)
         if (num_kv_heads * self.kv_replicas) % tp:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be split over tp={tp}")
+            raise ValueError(
+                f"{num_kv_heads} KV heads cannot be split over tp={tp}; use --tp "
+                f"{', '.join(map(str, fits))}"
+            )
         self.num_heads = num_heads // tp
         self.num_kv_heads = num_kv_heads * self.kv_replicas // tp
         self.head_dim = head_dim

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,10 +136,13 @@ def test_tiny_sampling_values_generate_the_greedy_tokens(llama_dir):
         ("seed", -(2**63) - 1),
         ("seed", 1.5),
         ("max_new_tokens", math.inf),
+        ("temperature", 1e300),  # beyond float32: inf on the device
+        ("ignore_eos", "no"),  # a truthy string is no yes
+        ("ignore_eos", 1),
     ],
 )
 def test_sampling_params_refuse_values_that_cannot_reach_the_device(field, value):
-    with pytest.raises(SpeculantError, match=f"{field}={value!r}"):
+    with pytest.raises(SpeculantError, match=re.escape(f"{field}={value!r}")):
         SamplingParams(**{field: value}).validate()
     SamplingParams(seed=INT64_MAX, top_k=INT64_MAX).validate()  # the edges fit
 
@@ -602,3 +606,25 @@ def test_empty_prompt_flag_is_refused_before_loading(capsys, tmp_path):
     # tmp_path holds no checkpoint: the error must come before any model loads
     line = error_line(*run_main(capsys, "--target", tmp_path, "--prompt", ""))
     assert "--prompt is empty" in line
+
+
+# ------------------------------------------------------------- API misuse named before running
+
+
+def test_api_misuse_is_named_before_anything_runs(tmp_path, llama_dir):
+    eng = Engine(str(llama_dir), device="cpu", max_num_seqs=2)
+    with pytest.raises(SpeculantError, match="on_output=5 is not callable"):
+        eng.generate([[5, 6]], on_output=5)
+    with pytest.raises(SpeculantError, match="is a file; pass the folder holding it"):
+        Engine(str(llama_dir / "config.json"), device="cpu")
+    # a prompt that fills the context leaves no room for output: the message says so
+    with pytest.raises(SpeculantError, match="leaving no room for output .* at most 8 prompt"):
+        Engine(str(llama_dir), device="cpu", max_model_len=9).generate([list(range(3, 12))])
+
+
+def test_tp_that_does_not_divide_the_heads_names_the_sizes_that_do(capfd, llama_dir):
+    # the launcher's ranks write the line to the process's stderr: capfd, not capsys
+    heads = json.loads((llama_dir / "config.json").read_text())["num_attention_heads"]
+    line = error_line(*run_main(capfd, "--target", llama_dir, "--prompt", "x", "--device",
+                                "cpu", "--tp", heads + 1))  # fmt: skip
+    assert f"not divisible by tp={heads + 1}; use --tp 1" in line, line
