@@ -447,7 +447,10 @@ def test_sk_gemm_matches_reference_and_repeats_exactly(device, mode, path):
     tile's last program, whichever that is), and the counters are left zero. On the CPU the
     in-kernel activation quantisation (sk_w8a8) gives exactly what sk_w8a8_pre gives with
     torch's quantised activations."""
-    for m, n, k, config in SK_CASES[device]:
+    cases = SK_CASES[device]
+    if device == "cpu" and mode == "row":  # the interpreter's minutes: the tile edge cases are
+        cases = cases[1::2]  # the block mode's; per-row scales need only a few shapes
+    for m, n, k, config in cases:
         gen = generator("sk", path, mode, m, n, k)
         w, scale = random_fp8(gen, n, k, mode, device)
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
