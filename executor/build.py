@@ -99,6 +99,7 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+MAX_PAGE_SIZE = 1024  # tokens a KV page at most: the pool's unit of allocation (the CLI's bound)
 # Engine options that take whole numbers, checked before anything uses them (and seed):
 # the least value (None: check_spec checks the range) and whether None (the default) may be given
 INTEGER_OPTIONS = {
@@ -125,6 +126,10 @@ def check_options(options: dict) -> None:
         elif not is_integer(value) or value < least:
             default = " (None: the default)" if nullable else ""
             raise SpeculantError(f"{name}={value!r} must be an integer >= {least}{default}")
+    if options.get("page_size", 0) > MAX_PAGE_SIZE:  # as the CLI's --page-size
+        raise SpeculantError(
+            f"page_size={options['page_size']!r} must be in 1..{MAX_PAGE_SIZE} (tokens a KV page)"
+        )
     seed = options.get("seed", 0)  # any integer: dummy weights take it mod 2**64, requests a hash
     if not is_integer(seed):
         raise SpeculantError(f"seed={seed!r} must be an integer")

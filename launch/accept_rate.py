@@ -23,7 +23,12 @@ from typing import Any, TextIO
 from speculant import ASSETS, bundled
 from speculant.errors import SpeculantError
 from speculant.executor.request import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
-from speculant.launch.paths import check_readable_file, check_writable, write_errors_named
+from speculant.launch.paths import (
+    check_readable_file,
+    check_writable,
+    read_input,
+    write_errors_named,
+)
 from speculant.launch.threads import set_cpu_threads
 
 BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
@@ -370,6 +375,37 @@ def _check(args: argparse.Namespace) -> None:
         if value := getattr(args, flag):
             check_writable(value, "--" + flag.replace("_", "-"))
     check_plot(args.plot)
+    prompts = args.prompts or str(ASSETS / "prompts" / "heldout_prompts.jsonl")
+    check_distinct_files(
+        [("--prompts", prompts), ("--baseline", args.baseline)],
+        [(f, getattr(args, f[2:].replace("-", "_"))) for f in OUTPUT_FLAGS],
+    )
+
+
+# What accept-rate writes, in the order it writes them.
+OUTPUT_FLAGS = ("--report", "--write-baseline", "--plot")
+
+
+def check_distinct_files(inputs: list, outputs: list) -> None:
+    """Refuse, before any model loads, an output (flag, path) that is an input's file or another
+    output's: the same file on disk (links and other spellings count: cli.same_file), or the
+    same path not written yet. Writing it would destroy the input (a --prompts file overwritten
+    by the report) or the other output. Pairs whose path is None are left out."""
+    from speculant.launch.cli import same_file
+
+    inputs = [(flag, path, True) for flag, path in inputs if path]
+    outputs = [(flag, path, False) for flag, path in outputs if path]
+    for i, (flag, path, _) in enumerate(outputs):
+        for other_flag, other, is_input in inputs + outputs[:i]:
+            fresh = not is_input and not os.path.exists(path)  # neither is written yet
+            if same_file(path, other) or (
+                fresh and os.path.realpath(path) == os.path.realpath(other)
+            ):
+                harm = "destroy that input" if is_input else "overwrite that output"
+                raise SpeculantError(
+                    f"{flag} {path!r} is the {other_flag} file {other!r} (the same file on "
+                    f"disk): writing it would {harm}; pick another {flag}"
+                )
 
 
 def _is_number(value: Any, low: float, high: float = math.inf) -> bool:
@@ -435,7 +471,7 @@ def check_report_fields(report: Any, path: str, flag: str) -> None:
 
 def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     try:
-        baseline = json.loads(Path(path).read_bytes().decode("utf-8"))
+        baseline = json.loads(read_input(path).decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise SpeculantError(f"{flag} {path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
@@ -444,14 +480,38 @@ def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     return baseline
 
 
+# The accept-rate flags --compare uses; any other given with it is refused (compare runs
+# nothing, so a --baseline, --prompts or --tp there would be silently ignored).
+COMPARE_USES = ("compare", "plot", "debug")
+
+
+def check_compare_flags(args: argparse.Namespace) -> None:
+    """Refuse flags given with --compare that it does not use, naming them: a flag set to
+    anything but its default (a flag given with its default value changes nothing)."""
+    parser = add_parser(argparse.ArgumentParser().add_subparsers())
+    unused = [
+        "--" + dest.replace("_", "-")
+        for dest, default in vars(parser.parse_args([])).items()
+        if dest not in COMPARE_USES and getattr(args, dest, default) != default
+    ]
+    if unused:
+        raise SpeculantError(
+            f"--compare runs no model and does not use {', '.join(unused)}; drop "
+            + ("it" if len(unused) == 1 else "them")
+            + " (--compare takes report files and --plot), or leave out --compare to measure"
+        )
+
+
 def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
     """--compare: a table of several reports' acceptance (and with --plot one curve per
     report); no model loads."""
+    check_compare_flags(args)
     for path in args.compare:
         check_readable_file(path, "--compare", "write it with --report")
     if args.plot:
         check_writable(args.plot, "--plot")
     check_plot(args.plot)
+    check_distinct_files([("--compare", path) for path in args.compare], [("--plot", args.plot)])
     reports = [_read_baseline(path, "--compare") for path in args.compare]
     labels = [_label(report) for report in reports]
     if len(set(labels)) < len(labels):  # the same algo and k twice: the files tell them apart
@@ -533,17 +593,33 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
     prompts = args.prompts or str(bundled_prompts())
     specs = read_prompts_file(prompts)
     check_no_per_line_settings(specs, prompts)
-    if baseline:  # fail before loading models; k is checked after (DFLASH's comes from its block)
+    if baseline:  # every setting the baseline fixes, before loading models
         known = dict(
             algo=args.algo,
+            num_draft_tokens=draft_tokens(args, draft),
             num_prompts=len(specs),
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
         )
-        if args.num_draft_tokens:
-            known["num_draft_tokens"] = args.num_draft_tokens
         check_run_shape(baseline, known, args.baseline)
     return AcceptJob(specs, baseline, target, draft)
+
+
+def draft_tokens(args: argparse.Namespace, draft: str) -> int:
+    """k as the Engine will resolve it (executor.build.check_spec: --num-draft-tokens, else the
+    drafter's config.json: speculators' speculative_tokens, DFLASH's block - 1, else the
+    default), read from the config files alone: no model loads."""
+    from speculant.config import SpecConfig
+    from speculant.executor.build import check_spec
+
+    spec = SpecConfig(
+        algo=args.algo,
+        draft=draft,
+        num_draft_tokens=args.num_draft_tokens,
+        speculation=getattr(args, "speculation", "fixed"),
+    )
+    check_spec(spec)
+    return spec.num_draft_tokens
 
 
 def run_accept_rate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -621,6 +697,9 @@ def measure_in_rank(
         speculation=getattr(args, "speculation", "fixed"),
         **common,
     )
+    if job.baseline is not None:  # rank 0: the k the engine resolved, before any run
+        resolved = {"num_draft_tokens": spec_engine.config.spec.num_draft_tokens}
+        check_run_shape(job.baseline, resolved, args.baseline)
     start = time.perf_counter()
     outputs = _generate(spec_engine, prompts, params, "speculative", show)
     seconds = time.perf_counter() - start
@@ -682,7 +761,12 @@ def report_accept(
         seconds=seconds,
         date=time.strftime("%Y-%m-%d"),
     )
-    regressions = compare(report, baseline, args.rtol, args.baseline) if baseline else []
+    regressions, not_comparable = [], None
+    if baseline:
+        try:
+            regressions = compare(report, baseline, args.rtol, args.baseline)
+        except SpeculantError as exc:  # a setting only the run told (checked before, if known)
+            not_comparable, baseline = str(exc), None  # the table and the files keep the run
     print(format_table(report, baseline, regressions), file=stdout)
     summary = (
         f"algo={report.algo} k={report.num_draft_tokens} prompts={report.num_prompts} "
@@ -710,6 +794,9 @@ def report_accept(
             file=stderr,
         )
         status = 1
+    if not_comparable:  # no verdict against the baseline: bad input, 1 on a lossless FAIL
+        print(f"speculant: error: {not_comparable}".splitlines()[0], file=stderr)
+        status = status or 2
     # The files come after the verdict: a failed write is one more line, and the status stays
     # 1 on a FAIL (2 only when the run itself passed).
     text = json.dumps(report.to_json(), indent=2) + "\n"

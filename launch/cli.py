@@ -6,14 +6,45 @@ loads; errors print as one line `speculant: error: ...` and exit with status 2.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+# Ctrl-C or SIGTERM in the command's first moments, while the imports below run (numpy's), are
+# recorded here, before any of them, and raised by main once it can stop the run
+# (launch/spawn.py, stop_on_sigterm): raised inside an import, a signal breaks it (a
+# half-imported numpy) or is swallowed, and an unhandled SIGTERM would kill the process. Only
+# when this process is the command, not when a test or a program imports this module: `python
+# -m speculant`, the `speculant` script, a rank.
+# ruff: noqa: E402
+EARLY_STOPS: list[int] = []
+COMMAND_MODULES = ("speculant.__main__", "speculant.launch.spawn", "speculant.launch.torchrun")
+
+
+def _record_early_stop(signum: int, frame: object) -> None:
+    EARLY_STOPS.append(signum)
+
+
+def _started_as_command() -> bool:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return getattr(spec, "name", None) in COMMAND_MODULES or script == "speculant"
+
+
+if _started_as_command():
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        if _sig == signal.SIGTERM or signal.getsignal(_sig) is not signal.SIG_IGN:
+            try:  # an ignored Ctrl-C (a background job) stays ignored
+                signal.signal(_sig, _record_early_stop)
+            except ValueError:  # not the main thread: no handler to set
+                pass
+
 import argparse
 import contextlib
 import json
 import logging
 import math
-import os
 import stat
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,8 +54,13 @@ from typing import Any, NoReturn, TextIO
 from speculant.errors import SpeculantError
 from speculant.executor.request import INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
-from speculant.launch.paths import check_readable_file, check_writable, write_errors_named
-from speculant.launch.threads import set_cpu_threads
+from speculant.launch.paths import (
+    check_readable_file,
+    check_writable,
+    read_input,
+    write_errors_named,
+)
+from speculant.launch.threads import check_threads, set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
@@ -59,13 +95,38 @@ GENERATE_EXAMPLES = """examples:
 """
 
 
+# --dist-timeout at most ~11.6 days: torch's store and process-group timeouts are C ints of
+# milliseconds, which overflow beyond ~2.1e6 s (a hang, an abort, an OverflowError).
+MAX_DIST_TIMEOUT_S = 1_000_000
+# --page-size at most this many tokens: a page is the KV cache's unit of allocation, so one
+# larger than a context wastes memory (a 1e8-token page is 100 GB), and a pool of such pages
+# holds no whole page at all.
+MAX_PAGE_SIZE = 1024
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` quoted, its middle left out when long (a 5000-digit number stays one line)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[: limit // 2]!r}...{text[-8:]!r} ({len(text)} characters)"
+
+
+def _digits_problem(text: str) -> None:
+    """Refuse a whole number of more digits than Python converts (4300), saying so."""
+    if text.strip().lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} has too many digits; use a smaller number"
+        )
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
+        _digits_problem(text)
         value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a positive integer")
     return value
 
 
@@ -73,10 +134,46 @@ def _nonnegative_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
+        _digits_problem(text)
         value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer >= 0")
     return value
+
+
+def _int(text: str) -> int:
+    """An argparse type: any whole number, named in its error even when it is 5000 digits."""
+    try:
+        return int(text)
+    except ValueError:
+        _digits_problem(text)
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer") from None
+
+
+def _int_up_to(high: int, unit: str) -> Callable[[str], int]:
+    """An argparse type: a whole number in 1..high, `unit` naming what it counts."""
+
+    def parse(text: str) -> int:
+        value = _positive_int(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(
+                f"{_shown(text)} is too large; use an integer in 1..{high} ({unit})"
+            )
+        return value
+
+    return parse
+
+
+def _path(fix: str) -> Callable[[str], str]:
+    """An argparse type: a path that is not empty (`--output ""` is a mistake, not "none");
+    `fix` says what to pass instead."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"the path is empty (''); {fix}")
+        return text
+
+    return parse
 
 
 def _capture_sizes(text: str) -> list[int]:
@@ -118,6 +215,7 @@ def build_parser(
     src = gen.add_argument_group("model")
     src.add_argument(
         "--target",
+        type=_path("pass a checkpoint directory, or leave --target out for the bundled model"),
         metavar="DIR",
         help="HF checkpoint dir of the target model (default: the bundled code model, with its "
         "EAGLE-3 head unless --algo/--draft say otherwise, and a default prompt)",
@@ -145,25 +243,37 @@ def build_parser(
     inp.add_argument("--prompt", metavar="TEXT", help="one text prompt")
     inp.add_argument(
         "--prompts",
+        type=_path("pass a .jsonl file, or --prompt TEXT"),
         metavar="FILE.jsonl",
         help='one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}, '
         f"optionally with {', '.join(SAMPLING_KEYS)}",
     )
-    gen.add_argument("--output", metavar="OUT.jsonl", help="write one JSON line per request")
+    gen.add_argument(
+        "--output",
+        type=_path(
+            "pass a file path such as out.jsonl, or leave --output out to print the completions"
+        ),
+        metavar="OUT.jsonl",
+        help="write one JSON line per request",
+    )
 
     samp = gen.add_argument_group("sampling (a --prompts line may override each)")
     samp.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most"
+        "--max-new-tokens", type=_int, default=64, metavar="N", help="tokens to generate at most"
     )
     samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    samp.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    samp.add_argument("--top-k", type=_int, default=0, metavar="K", help="0 = off")
     samp.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus, in (0, 1]")
-    samp.add_argument("--seed", type=int, metavar="S", help="sampling seed (and engine seed)")
+    samp.add_argument("--seed", type=_int, metavar="S", help="sampling seed (and engine seed)")
     samp.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
 
     eng = gen.add_argument_group("engine")
     eng.add_argument(
-        "--page-size", type=_positive_int, metavar="N", default=16, help="tokens per KV page"
+        "--page-size",
+        type=_int_up_to(MAX_PAGE_SIZE, "tokens a KV page"),
+        metavar="N",
+        default=16,
+        help=f"tokens per KV page, at most {MAX_PAGE_SIZE}",
     )
     eng.add_argument(
         "--max-num-seqs",
@@ -201,21 +311,27 @@ def build_parser(
         "--threads",
         type=_positive_int,
         metavar="N",
-        help="CPU: torch intra-op threads (default: OMP_NUM_THREADS if set, else one per 50 M "
-        "parameters, at most the cores free)",
+        help="CPU: torch intra-op threads, at most the CPUs this process may use (default: "
+        "OMP_NUM_THREADS if set, else one per 50 M parameters, at most the cores free)",
     )
     eng.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
     eng.add_argument("--dp", type=_positive_int, default=1, help="data-parallel size")
     eng.add_argument(
         "--dist-timeout",
-        type=_positive_int,
+        type=_int_up_to(MAX_DIST_TIMEOUT_S, "seconds, about 11.6 days at most"),
         default=300,
         metavar="S",
-        help="seconds a rank waits for the others before the run fails",
+        help=f"seconds a rank waits for the others before the run fails (at most "
+        f"{MAX_DIST_TIMEOUT_S})",
     )
 
     spec = gen.add_argument_group("speculative decoding and CUDA graphs")
-    spec.add_argument("--draft", metavar="DIR", help="drafter checkpoint dir")
+    spec.add_argument(
+        "--draft",
+        type=_path("pass a drafter checkpoint directory, or leave --draft out"),
+        metavar="DIR",
+        help="drafter checkpoint dir",
+    )
     spec.add_argument(
         "--algo",
         choices=["eagle3", "draft-model", "dflash"],
@@ -356,7 +472,7 @@ def read_prompts_file(path: str) -> list[PromptSpec]:
     file:line."""
     check_readable_file(path, "prompts file")
     try:
-        data = Path(path).read_bytes()
+        data = read_input(path)
     except OSError as exc:
         raise SpeculantError(f"prompts file {path!r} cannot be read ({exc.strerror})") from None
     specs = []
@@ -388,12 +504,30 @@ def text_problem(text: str) -> str | None:
     return None
 
 
+class _NumberTooLong(ValueError):
+    """A JSON integer of more digits than Python converts (sys.get_int_max_str_digits)."""
+
+
+def _json_int(text: str) -> int:
+    """json's parse_int: int(), naming the number when it has too many digits to convert."""
+    try:
+        return int(text)
+    except ValueError:
+        raise _NumberTooLong(text) from None
+
+
 def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_int=_json_int)
     except json.JSONDecodeError as exc:
         raise SpeculantError(
             f"{where}: not valid JSON ({exc.msg}); write one object per line"
+        ) from None
+    except _NumberTooLong as exc:
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise SpeculantError(
+            f"{where}: the number {_shown(str(exc))} has more than {limit} digits, more than "
+            "can be read; token ids and sampling values are far smaller: fix that number"
         ) from None
     except RecursionError:
         raise SpeculantError(
@@ -460,6 +594,7 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         raise SpeculantError(
             f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} must be in (0, 1]"
         )
+    check_threads(args.threads)
     for key in SAMPLING_KEYS:
         if expected := sampling_problem(key, getattr(args, key)):
             flag = "--" + key.replace("_", "-")
@@ -468,6 +603,11 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
         return []  # rank 0 reads the prompts and sends them to every rank (executor/dp.py)
     if args.output:
         check_writable(args.output, "--output")
+    elif problem := stdout_problem(sys.stdout):
+        raise SpeculantError(
+            f"stdout {problem}, so the completions printed there would be lost; pass --output "
+            "FILE to write them to a file (or run with stdout open)"
+        )
     if args.output and args.prompts and same_file(args.output, args.prompts):
         raise SpeculantError(
             f"--output {args.output!r} is the --prompts file {args.prompts!r} (the same file on "
@@ -484,6 +624,40 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     if problem := text_problem(args.prompt):
         raise SpeculantError(f"--prompt {problem}; pass UTF-8 text")
     return [PromptSpec(args.prompt)]
+
+
+def stdout_problem(stream: TextIO | None) -> str | None:
+    """Why nothing can be printed on `stream` (this process's stdout): closed (`>&-`: Python
+    then drops every print), or open for reading only (`1<file`); None when it is open for
+    writing, or is no file (a test's capture): a write that fails later is named then."""
+    if stream is None or getattr(stream, "closed", False):
+        return "is closed"
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: not a file
+        return None
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flags to read
+        return None
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:  # EBADF: the descriptor was closed
+        return "is closed"
+    return "is open for reading only" if flags & os.O_ACCMODE == os.O_RDONLY else None
+
+
+@contextlib.contextmanager
+def stdout_errors_named() -> Iterator[None]:
+    """Turn an OSError while printing completions (stdout on a full disk, /dev/full, a closed
+    pipe) into the one-line error naming stdout and the fix."""
+    try:
+        yield
+    except OSError as exc:
+        raise SpeculantError(
+            f"writing completions to stdout failed ({(exc.strerror or str(exc)).lower()}); pass "
+            "--output FILE to write them to a file"
+        ) from None
 
 
 def same_file(a: str, b: str) -> bool:
@@ -645,8 +819,10 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         except BaseException:  # Ctrl-C, SIGTERM, a peer rank gone: what finished is printed
             if finished:
                 done = sorted(finished, key=lambda o: o.index)
-                print_completions(done, stdout, specs, on_printed=on_printed)
-                stdout.flush()
+                try:
+                    print_completions(done, stdout, specs, on_printed=on_printed)
+                except SpeculantError as exc:  # stdout full: said, and the stop still ends it
+                    print(f"speculant: error: {exc}", file=sys.stderr)
             raise
         finally:
             if out_file is not None:
@@ -761,11 +937,13 @@ def print_completions(
     """One `[index] prompt+completion` line per output (the text prompt from `specs`). With
     `on_printed` (rank 0 of a spawn job: its launcher's spool, launch/spawn.py), each line is
     flushed and then its index passed to it: the launcher prints only the lines not passed."""
-    for out in outputs:
-        print(completion_line(out, specs), file=stdout)
-        if on_printed is not None:
-            stdout.flush()
-            on_printed(out.index)
+    with stdout_errors_named():
+        for out in outputs:
+            print(completion_line(out, specs), file=stdout)
+            if on_printed is not None:
+                stdout.flush()
+                on_printed(out.index)
+        stdout.flush()  # a write that fails fails here, not at exit
 
 
 def completion_line(out: Any, specs: list[PromptSpec] | None) -> str:
@@ -797,31 +975,46 @@ def bundled_drafter_line(args: argparse.Namespace, outputs: list) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
-    for stream in (sys.stdout, sys.stderr):  # a completion the terminal cannot show is escaped
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
-    if not logging.getLogger().handlers:  # ours alone log INFO; libraries' INFO stays quiet
-        logging.basicConfig(level=logging.WARNING, format="speculant: %(message)s")
-        logging.getLogger("speculant").setLevel(logging.DEBUG if args.debug else logging.INFO)
     from speculant.launch.spawn import close_progress_bars, stop_on_sigterm, stopped_line
 
-    restore_sigterm = stop_on_sigterm()  # SIGTERM stops the run as Ctrl-C does (exit 143)
+    # Ctrl-C and SIGTERM stop the run (exit 130, 143). Until the try below is entered they are
+    # only recorded (as they were while this module imported: EARLY_STOPS); then raised.
+    restore_signals = stop_on_sigterm(armed=False, pending=EARLY_STOPS)
+    EARLY_STOPS.clear()  # passed on: this module's recorder no longer runs
+    args = argparse.Namespace(debug=False, output=None)
     try:
-        if args.command == "accept-rate":
-            return accept_rate.run_accept_rate(args, sys.stdout, sys.stderr)
-        return run_generate(args, sys.stdout, sys.stderr)
-    except KeyboardInterrupt as exc:
+        try:
+            args = build_parser().parse_args(argv)
+            args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
+            for stream in (sys.stdout, sys.stderr):  # a completion the terminal cannot show
+                if hasattr(stream, "reconfigure"):  # is escaped
+                    stream.reconfigure(errors="backslashreplace")
+            if not logging.getLogger().handlers:  # ours alone log INFO; libraries' stay quiet
+                logging.basicConfig(level=logging.WARNING, format="speculant: %(message)s")
+                level = logging.DEBUG if args.debug else logging.INFO
+                logging.getLogger("speculant").setLevel(level)
+            stop_on_sigterm()  # from here a stop raises (at once, one that came before)
+            if args.command == "accept-rate":
+                code = accept_rate.run_accept_rate(args, sys.stdout, sys.stderr)
+            else:
+                code = run_generate(args, sys.stdout, sys.stderr)
+        except (SpeculantError, ValueError, OSError) as exc:
+            if args.debug:
+                raise
+            close_progress_bars()
+            print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
+            code = 2
+        restore_signals()  # inside the try: a stop up to here still ends as a stop
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         close_progress_bars()  # so that this line is the last on stderr
         line, code = stopped_line(exc, getattr(args, "output", None), ranks=False)
         print(line, file=sys.stderr)
-        return code
-    except (SpeculantError, ValueError, OSError) as exc:
-        if args.debug:
-            raise
-        close_progress_bars()
-        print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
-        return 2
     finally:
-        restore_sigterm()
+        restore_signals()
+    if code in (130, 143) and _started_as_command():
+        # the process ends now with this status: a second Ctrl-C or SIGTERM must not kill it
+        # first (at exit Python puts back the default handlers, which would: status -2)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is _record_early_stop:
+                signal.signal(sig, signal.SIG_IGN)
+    return code

@@ -1,14 +1,22 @@
 """The files a command reads and writes: checked before any model loads (a directory, a device,
 a read-only place), and write errors that happen later (a full disk, /dev/full) named by flag
-and path."""
+and path.
+
+An input that is a stream (a pipe, a FIFO, /dev/stdin, the shell's `<(...)`) can be read once:
+`read_input` keeps what it held, and a launcher that read it hands that to its ranks
+(`rank_copy`, launch/spawn.py); a rank whose launcher did not pass on the shell's descriptor
+(torchrun) reopens it through its parent (`adopt_parent_descriptor`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from speculant.errors import SpeculantError
 
@@ -39,6 +47,83 @@ def check_readable_file(path: str, what: str, fix: str = "pass an existing .json
         raise SpeculantError(f"{what} {path!r} is {file_kind(mode)}, not a file; {fix}")
     if not os.access(path, os.R_OK):
         raise SpeculantError(f"{what} {path!r} cannot be read (permission denied)")
+
+
+# The streams (non-regular input files) this process read, by the path as given, with what they
+# held: they cannot be read again, and the ranks a launcher starts need it (`rank_copy`).
+_STREAMS: dict[str, bytes] = {}
+
+
+def read_input(path: str) -> bytes:
+    """The whole content of an input file (--prompts, --baseline). What a stream held (a pipe, a
+    FIFO, /dev/stdin, `<(...)`: anything but a regular file) is kept for `rank_copy`."""
+    with open(path, "rb") as file:
+        regular = stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+        data = file.read()
+    if regular:
+        _STREAMS.pop(path, None)
+    else:
+        _STREAMS[path] = data
+    return data
+
+
+def rank_copy(path: str, flag: str) -> IO[bytes] | None:
+    """For a launcher about to start ranks whose rank 0 reads `path` (given as `flag`) again,
+    after this process read it: None for a regular file, which they read as it is; for a
+    stream, a private copy of what `read_input` read from it, an unnamed temporary file (gone
+    once every process holding it has closed it, however they end) for the ranks to read
+    instead. A stream that this process did not read through `read_input` is refused: what it
+    held is gone."""
+    if path in _STREAMS:
+        copy = tempfile.TemporaryFile(prefix="speculant-input-")
+        try:
+            copy.write(_STREAMS.pop(path))
+            copy.flush()
+            copy.seek(0)
+        except BaseException:
+            copy.close()
+            raise
+        return copy
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # the checks before the launch name a missing file
+    if stat.S_ISREG(mode):
+        return None
+    raise SpeculantError(
+        f"{flag} {path!r} is {file_kind(mode)}, which this launcher has read and its ranks cannot "
+        f"read again; write the {flag.lstrip('-')} to a file and pass that"
+    )
+
+
+_FD_PATH = re.compile(r"/(?:dev|proc/self)/fd/(\d+)")
+
+
+def adopt_parent_descriptor(path: str | None, flag: str) -> None:
+    """Make `/dev/fd/N` (a shell's `<(...)`) name in this process what it names in the parent
+    that started it with that command line, when the parent did not pass descriptor N on
+    (torchrun's agent passes only stdin, stdout and stderr to its ranks): the parent's N,
+    reopened through /proc and placed at N here. Any other path, one that exists here, or one
+    the parent lacks too (the usual check says it does not exist) is left alone; one whose
+    parent descriptor cannot be opened is refused, naming the flag."""
+    match = _FD_PATH.fullmatch(path or "")
+    if match is None or os.path.exists(path):
+        return
+    fd = int(match.group(1))
+    try:  # O_NONBLOCK: a FIFO with no writer left opens at once (and reads its data, then EOF)
+        source = os.open(f"/proc/{os.getppid()}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SpeculantError(
+            f"{flag} {path!r} is a descriptor of the shell (`<(...)`) that the launcher did not "
+            f"pass on to this rank, and it cannot be reopened ({(exc.strerror or str(exc)).lower()}"
+            f"); write the {flag.lstrip('-')} to a file and pass that"
+        ) from None
+    os.set_blocking(source, True)
+    if source != fd:
+        os.dup2(source, fd, inheritable=False)
+        os.close(source)
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -14,6 +14,10 @@ Ranks end with their launcher: SIGTERM to the launcher stops every rank as Ctrl-
 outputs kept, exit 143), and a rank whose parent dies, SIGKILL included, stops by itself
 (`end_with_parent`). Nothing is written to disk for the ranks (their logs are unnamed files).
 
+An input the launcher read that was a stream (`--prompts <(...)`, /dev/stdin, a FIFO: a pipe can
+be read once) reaches rank 0 as a private copy of what the launcher read, an unnamed file the
+ranks inherit (`rank_inputs`).
+
 Without --output, rank 0 prints the completions (at the end, or when its run stops or fails);
 it also appends each one, as it finishes, to the launcher's spool (`CompletionSpool`, an unnamed
 file it inherits), and marks each once printed: a rank 0 killed, or still blocked in a
@@ -39,7 +43,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from speculant.errors import SpeculantError
 
@@ -67,18 +71,115 @@ class Terminated(KeyboardInterrupt):
     keeping its finished outputs, and exits 143."""
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second SIGTERM waits for it
-    raise Terminated
+def _stop_exception(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
-def stop_on_sigterm() -> Callable[[], None]:
-    """Make SIGTERM raise Terminated in the main thread; returns what restores the previous
-    handler (a no-op outside the main thread, where no handler can be set)."""
+@dataclass
+class _StopState:
+    """The stop signals of the run in progress (`stop_on_sigterm`)."""
+
+    signum: int | None = None  # the first SIGINT / SIGTERM that came: it decides 130 or 143
+    armed: bool = False  # raise it (else it is only recorded, for the call that arms)
+    raised: bool = False
+    handled: bool = False  # it reached the code that ends the run (stopped_line)
+    retrying: bool = False  # a re-delivery is scheduled (the stop came during an import)
+    imports: int = 0  # importlib frames around the arming call (a main run from an import)
+
+
+_STOP = _StopState()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_RETRY_S = 0.01  # how often a stop that came during an import looks again
+
+
+def _import_frames(frame: Any) -> int:
+    """How many of the frames from `frame` outwards are importlib's (0: no import under way)."""
+    count = 0
+    while frame is not None:
+        count += frame.f_code.co_filename.startswith("<frozen importlib.")
+        frame = frame.f_back
+    return count
+
+
+def _stop_in_flight() -> bool:
+    """Whether the exception being handled here (in an `except` or `finally` on its way out)
+    is a stop, or one raised while handling a stop."""
+    exc = sys.exc_info()[1]
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__context__
+    return False
+
+
+def _retry_stop(signum: int) -> None:
+    """(a timer thread) Send the stop again, to the main thread (a real signal: it interrupts a
+    sleep or a wait there, as the first one did), if it still waits."""
+    _STOP.retrying = False
+    if _STOP.armed and not _STOP.handled and signal.getsignal(signum) is _on_stop_signal:
+        signal.pthread_kill(threading.main_thread().ident, signum)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """SIGINT / SIGTERM: record it, and raise it where that is safe (see stop_on_sigterm)."""
+    stop = _STOP
+    if stop.signum is None:
+        stop.signum = signum
+    if not stop.armed or stop.handled:
+        return  # recorded: raised once armed; or the run is ending already
+    if stop.raised and _stop_in_flight():
+        return  # one stop: a second signal waits for the first (its outputs are being kept)
+    if _import_frames(frame) > stop.imports:  # raised there, an import breaks or swallows it
+        if not stop.retrying:
+            stop.retrying = True
+            timer = threading.Timer(STOP_RETRY_S, _retry_stop, (signum,))
+            timer.daemon = True
+            timer.start()
+        return
+    stop.raised = True
+    raise _stop_exception(stop.signum)
+
+
+def stop_on_sigterm(armed: bool = True, pending: Sequence[int] = ()) -> Callable[[], None]:
+    """Make SIGTERM and Ctrl-C's SIGINT stop the run: Terminated (exit 143) or KeyboardInterrupt
+    (exit 130) raised in the main thread. Returns what restores the previous handlers (a no-op
+    outside the main thread, where no handler can be set, and from a call made while they are
+    installed already, which only arms them or adds `pending`).
+
+    The stop takes effect whenever it comes. Raised inside an import (torch's, numpy's: ~1.5 s
+    of a CPU run's start) it would leave a half-imported module or be swallowed, so there it
+    waits for the import to end (looking again every STOP_RETRY_S). Not `armed` (a command's
+    start, before the code that handles a stop runs), a signal is only recorded, and so are
+    `pending` ones (recorded before this was installed): the call that arms raises the first
+    of them. A second signal while the first stop is on its way out waits for it (the outputs
+    it keeps are being written); one that comes after that stop was lost (swallowed by the code
+    it interrupted) raises it again. Nothing is ever left ignored, except a SIGINT ignored when
+    this process started (a background job), which stays so."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    stop, restore = _STOP, None
+    if signal.getsignal(signal.SIGTERM) is not _on_stop_signal:  # a new run: install
+        stop.__init__()
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        if previous[signal.SIGINT] is signal.SIG_IGN:
+            del previous[signal.SIGINT]
+        for sig in previous:
+            signal.signal(sig, _on_stop_signal)
+
+        def restore() -> None:
+            stop.armed = False
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    if pending and stop.signum is None:
+        stop.signum = pending[0]
+    if armed and not stop.armed:
+        stop.imports = _import_frames(sys._getframe(1))
+        stop.armed = True
+        if stop.signum is not None and not stop.raised:
+            stop.raised = True
+            raise _stop_exception(stop.signum)
+    return restore or (lambda: None)
 
 
 RUN_STARTED = time.time()  # this process's start: what an --output file written since holds
@@ -87,7 +188,9 @@ RUN_STARTED = time.time()  # this process's start: what an --output file written
 def stopped_line(exc: KeyboardInterrupt, output: str | None, ranks: bool) -> tuple[str, int]:
     """The last line of a run stopped by Ctrl-C or SIGTERM, and its exit status (130, 143);
     it names the --output file only when this run wrote it (no request finished: the file,
-    if any, still holds what it held before)."""
+    if any, still holds what it held before). From here on, a further Ctrl-C or SIGTERM waits
+    for the run to end (stop_on_sigterm)."""
+    _STOP.handled = True
     how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
     line = f"speculant: {how}" + (": every rank stopped" if ranks else "")
     if output:
@@ -710,6 +813,34 @@ def check_output_free(path: str | None) -> None:
             pass
 
 
+INPUT_FLAGS = ("--prompts", "--baseline")  # the input files a job's rank 0 reads
+
+
+def rank_inputs(argv: Sequence[str]) -> tuple[list[str], list[IO[bytes]]]:
+    """The ranks' command line and the files they inherit, for a launcher that has run the
+    checks of `speculant ARGV` (and so read its input files). An input that was a stream
+    (`<(...)`, /dev/stdin, a FIFO) cannot be read again: the ranks get a private copy of what
+    the launcher read (paths.rank_copy), inherited as descriptor N and named by `FLAG
+    /dev/fd/N` at the end of the command line (argparse takes the last). Regular files are
+    read by rank 0 itself: the command line is unchanged."""
+    from speculant.launch.cli import build_parser
+    from speculant.launch.paths import rank_copy
+
+    args = build_parser().parse_args(argv)  # parsed already by the launcher: no error here
+    ranks_argv, copies = list(argv), []
+    try:
+        for flag in INPUT_FLAGS:
+            path = getattr(args, flag[2:], None)
+            if path and (copy := rank_copy(path, flag)) is not None:
+                copies.append(copy)
+                ranks_argv += [flag, f"/dev/fd/{copy.fileno()}"]
+    except BaseException:
+        for copy in copies:
+            copy.close()
+        raise
+    return ranks_argv, copies
+
+
 def launch_cli(
     argv: Sequence[str],
     world_size: int,
@@ -726,14 +857,17 @@ def launch_cli(
     finished before a failure or stop included (cli.run_generate), and spools each as it
     finishes (`CompletionSpool`): any that a killed or stuck rank 0 did not print, this prints
     on `stdout` before the last line. Rank 0 keeps this terminal; the others' stderr goes to
-    unnamed files (read for their last line), so a launcher killed by SIGKILL leaves nothing
-    behind."""
+    unnamed files (read for their last line), as do the copies of piped inputs
+    (`rank_inputs`), so a launcher killed by SIGKILL leaves nothing behind."""
     check_devices(device, world_size)
     check_output_free(output)
     port = free_port()
     ranks: list[_Rank] = []
+    copies: list[IO[bytes]] = []
     spool = CompletionSpool(stdout) if stdout is not None and not output else None
     try:
+        argv, copies = rank_inputs(argv)
+        inherited = tuple(copy.fileno() for copy in copies)
         for rank in range(world_size):
             env = {**os.environ, **rank_env(rank, world_size, port)}
             env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
@@ -742,12 +876,14 @@ def launch_cli(
                 env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
             cmd = [sys.executable, "-m", "speculant.launch.spawn", *argv]
             if rank == 0:  # rank 0 keeps this terminal: it writes the outputs
-                fds = () if spool is None else (spool.fd,)
+                fds = inherited + (() if spool is None else (spool.fd,))
                 env.update(spool.env if spool is not None else {})
                 ranks.append(_Rank(rank, _Proc(subprocess.Popen(cmd, env=env, pass_fds=fds))))
                 continue
             log = tempfile.TemporaryFile(prefix=f"speculant-rank{rank}-")
-            handle = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+            handle = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, pass_fds=inherited
+            )
             ranks.append(_Rank(rank, _Proc(handle), log))
         # a rank stopped this long while no rank failed: the others are stuck, not waiting
         # in a collective (which would have timed out and been reported by now)
@@ -769,6 +905,8 @@ def launch_cli(
         for r in ranks:
             if r.log is not None:
                 r.log.close()
+        for copy in copies:
+            copy.close()
         if spool is not None:
             spool.close()
     if failure is None:

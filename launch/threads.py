@@ -16,6 +16,8 @@ import os
 import struct
 from pathlib import Path
 
+from speculant.errors import SpeculantError
+
 log = logging.getLogger("speculant")
 
 PARAMS_PER_THREAD = 50_000_000  # below this a thread's share of a matmul is too short to pay
@@ -37,12 +39,28 @@ def checkpoint_params(path: str | Path) -> int | None:
     return total if found else None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; all of them where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_threads(requested: int | None) -> None:
+    """Refuse a --threads above the CPUs this process may use: beyond them threads only wait
+    for a core (3000 ran 100x slower), and OpenMP crashes creating 1e8 of them."""
+    cpus = usable_cpus()
+    if requested is not None and requested > cpus:
+        raise SpeculantError(
+            f"--threads {requested} is more than the {cpus} CPU(s) this process may use; pass "
+            f"--threads 1..{cpus}, or leave it out to choose by the model's size"
+        )
+
+
 def free_cores() -> tuple[int, float]:
     """Cores this process may run on, and the 1-minute load average (0 where unknown)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cpus()
     try:
         load = os.getloadavg()[0]
     except OSError:
@@ -65,6 +83,7 @@ def set_cpu_threads(requested: int | None, checkpoints: list[str | None], ranks:
     """Set torch's intra-op threads for a CPU run: `requested` (--threads) if given, else
     OMP_NUM_THREADS's if set (torch read it at start), else `choose_num_threads` for the
     checkpoints' parameters and the free cores."""
+    check_threads(requested)  # the CLI checks it before any model loads; accept-rate here
     import torch
 
     if requested is None and os.environ.get("OMP_NUM_THREADS"):

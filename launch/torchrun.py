@@ -5,7 +5,10 @@ MASTER_ADDR and MASTER_PORT; each process runs the `speculant` command as one ra
 per-rank worker as `speculant generate --tp/--dp` (launch/spawn.py) and the Ray actors
 (launch/ray.py). Global rank 0 reads the prompts (and an accept-rate baseline) and writes the
 outputs; the other ranks get the prompts from it (executor/dp.py), so only rank 0's node needs
-the input files. `--tp` x `--dp` must equal WORLD_SIZE (= nnodes x nproc-per-node).
+the input files, and a stream (a pipe on stdin, a FIFO) is read once. torchrun passes its ranks
+stdin but none of the shell's other descriptors: rank 0 reopens a `--prompts <(...)`
+(/dev/fd/N) through its agent's descriptor N (paths.adopt_parent_descriptor). `--tp` x `--dp`
+must equal WORLD_SIZE (= nnodes x nproc-per-node).
 
 One node:
 
@@ -44,7 +47,9 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from speculant.launch.spawn import cli_rank_main, end_with_parent
+from speculant.errors import SpeculantError
+from speculant.launch.paths import adopt_parent_descriptor
+from speculant.launch.spawn import INPUT_FLAGS, cli_rank_main, end_with_parent
 
 USAGE = (
     "torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] "
@@ -103,6 +108,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     check_torchrun_world(args.tp, args.dp, device)
+    if os.environ["RANK"] == "0":  # the one rank that reads the inputs
+        for flag in INPUT_FLAGS:
+            try:
+                adopt_parent_descriptor(getattr(args, flag[2:], None), flag)
+            except SpeculantError as exc:
+                _fail(str(exc))
     os.environ["SPECULANT_RANK_DEVICE"] = device  # how cli_rank_main ends the process
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (shared/GPU.md)
     if os.environ["RANK"] != "0" and not args.debug:  # rank 0 logs for the job

@@ -24,8 +24,9 @@ def setup(tmp_path_factory, llama_dir):
 
 
 def accept_rate(capsys, *args) -> tuple[int, str, str]:
+    device = [] if "--compare" in args else ["--device", "cpu"]  # --compare takes no --device
     try:
-        status = main(["accept-rate", "--device", "cpu", *map(str, args)])
+        status = main(["accept-rate", *device, *map(str, args)])
     except SystemExit as exc:
         status = exc.code
     captured = capsys.readouterr()
@@ -335,3 +336,145 @@ def test_a_failed_plot_names_the_flag_after_a_fail_verdict(
     assert status == 1, err
     assert "REGRESSED" in out and "regressed beyond" in err
     assert "speculant: error: --plot '/dev/full': writing failed" in err, err
+
+
+# ------------------------------- outputs that are inputs, k known late, flags --compare ignores
+
+
+@pytest.mark.parametrize(
+    "output, other",
+    [
+        ("--report", "--prompts"),
+        ("--write-baseline", "--prompts"),  # through a symlink
+        ("--plot", "--baseline"),  # through a hard link
+        ("--write-baseline", "--report"),  # neither written yet, spelled differently
+        ("--plot", "--report"),
+        ("--plot", "--compare"),
+    ],
+)
+def test_an_output_that_is_an_input_or_another_output_is_refused(
+    monkeypatch, capsys, setup, llama_dir, tmp_path, output, other
+):
+    """An output path that is an input's file (links and other spellings count) or another
+    output's is one line naming both flags, exit 2, before any model loads; the input is left
+    as it was (the report used to overwrite a --prompts file, rc 0)."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    monkeypatch.chdir(tmp_path)
+    root, prompts = setup
+    inputs = {"--prompts": tmp_path / "p.png", "--baseline": tmp_path / "b.png"}
+    inputs["--prompts"].write_bytes(prompts.read_bytes())
+    inputs["--baseline"].write_text(json.dumps({**BASELINE, "max_new_tokens": 4}))
+    before = {flag: path.read_bytes() for flag, path in inputs.items()}
+    if other == "--compare":
+        flags = ["--compare", inputs["--baseline"], "--plot", inputs["--baseline"]]
+    else:
+        paths = {"--prompts": "p.png", "--baseline": "b.png", "--report": "./out.png"}
+        if output == "--write-baseline" and other == "--prompts":
+            (tmp_path / "link.png").symlink_to("p.png")
+            paths[output] = "link.png"
+        elif output == "--plot" and other == "--baseline":
+            (tmp_path / "hard.png").hardlink_to("b.png")
+            paths[output] = "hard.png"
+        else:
+            paths[output] = paths[other].removeprefix("./")
+        flags = [
+            "--target", llama_dir, "--draft", root / "eagle", "--max-new-tokens", 4,
+            *[x for flag, path in paths.items() for x in (flag, path)],
+        ]  # fmt: skip
+    status, out, err = accept_rate(capsys, *flags)
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert f"speculant: error: {output} " in err and f"is the {other} file" in err, err
+    assert f"pick another {output}" in err and out == ""
+    assert {flag: path.read_bytes() for flag, path in inputs.items()} == before
+    assert not (tmp_path / "out.png").exists()
+
+
+def baseline_with_k(path: Path, k: int, algo: str = "eagle3") -> Path:
+    path.write_text(json.dumps({**BASELINE, "algo": algo, "num_draft_tokens": k,
+                                "per_position_acceptance": [0.2] * k}))  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("algo, baseline_k, run_k", [("eagle3", 4, 3), ("dflash", 3, 7)])
+def test_a_baseline_of_another_k_is_refused_before_any_model_loads(
+    monkeypatch, capsys, setup, llama_dir, tmp_path, algo, baseline_k, run_k
+):
+    """k left to the drafter's default (EAGLE-3: 3; DFLASH: its block - 1, the bundled one's
+    config) is read from the config files and checked against the baseline before any model
+    loads (was: after both runs, with their results thrown away)."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    root, prompts = setup
+    where = ["--target", llama_dir, "--draft", root / "eagle"] if algo == "eagle3" else []
+    baseline = baseline_with_k(tmp_path / "b.json", baseline_k, algo)
+    status, out, err = accept_rate(
+        capsys, *where, "--algo", algo, "--prompts", prompts, "--max-new-tokens", 8,
+        "--baseline", baseline, "--report", tmp_path / "r.json",
+    )  # fmt: skip
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert f"num_draft_tokens={baseline_k}, this run has {run_k};" in err, err
+
+
+def test_the_k_the_engine_resolved_is_checked_before_generating(
+    monkeypatch, capsys, setup, llama_dir, tmp_path
+):
+    """Should the k read before loading differ from the one the Engine resolves, the Engine's
+    is checked against the baseline once it is built, before anything is generated."""
+    from speculant.launch import accept_rate as module
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("generated before the engine's k was checked")
+
+    monkeypatch.setattr(module, "draft_tokens", lambda args, draft: 4)
+    monkeypatch.setattr(module, "_generate", no_generate)
+    root, prompts = setup
+    status, _, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--baseline", baseline_with_k(tmp_path / "b.json", 4),
+    )  # fmt: skip
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and "num_draft_tokens=4, this run has 3" in err
+
+
+@pytest.mark.parametrize("lossless, status", [(True, 2), (False, 1)])
+def test_a_baseline_found_of_another_k_after_the_run_keeps_the_run(
+    monkeypatch, capsys, setup, llama_dir, tmp_path, lossless, status
+):
+    """A mismatch only the run shows (here a run that measured 4 positions against a k=3
+    baseline) still prints the table and writes --report before the error line: exit 2, or 1
+    on a lossless FAIL (the run's results used to be thrown away)."""
+    got, out, err = gated_run(
+        monkeypatch, capsys, setup, llama_dir, tmp_path, fake_measure([0.5, 0.3, 0.1, 0.0],
+        lossless), "--report", tmp_path / "r.json", "--write-baseline", tmp_path / "new.json",
+    )  # fmt: skip
+    assert got == status, err
+    assert "| per_position_acceptance[3] | 0.0000 | - |" in out and "REGRESSED" not in out
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert "measured with num_draft_tokens=3, this run has 4" in err, err
+    assert ("differs from plain" in err) == (not lossless)
+    for name in ("r.json", "new.json"):
+        report = json.loads((tmp_path / name).read_text())
+        assert report["per_position_acceptance"] == pytest.approx([0.5, 0.3, 0.1, 0.0])
+
+
+def test_compare_refuses_the_flags_it_does_not_use(capsys, tmp_path):
+    """--compare runs no model: --prompts, --baseline, --tp and the like given with it are one
+    line naming them, exit 2 (they used to be ignored, rc 0); --plot and --debug are used."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(BASELINE))
+    status, out, err = accept_rate(
+        capsys, "--compare", path, "--prompts", "/nonexistent", "--baseline", "/nonexistent",
+        "--tp", 99,
+    )  # fmt: skip
+    assert status == 2 and out == "", err
+    assert err.count("speculant: error:") == 1, err
+    assert "does not use --prompts, --baseline, --tp; drop them" in err, err
+    status, out, err = accept_rate(capsys, "--compare", path, "--temperature", "nan")
+    assert status == 2 and "does not use --temperature; drop it" in err, err
+    status, out, err = accept_rate(capsys, "--compare", path, "--debug")
+    assert status == 0 and "| acceptance_length | 1.4000 |" in out, err

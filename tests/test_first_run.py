@@ -101,6 +101,7 @@ def test_threads_flag_and_omp_env_override_the_choice(monkeypatch):
     chosen = []
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
     monkeypatch.setattr(threads, "free_cores", lambda: (64, 0.0))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 64)  # --threads is checked against it
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     target = str(speculant.bundled("target"))
     threads.set_cpu_threads(None, [target, str(speculant.bundled("eagle3"))])

@@ -628,3 +628,12 @@ def test_tp_that_does_not_divide_the_heads_names_the_sizes_that_do(capfd, llama_
     line = error_line(*run_main(capfd, "--target", llama_dir, "--prompt", "x", "--device",
                                 "cpu", "--tp", heads + 1))  # fmt: skip
     assert f"not divisible by tp={heads + 1}; use --tp 1" in line, line
+
+
+def test_api_page_size_has_the_clis_bound(llama_dir):
+    from speculant.executor.build import MAX_PAGE_SIZE
+    from speculant.launch.cli import MAX_PAGE_SIZE as CLI_MAX
+
+    assert MAX_PAGE_SIZE == CLI_MAX
+    with pytest.raises(SpeculantError, match=f"page_size=1025 must be in 1..{MAX_PAGE_SIZE}"):
+        Engine(str(llama_dir), device="cpu", page_size=MAX_PAGE_SIZE + 1)
