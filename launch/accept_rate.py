@@ -374,12 +374,12 @@ def _check(args: argparse.Namespace) -> None:
     for flag in ("report", "write_baseline", "plot"):
         if value := getattr(args, flag):
             check_writable(value, "--" + flag.replace("_", "-"))
-    check_plot(args.plot)
     prompts = args.prompts or str(ASSETS / "prompts" / "heldout_prompts.jsonl")
-    check_distinct_files(
+    check_distinct_files(  # first: an input destroyed matters more than a missing package
         [("--prompts", prompts), ("--baseline", args.baseline)],
         [(f, getattr(args, f[2:].replace("-", "_"))) for f in OUTPUT_FLAGS],
     )
+    check_plot(args.plot)
 
 
 # What accept-rate writes, in the order it writes them.
@@ -510,8 +510,8 @@ def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
         check_readable_file(path, "--compare", "write it with --report")
     if args.plot:
         check_writable(args.plot, "--plot")
-    check_plot(args.plot)
     check_distinct_files([("--compare", path) for path in args.compare], [("--plot", args.plot)])
+    check_plot(args.plot)
     reports = [_read_baseline(path, "--compare") for path in args.compare]
     labels = [_label(report) for report in reports]
     if len(set(labels)) < len(labels):  # the same algo and k twice: the files tell them apart

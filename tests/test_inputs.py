@@ -635,5 +635,7 @@ def test_api_page_size_has_the_clis_bound(llama_dir):
     from speculant.launch.cli import MAX_PAGE_SIZE as CLI_MAX
 
     assert MAX_PAGE_SIZE == CLI_MAX
-    with pytest.raises(SpeculantError, match=f"page_size=1025 must be in 1..{MAX_PAGE_SIZE}"):
+    with pytest.raises(
+        SpeculantError, match=f"page_size={MAX_PAGE_SIZE + 1} must be in 1..{MAX_PAGE_SIZE}"
+    ):
         Engine(str(llama_dir), device="cpu", page_size=MAX_PAGE_SIZE + 1)
