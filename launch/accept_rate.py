@@ -363,6 +363,20 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SpeculantError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
+    from speculant.launch.cli import MAX_DIST_TIMEOUT_S
+    from speculant.launch.threads import check_threads
+
+    if args.dist_timeout > MAX_DIST_TIMEOUT_S:  # torch's timeouts overflow past it (as generate)
+        raise SpeculantError(
+            f"--dist-timeout {args.dist_timeout} is too large; use an integer in "
+            f"1..{MAX_DIST_TIMEOUT_S} (seconds)"
+        )
+    check_threads(args.threads)  # before any model loads
+    for flag in ("target", "draft", "prompts", "baseline", "report", "write_baseline", "plot"):
+        if getattr(args, flag, None) == "":
+            raise SpeculantError(
+                f"--{flag.replace('_', '-')} is an empty path (''); give a path or leave it out"
+            )
     for flag in ("target", "draft"):
         value = getattr(args, flag)
         if value and not Path(value).is_dir():

@@ -102,6 +102,8 @@ def test_sampled_run_reports_no_lossless_verdict(capsys, setup, llama_dir, tmp_p
         (["--rtol", "1.5"], "--rtol 1.5"),
         (["--max-num-seqs", "0"], "--max-num-seqs 0"),
         (["--dist-timeout", "-1"], "--dist-timeout -1"),
+        (["--dist-timeout", "100000000000"], "--dist-timeout 100000000000 is too large"),
+        (["--report", ""], "--report is an empty path"),
         (["--baseline", "/no/such.json"], "/no/such.json"),
         (["--draft", "/no/such/dir"], "/no/such/dir"),
         (["--num-draft-tokens", "5", "--baseline", "BASELINE"], "num_draft_tokens=3"),
