@@ -11,6 +11,14 @@ from pathlib import Path
 
 from speculant.errors import SpeculantError
 
+# --page-size at most this many tokens (CLI and Engine): a page is the KV cache's unit of
+# allocation, so one larger than a context wastes memory (a 1e8-token page is 100 GB), and a pool
+# of such pages holds no whole page at all.
+MAX_PAGE_SIZE = 1024
+# --dist-timeout at most ~11.6 days: torch's store and process-group timeouts are C ints of
+# milliseconds, which overflow beyond ~2.1e6 s (a hang, an abort, an OverflowError).
+MAX_DIST_TIMEOUT_S = 1_000_000
+
 log = logging.getLogger("speculant")
 
 DENSE_ARCHITECTURES = (

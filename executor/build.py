@@ -13,6 +13,7 @@ import torch
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import (
+    MAX_PAGE_SIZE,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -99,7 +100,6 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-MAX_PAGE_SIZE = 1024  # tokens a KV page at most: the pool's unit of allocation (the CLI's bound)
 # Engine options that take whole numbers, checked before anything uses them (and seed):
 # the least value (None: check_spec checks the range) and whether None (the default) may be given
 INTEGER_OPTIONS = {

@@ -21,15 +21,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from speculant import ASSETS, bundled
+from speculant.config import MAX_DIST_TIMEOUT_S
 from speculant.errors import SpeculantError
 from speculant.executor.request import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
 from speculant.launch.paths import (
     check_readable_file,
     check_writable,
     read_input,
+    same_file,
     write_errors_named,
 )
-from speculant.launch.threads import set_cpu_threads
+from speculant.launch.threads import check_threads, set_cpu_threads
 
 BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
 # A baseline is comparable only when these match.
@@ -363,9 +365,6 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SpeculantError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
-    from speculant.launch.cli import MAX_DIST_TIMEOUT_S
-    from speculant.launch.threads import check_threads
-
     if args.dist_timeout > MAX_DIST_TIMEOUT_S:  # torch's timeouts overflow past it (as generate)
         raise SpeculantError(
             f"--dist-timeout {args.dist_timeout} is too large; use an integer in "
@@ -402,10 +401,9 @@ OUTPUT_FLAGS = ("--report", "--write-baseline", "--plot")
 
 def check_distinct_files(inputs: list, outputs: list) -> None:
     """Refuse, before any model loads, an output (flag, path) that is an input's file or another
-    output's: the same file on disk (links and other spellings count: cli.same_file), or the
+    output's: the same file on disk (links and other spellings count: paths.same_file), or the
     same path not written yet. Writing it would destroy the input (a --prompts file overwritten
     by the report) or the other output. Pairs whose path is None are left out."""
-    from speculant.launch.cli import same_file
 
     inputs = [(flag, path, True) for flag, path in inputs if path]
     outputs = [(flag, path, False) for flag, path in outputs if path]

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
 from speculant.errors import SpeculantError
 from speculant.executor.request import INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
@@ -58,6 +59,7 @@ from speculant.launch.paths import (
     check_readable_file,
     check_writable,
     read_input,
+    same_file,
     write_errors_named,
 )
 from speculant.launch.threads import check_threads, set_cpu_threads
@@ -93,15 +95,6 @@ GENERATE_EXAMPLES = """examples:
       --prompts prompts.jsonl --output out.jsonl
   speculant generate --target DIR --tp 2 --dp 2 --device cpu --prompt "Hello"
 """
-
-
-# --dist-timeout at most ~11.6 days: torch's store and process-group timeouts are C ints of
-# milliseconds, which overflow beyond ~2.1e6 s (a hang, an abort, an OverflowError).
-MAX_DIST_TIMEOUT_S = 1_000_000
-# --page-size at most this many tokens: a page is the KV cache's unit of allocation, so one
-# larger than a context wastes memory (a 1e8-token page is 100 GB), and a pool of such pages
-# holds no whole page at all.
-MAX_PAGE_SIZE = 1024
 
 
 def _shown(text: str, limit: int = 40) -> str:
@@ -658,19 +651,6 @@ def stdout_errors_named() -> Iterator[None]:
             f"writing completions to stdout failed ({(exc.strerror or str(exc)).lower()}); pass "
             "--output FILE to write them to a file"
         ) from None
-
-
-def same_file(a: str, b: str) -> bool:
-    """Whether two paths are one regular file on disk, by device and inode: hard links,
-    symlinks and other spellings (`./x`, `x`) count."""
-    try:
-        first, second = os.stat(a), os.stat(b)
-    except OSError:
-        return False
-    return stat.S_ISREG(first.st_mode) and (first.st_dev, first.st_ino) == (
-        second.st_dev,
-        second.st_ino,
-    )
 
 
 @contextlib.contextmanager

@@ -126,6 +126,19 @@ def adopt_parent_descriptor(path: str | None, flag: str) -> None:
         os.close(source)
 
 
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths are one regular file on disk, by device and inode: hard links,
+    symlinks and other spellings (`./x`, `x`) count."""
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return stat.S_ISREG(first.st_mode) and (first.st_dev, first.st_ino) == (
+        second.st_dev,
+        second.st_ino,
+    )
+
+
 def check_writable(path: str, flag: str) -> None:
     """Refuse an output path that cannot be written, before any work: a directory, a missing or
     non-directory parent, a read-only file or place. Creating a probe file (removed at once) and

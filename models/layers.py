@@ -220,19 +220,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         pctx: ParallelContext,
     ):
         tp = pctx.tp_size
-        fits = [t for t in range(1, num_heads + 1) if num_heads % t == 0
-                and (num_kv_heads * max(1, t // num_kv_heads)) % t == 0]  # fmt: skip
-        if num_heads % tp:
-            raise ValueError(
-                f"{num_heads} attention heads are not divisible by tp={tp}; use --tp "
-                f"{', '.join(map(str, fits))}"
-            )
+
+        def splits(t: int) -> bool:  # the heads and (replicated) KV heads divide over t ranks
+            return num_heads % t == 0 and (num_kv_heads * max(1, t // num_kv_heads)) % t == 0
+
+        if not splits(tp):
+            fits = ", ".join(str(t) for t in range(1, num_heads + 1) if splits(t))
+            what = (f"{num_heads} attention heads are not divisible by" if num_heads % tp
+                    else f"{num_kv_heads} KV heads cannot be split over")  # fmt: skip
+            raise ValueError(f"{what} tp={tp}; use --tp {fits}")
         self.kv_replicas = max(1, tp // num_kv_heads)
-        if (num_kv_heads * self.kv_replicas) % tp:
-            raise ValueError(
-                f"{num_kv_heads} KV heads cannot be split over tp={tp}; use --tp "
-                f"{', '.join(map(str, fits))}"
-            )
         self.num_heads = num_heads // tp
         self.num_kv_heads = num_kv_heads * self.kv_replicas // tp
         self.head_dim = head_dim

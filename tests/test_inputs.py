@@ -631,7 +631,7 @@ def test_tp_that_does_not_divide_the_heads_names_the_sizes_that_do(capfd, llama_
 
 
 def test_api_page_size_has_the_clis_bound(llama_dir):
-    from speculant.executor.build import MAX_PAGE_SIZE
+    from speculant.config import MAX_PAGE_SIZE
     from speculant.launch.cli import MAX_PAGE_SIZE as CLI_MAX
 
     assert MAX_PAGE_SIZE == CLI_MAX
