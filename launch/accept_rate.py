@@ -34,8 +34,14 @@ from speculant.launch.paths import (
 from speculant.launch.threads import check_threads, set_cpu_threads
 
 BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}
-# A baseline is comparable only when these match.
-RUN_KEYS = ("algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature")
+# A baseline is comparable only when these match (the seed only for sampled runs: greedy output
+# does not depend on it).
+RUN_KEYS = (
+    "algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature", "speculation",
+    "seed",
+)  # fmt: skip
+# What a baseline written before a field existed measured: every run had this value then.
+WRITTEN_BEFORE = {"speculation": "fixed"}
 # What --plot writes, by the path's extension (matplotlib writes each without extra software;
 # a path without an extension is written as PNG, under exactly that name).
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
@@ -78,6 +84,7 @@ class AcceptReport:
     num_verify_steps: int = 0
     num_plain_steps: int = 0  # request decode steps that verified no draft (--speculation auto)
     speculation: str = "fixed"
+    seed: int = 0  # the first prompt's seed (--seed); prompt i samples with seed + i
     output_tokens: int = 0
     seconds: float = 0.0
     date: str = ""
@@ -127,11 +134,14 @@ class Regression:
 def check_run_shape(baseline: dict, run: dict, source: str) -> None:
     """Refuse a baseline measured with other settings (`run` holds some of RUN_KEYS)."""
     for key, value in run.items():
-        if key not in baseline:
+        if key == "seed" and not run.get("temperature"):
+            continue  # greedy: the seed changes nothing
+        if key not in baseline and key not in WRITTEN_BEFORE:
             raise SpeculantError(f"baseline {source} lacks {key!r}; write it with --write-baseline")
-        if baseline[key] != value:
+        measured = baseline.get(key, WRITTEN_BEFORE.get(key))
+        if measured != value:
             raise SpeculantError(
-                f"baseline {source} was measured with {key}={baseline[key]!r}, this run has "
+                f"baseline {source} was measured with {key}={measured!r}, this run has "
                 f"{value!r}; run with the same settings or write a new baseline"
             )
 
@@ -612,6 +622,8 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
             num_prompts=len(specs),
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
+            speculation=getattr(args, "speculation", "fixed"),
+            seed=args.seed,
         )
         check_run_shape(baseline, known, args.baseline)
     return AcceptJob(specs, baseline, target, draft)
@@ -769,6 +781,7 @@ def report_accept(
         num_verify_steps=steps,
         num_plain_steps=sum((o.stats or {}).get("num_plain_steps", 0) for o in outputs),
         speculation=getattr(args, "speculation", "fixed"),
+        seed=args.seed,
         output_tokens=sum(len(o.token_ids) for o in outputs),
         seconds=seconds,
         date=time.strftime("%Y-%m-%d"),

@@ -480,3 +480,63 @@ def test_compare_refuses_the_flags_it_does_not_use(capsys, tmp_path):
     assert status == 2 and "does not use --temperature; drop it" in err, err
     status, out, err = accept_rate(capsys, "--compare", path, "--debug")
     assert status == 0 and "| acceptance_length | 1.4000 |" in out, err
+
+
+@pytest.mark.parametrize(
+    "fields, flags, needle",
+    [
+        ({"speculation": "auto"}, [], "measured with speculation='auto', this run has 'fixed'"),
+        ({}, ["--speculation", "auto"], "measured with speculation='fixed', this run has 'auto'"),
+        ({"temperature": 0.7, "seed": 0}, ["--temperature", 0.7, "--seed", 3],
+         "measured with seed=0, this run has 3"),
+        ({"temperature": 0.7}, ["--temperature", 0.7], "lacks 'seed'"),
+    ],
+)  # fmt: skip
+def test_a_baseline_of_another_speculation_mode_or_sampling_seed_is_refused(
+    monkeypatch, capsys, setup, llama_dir, tmp_path, fields, flags, needle
+):
+    """--speculation auto measures other rates than fixed k, and a sampled run's rates depend
+    on its seeds: a baseline of another mode or seed is refused before any model loads (both
+    used to be compared silently). A baseline without `speculation` was written when every run
+    was fixed."""
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    root, prompts = setup
+    baseline = tmp_path / "b.json"
+    baseline.write_text(json.dumps({**BASELINE, **fields}))
+    status, out, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--baseline", baseline, *flags,
+    )  # fmt: skip
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert needle in err and out == "", err
+
+
+def test_a_sampled_baseline_of_the_same_seed_is_compared(
+    monkeypatch, capsys, setup, llama_dir, tmp_path
+):
+    """The same seed (and a greedy run whatever the baseline's seed) is compared, and the
+    report records the seed it ran with."""
+    sampled = {**BASELINE, "temperature": 0.7, "seed": 5}
+    (tmp_path / "b.json").write_text(json.dumps(sampled))
+    from speculant.launch import accept_rate as module
+
+    monkeypatch.setattr(module, "measure_in_rank", fake_measure([0.3, 0.1, 0.0]))
+    root, prompts = setup
+    status, out, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--temperature", 0.7, "--seed", 5, "--baseline",
+        tmp_path / "b.json", "--report", tmp_path / "r.json",
+    )  # fmt: skip
+    assert status == 0, err
+    assert "| acceptance_length |" in out and "REGRESSED" not in out
+    assert json.loads((tmp_path / "r.json").read_text())["seed"] == 5
+    greedy = {**BASELINE, "seed": 9}
+    (tmp_path / "g.json").write_text(json.dumps(greedy))
+    status, _, err = accept_rate(
+        capsys, "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--max-new-tokens", 8, "--baseline", tmp_path / "g.json",
+    )  # fmt: skip
+    assert status == 0, err
