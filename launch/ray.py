@@ -412,8 +412,11 @@ def run_driver(
     else:
         job = accept_rate.prepare_accept(args)
         empty = replace(job, specs=[], baseline=None)
+    # What the actors (and Ray itself) print to their stdout reaches the driver's sys.stdout
+    # (Ray's log streaming): sent to stderr, so that stdout holds the completions alone.
     with cli.output_lock(args.output if args.command == "generate" else None):
-        return _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s)
+        with contextlib.redirect_stdout(stderr):
+            return _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s)
 
 
 def _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s) -> int:

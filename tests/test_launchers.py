@@ -649,6 +649,40 @@ def test_ray_driver_prints_finished_completions_when_stopped(llama_dir, tmp_path
     assert shown[:2] == ["[0]", "[1]"], out.read_text()
 
 
+NOISY_WORKERS = """import sys, threading, time
+if sys.argv and "default_worker" in sys.argv[0]:  # a Ray worker (an actor's process)
+    def noise():
+        while True:
+            time.sleep(0.3)
+            print("NOISE on a Ray worker's stdout", flush=True)
+    threading.Thread(target=noise, daemon=True).start()
+"""
+
+
+@pytest.mark.needs("ray")
+@pytest.mark.timeout(180)
+def test_ray_driver_stdout_holds_only_the_completions(flags, tmp_path):
+    """What an actor prints on its stdout (a library's print, NCCL_DEBUG lines) reaches the
+    driver through Ray's log streaming: it goes to the driver's stderr, and stdout (completions
+    without --output, piped on by the user) holds the completions alone (was: mixed in)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NOISY_WORKERS)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    driver = ray_driver(["generate", *flags, "--dp", "2"], {"PYTHONPATH": path},
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = driver.communicate(timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 0, err[-2000:]
+    assert "NOISE" in err, err[-2000:]  # the workers did print
+    assert "NOISE" not in out and "RankWorker" not in out, out
+    shown = sorted(line.split()[0] for line in out.splitlines() if line.startswith("["))
+    assert shown == ["[0]", "[1]", "[2]", "[3]"], out
+
+
 @pytest.mark.needs("ray")
 @pytest.mark.parametrize("how", ["flag", "RAY_ADDRESS"])
 def test_ray_driver_refuses_an_address_nothing_answers_at(flags, how):
