@@ -26,6 +26,8 @@ forward and a replayed graph make the same collectives. The drafter's forwards a
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +40,11 @@ from speculant.executor.step_plan import DPStepSizes, StepPlan
 
 IDLE, DECODE, EXTEND = 0, 1, 2  # what a DP rank runs in a step, as exchanged
 PROGRESS_INTERVAL_S = 0.2  # a DP rank touches the job's progress counter at most this often
+# A store call that has not answered in this long is given up on (the store's server, rank 0's
+# process or torchrun's agent, stopped or gone; a TCPStore client's add then waits forever)
+STORE_CALL_S = 10.0
+
+log = logging.getLogger("speculant")
 
 
 def assign_requests(costs: Sequence[int], dp: int) -> list[list[int]]:
@@ -69,7 +76,12 @@ class JobProgress:
     The end is exact without waiting: a rank adds its last requests in the step that finishes
     them (it has none left), before the next step's DP exchange where it reports no work, and the
     generation loop ends only once every rank has reported none; so rank 0's last read
-    (`final`) holds every request of the job."""
+    (`final`) holds every request of the job.
+
+    Each store call runs in a daemon thread waited on for at most `call_s` seconds: a store that
+    stopped answering (its server's process stopped: a TCPStore client's `add` then never
+    returns) costs one warning and the counter, not the job; the rank goes on to its next
+    collective, which fails within the job's timeout if the rank behind the store is gone."""
 
     def __init__(
         self,
@@ -79,8 +91,11 @@ class JobProgress:
         reads: bool,
         interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        call_s: float = STORE_CALL_S,
     ):
         self.store, self.key, self.total, self.reads = store, key, total, reads
+        self.call_s = call_s
+        self.lost = False  # a store call did not answer in call_s: the store is not touched again
         self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
         self.clock = clock
         self.pending = 0  # finished here, not yet added
@@ -102,20 +117,49 @@ class JobProgress:
         """After the generation loop (every rank has added all it finished): add what is left
         and, on rank 0, return the job's count and drop the key."""
         count = self._add(self.clock()) if self.pending or self.reads else None
-        if self.reads:
+        if self.reads and not self.lost:
             try:
-                self.store.delete_key(self.key)
+                self._call(self.store.delete_key, self.key)
             except Exception:  # a store that cannot delete keeps a few bytes
                 pass
         return count
 
     def _add(self, now: float) -> int | None:
         added, self.pending, self.last = self.pending, 0, now
-        total = int(self.store.add(self.key, added))
-        if not self.reads:
+        if self.lost:
             return None
-        self.count = total
-        return total
+        total = self._call(self.store.add, self.key, added)
+        if total is None or not self.reads:
+            return None
+        self.count = int(total)
+        return self.count
+
+    def _call(self, method: Callable, *args: Any) -> Any:
+        """method(*args) in a daemon thread, waited on for call_s: its result, or None (and the
+        store given up on) when it did not answer. Its exception is raised here."""
+        result: list = []
+
+        def call() -> None:
+            try:
+                result.append((True, method(*args)))
+            except BaseException as exc:  # raised again in the caller's thread
+                result.append((False, exc))
+
+        thread = threading.Thread(target=call, name="speculant-progress", daemon=True)
+        thread.start()
+        thread.join(self.call_s)
+        if not result:
+            self.lost = True
+            log.warning(
+                "the job's store did not answer a progress update in %.0f s (the rank holding "
+                "it stopped?); the progress bar stops counting the other DP ranks",
+                self.call_s,
+            )
+            return None
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
 
 
 class DPCoordinator:

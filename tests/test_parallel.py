@@ -375,6 +375,53 @@ def test_job_progress_touches_the_store_at_most_every_interval():
     assert rank1.final() is None and rank0.final() == 6 and store.values == {}
 
 
+STORE_SERVER = (
+    "import datetime, sys, time, torch.distributed as dist\n"
+    "store = dist.TCPStore('127.0.0.1', 0, 2, True, timeout=datetime.timedelta(seconds=30),\n"
+    "                      wait_for_workers=False)\n"
+    "print(store.port, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="stops the store's process")
+def test_job_progress_gives_up_on_a_store_that_stopped_answering(caplog):
+    """A real TCPStore whose server process (rank 0, or torchrun's agent) is stopped: a client's
+    add then never returns. The counter waits `call_s`, warns once and stops touching the store;
+    the rank goes on (was: blocked in the progress update forever, never reaching the collective
+    whose timeout would end the job)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from speculant.executor.dp import JobProgress
+
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        port = int(server.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+        now = [0.0]
+        progress = JobProgress(store, "k", 4, reads=True, interval_s=0.2, clock=lambda: now[0],
+                               call_s=1.0)  # fmt: skip
+        assert progress.update(1, done=False) == 1  # the store answers
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        now[0] = 1.0
+        assert progress.update(2, done=False) is None
+        assert progress.lost and 1.0 <= time.monotonic() - start < 5
+        assert "did not answer a progress update in 1 s" in caplog.text
+        start = time.monotonic()
+        now[0] = 2.0
+        assert progress.update(1, done=True) is None and progress.final() is None
+        assert time.monotonic() - start < 0.5  # not touched again
+        assert caplog.text.count("did not answer") == 1
+    finally:
+        server.kill()
+        server.wait(10)
+
+
 # ---------------------------------------------------------------------------------------- TP2 x DP2
 
 
