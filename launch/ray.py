@@ -426,8 +426,15 @@ def _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s) 
     ray = _import_ray()
     connected_here = not ray.is_initialized()
     if connected_here:
-        _connect(ray, address, args.tp * args.dp)
-    if stop_on_sigterm:  # after ray.init, whose handler would abort the process instead
+        before = _children()
+        try:
+            _connect(ray, address, args.tp * args.dp)
+            if stop_on_sigterm:  # after ray.init, whose handlers exit the process instead
+                signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        except SystemExit:  # SIGTERM while ray.init ran: its handlers raise SystemExit
+            _abandon_start(ray, before)
+            raise Terminated from None
+    elif stop_on_sigterm:
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
     run, finished = _Job(ray), None
     try:
@@ -461,6 +468,33 @@ def _connect(ray: Any, address: str | None, world: int) -> None:
         ray.init(address=address)  # the cluster's resources; none of ours
     else:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False)
+
+
+def _children() -> set[int]:
+    """This process's descendants (psutil: Ray's own copy, importable once ray is), or none."""
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    with contextlib.suppress(psutil.Error):
+        return {child.pid for child in psutil.Process().children(recursive=True)}
+    return set()
+
+
+def _abandon_start(ray: Any, before: set[int]) -> None:
+    """A SIGTERM stopped ray.init part way: shut down what it registered, and kill what it had
+    started that Ray did not yet know of (a raylet's agents left running otherwise)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one teardown: a second SIGTERM waits
+    started = _children() - before  # before ray.shutdown orphans the raylet's own children
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    if not started:
+        return
+    import psutil
+
+    for pid in started:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
 
 
 def _run_ranks(args, job, empty, ray, run, finished, grace_s) -> tuple[Any, tuple | None]:
@@ -556,6 +590,8 @@ def main(argv: Sequence[str] | None = None, stop_on_sigterm: bool = False) -> in
     )
     if not sys.stderr.isatty():  # a log file (`ray job submit`, a redirect): no colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    if stop_on_sigterm:  # from here; ray.init sets its own for a while (see _drive)
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return run_driver(args, known.ray_address, sys.stdout, sys.stderr, stop_on_sigterm)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)

@@ -858,3 +858,43 @@ def test_ray_driver_help_shows_ray_address(capsys, monkeypatch, argv):
     assert "--ray-address ADDR the Ray cluster to join" in out and "RAY_ADDRESS" in out, out
     if argv[0] != "--help":
         assert "--tp TP" in out and "--dist-timeout S" in out
+
+
+@pytest.mark.needs("ray")
+def test_sigterm_while_ray_init_runs_stops_what_it_started(monkeypatch, flags, capsys):
+    """SIGTERM while ray.init starts the driver's local cluster: Ray's handler raises
+    SystemExit(15) part way (stands in here: `_connect` starts a process, as ray.init starts the
+    raylet and its agents, then raises it). The driver kills what was started, shuts Ray down and
+    ends as on any SIGTERM: one line, exit 143 (was: exit 15, no line, the raylet's agents left
+    running)."""
+    pytest.importorskip("ray")
+    from speculant.launch import ray as launcher
+
+    started: list[subprocess.Popen] = []
+    shut: list[bool] = []
+
+    class NotStarted:
+        @staticmethod
+        def is_initialized() -> bool:
+            return False
+
+        @staticmethod
+        def shutdown() -> None:
+            shut.append(True)
+
+    def interrupted_init(ray, address, world):
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        raise SystemExit(15)
+
+    monkeypatch.setattr(launcher, "_import_ray", lambda: NotStarted)
+    monkeypatch.setattr(launcher, "_connect", interrupted_init)
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        code = launcher.main(["generate", *flags, "--dp", "2"], stop_on_sigterm=True)
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert code == 143
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("speculant: terminated (SIGTERM)"), lines
+    assert shut == [True]
+    assert started[0].wait(10) == -signal.SIGKILL  # killed, not left running
