@@ -29,6 +29,7 @@ from speculant.launch.paths import (
     check_writable,
     read_input,
     same_file,
+    shown_path,
     write_errors_named,
 )
 from speculant.launch.threads import check_threads, set_cpu_threads
@@ -612,6 +613,8 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
     if os.environ.get("RANK", "0") != "0":
         return AcceptJob([], None, target, draft)
     baseline = _read_baseline(args.baseline) if args.baseline else None
+    if args.baseline:  # a rank's copy of a streamed baseline: later messages name the user's
+        args.baseline = shown_path(args.baseline)
     prompts = args.prompts or str(bundled_prompts())
     specs = read_prompts_file(prompts)
     check_no_per_line_settings(specs, prompts)

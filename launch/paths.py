@@ -10,6 +10,7 @@ An input that is a stream (a pipe, a FIFO, /dev/stdin, the shell's `<(...)`) can
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import stat
@@ -124,6 +125,20 @@ def adopt_parent_descriptor(path: str | None, flag: str) -> None:
     if source != fd:
         os.dup2(source, fd, inheritable=False)
         os.close(source)
+
+
+# {"/dev/fd/N": the user's path} of the inputs a launcher handed its ranks as private copies
+# (spawn.rank_inputs): what the ranks' messages name
+SHOWN_PATHS_ENV = "SPECULANT_SHOWN_PATHS"
+
+
+def shown_path(path: str) -> str:
+    """The path the user gave for `path` (a rank's copy of a streamed input), else `path`."""
+    try:
+        names = json.loads(os.environ.get(SHOWN_PATHS_ENV) or "{}")
+    except ValueError:
+        return path
+    return names.get(path, path) if isinstance(names, dict) else path
 
 
 def same_file(a: str, b: str) -> bool:

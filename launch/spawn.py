@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from speculant.errors import SpeculantError
+from speculant.launch.paths import SHOWN_PATHS_ENV
 
 DEFAULT_DIST_TIMEOUT_S = 300.0  # --dist-timeout's default (comm/groups.DEFAULT_TIMEOUT_S)
 GRACE_S = 5.0  # how long the other ranks get to exit after one fails
@@ -841,6 +842,19 @@ def rank_inputs(argv: Sequence[str]) -> tuple[list[str], list[IO[bytes]]]:
     return ranks_argv, copies
 
 
+def shown_paths(given: Sequence[str], ranks_argv: Sequence[str]) -> dict[str, str]:
+    """{the ranks' /dev/fd/N: the user's path} for each input `rank_inputs` replaced."""
+    from speculant.launch.cli import build_parser
+
+    before, after = build_parser().parse_args(given), build_parser().parse_args(ranks_argv)
+    shown = {}
+    for flag in INPUT_FLAGS:
+        old, new = getattr(before, flag[2:], None), getattr(after, flag[2:], None)
+        if old and new and old != new:
+            shown[new] = old
+    return shown
+
+
 def launch_cli(
     argv: Sequence[str],
     world_size: int,
@@ -866,10 +880,13 @@ def launch_cli(
     copies: list[IO[bytes]] = []
     spool = CompletionSpool(stdout) if stdout is not None and not output else None
     try:
+        given = list(argv)
         argv, copies = rank_inputs(argv)
         inherited = tuple(copy.fileno() for copy in copies)
+        shown = shown_paths(given, argv)
         for rank in range(world_size):
             env = {**os.environ, **rank_env(rank, world_size, port)}
+            env[SHOWN_PATHS_ENV] = json.dumps(shown)
             env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
             env.pop(SPOOL_ENV, None)
             if device == "cpu":  # share the cores instead of oversubscribing them

@@ -189,6 +189,43 @@ def test_a_stream_reaches_the_ranks_as_a_private_copy():
     copies[0].close()
 
 
+def test_the_ranks_messages_name_the_users_path(monkeypatch, tmp_path):
+    """A rank reads a streamed --baseline from its private copy, /dev/fd/N; what it says about
+    the baseline afterwards (a k only the run shows) names what the user gave."""
+    from speculant.launch import accept_rate
+    from speculant.launch.spawn import shown_paths
+
+    baseline = json.dumps({"algo": "eagle3", "num_draft_tokens": 3, "num_prompts": 1,
+                           "max_new_tokens": 8, "temperature": 0.0, "acceptance_length": 1.4,
+                           "per_position_acceptance": [0.3, 0.1, 0.0]})  # fmt: skip
+    read, write = os.pipe()
+    os.write(write, baseline.encode())
+    os.close(write)
+    given = ["accept-rate", "--baseline", f"/dev/fd/{read}", "--dp", "2"]
+    try:
+        paths.read_input(given[2])
+        argv, copies = rank_inputs(given)
+    finally:
+        os.close(read)
+    try:
+        shown = shown_paths(given, argv)
+        assert shown == {argv[-1]: given[2]}
+        monkeypatch.setenv(paths.SHOWN_PATHS_ENV, json.dumps(shown))
+        assert paths.shown_path(argv[-1]) == given[2] and paths.shown_path("x") == "x"
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"prompt_token_ids": [5, 6]}\n')
+        args = cli.build_parser().parse_args(
+            [*argv, "--prompts", str(prompts), "--max-new-tokens", "8"]
+        )
+        job = accept_rate.prepare_accept(args)  # rank 0 reads the copy
+        assert job.baseline["num_draft_tokens"] == 3 and args.baseline == given[2]
+        with pytest.raises(SpeculantError, match=f"baseline {given[2]} was measured with"):
+            accept_rate.check_run_shape(job.baseline, {"num_draft_tokens": 4}, args.baseline)
+    finally:
+        for copy in copies:
+            copy.close()
+
+
 def test_a_stream_not_kept_is_refused():
     read, write = os.pipe()
     try:
