@@ -116,8 +116,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
                 _fail(str(exc))
     os.environ["SPECULANT_RANK_DEVICE"] = device  # how cli_rank_main ends the process
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (shared/GPU.md)
-    if os.environ["RANK"] != "0" and not args.debug:  # rank 0 logs for the job
-        logging.basicConfig(level=logging.WARNING, format="speculant: %(message)s")
+    if os.environ["RANK"] != "0":
+        # torchrun gives every rank the job's stdout, where rank 0 prints the completions: what
+        # another rank (a library, NCCL_DEBUG) prints there goes to its stderr instead
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+        if not args.debug:  # rank 0 logs for the job
+            logging.basicConfig(level=logging.WARNING, format="speculant: %(message)s")
     cli_rank_main(argv)
 
 

@@ -132,6 +132,31 @@ def test_torchrun_standalone_equals_one_process(flags, expected, tmp_path, tp, d
     assert len(summaries) == 1 and summaries[0].startswith("requests=4 ")  # rank 0 reports
 
 
+NOISY_RANK = """import os, sys, threading, time
+if os.environ.get("RANK") == "1":  # once the rank runs the job (the engine imported)
+    def noise():
+        while "speculant.executor.engine" not in sys.modules:
+            time.sleep(0.02)
+        print("NOISE on rank 1's stdout", flush=True)
+    threading.Thread(target=noise, daemon=True).start()
+"""
+
+
+def test_torchrun_stdout_holds_only_rank0s_completions(flags, tmp_path):
+    """Every torchrun rank writes to the job's stdout, where rank 0 prints the completions
+    (no --output): what another rank prints there (a library's print, NCCL_DEBUG lines) goes to
+    its stderr."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NOISY_RANK)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    proc = torchrun(2, ["generate", *flags, "--tp", "2"], env={**os.environ, "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "NOISE on rank 1" in proc.stderr and "NOISE" not in proc.stdout, proc.stdout
+    shown = sorted(line.split()[0] for line in proc.stdout.splitlines() if line.startswith("["))
+    assert shown == ["[0]", "[1]", "[2]", "[3]"], proc.stdout
+
+
 def test_torchrun_world_must_match_tp_dp(flags):
     proc = torchrun(2, ["generate", *flags, "--tp", "2", "--dp", "2"])
     assert proc.returncode != 0
