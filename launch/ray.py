@@ -432,8 +432,12 @@ def _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s) 
             if stop_on_sigterm:  # after ray.init, whose handlers exit the process instead
                 signal.signal(signal.SIGTERM, _stop_on_sigterm)
         except SystemExit:  # SIGTERM while ray.init ran: its handlers raise SystemExit
-            _abandon_start(ray, before)
+            _abandon_start(ray, before, signal.SIGTERM)
             raise Terminated from None
+        except KeyboardInterrupt as exc:  # Ctrl-C (or our SIGTERM handler) while ray.init ran
+            _abandon_start(ray, before, signal.SIGTERM if isinstance(exc, Terminated) else
+                           signal.SIGINT)  # fmt: skip
+            raise
     elif stop_on_sigterm:
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
     run, finished = _Job(ray), None
@@ -481,10 +485,11 @@ def _children() -> set[int]:
     return set()
 
 
-def _abandon_start(ray: Any, before: set[int]) -> None:
-    """A SIGTERM stopped ray.init part way: shut down what it registered, and kill what it had
-    started that Ray did not yet know of (a raylet's agents left running otherwise)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one teardown: a second SIGTERM waits
+def _abandon_start(ray: Any, before: set[int], stop: signal.Signals) -> None:
+    """A SIGTERM or Ctrl-C (`stop`) stopped ray.init part way: shut down what it registered,
+    and kill what it had started that Ray did not yet know of (the raylet's agents were left
+    running otherwise)."""
+    signal.signal(stop, signal.SIG_IGN)  # one teardown: the same signal again waits for it
     started = _children() - before  # before ray.shutdown orphans the raylet's own children
     with contextlib.suppress(Exception):
         ray.shutdown()

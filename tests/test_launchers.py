@@ -886,12 +886,20 @@ def test_ray_driver_help_shows_ray_address(capsys, monkeypatch, argv):
 
 
 @pytest.mark.needs("ray")
-def test_sigterm_while_ray_init_runs_stops_what_it_started(monkeypatch, flags, capsys):
-    """SIGTERM while ray.init starts the driver's local cluster: Ray's handler raises
-    SystemExit(15) part way (stands in here: `_connect` starts a process, as ray.init starts the
-    raylet and its agents, then raises it). The driver kills what was started, shuts Ray down and
-    ends as on any SIGTERM: one line, exit 143 (was: exit 15, no line, the raylet's agents left
-    running)."""
+@pytest.mark.parametrize(
+    "raised, code, line",
+    [(SystemExit(15), 143, "speculant: terminated (SIGTERM)"),
+     (KeyboardInterrupt(), 130, "speculant: interrupted")],
+    ids=["SIGTERM", "Ctrl-C"],
+)  # fmt: skip
+def test_a_stop_while_ray_init_runs_stops_what_it_started(
+    monkeypatch, flags, capsys, raised, code, line
+):
+    """SIGTERM or Ctrl-C while ray.init starts the driver's local cluster: Ray's SIGTERM
+    handler raises SystemExit(15) part way, Ctrl-C KeyboardInterrupt (stands in here: `_connect`
+    starts a process, as ray.init starts the raylet and its agents, then raises). The driver
+    kills what was started, shuts Ray down and ends as on any stop: one line, exit 143 / 130
+    (was: exit 15 with no line, and for both the raylet's agents left running)."""
     pytest.importorskip("ray")
     from speculant.launch import ray as launcher
 
@@ -909,17 +917,18 @@ def test_sigterm_while_ray_init_runs_stops_what_it_started(monkeypatch, flags, c
 
     def interrupted_init(ray, address, world):
         started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
-        raise SystemExit(15)
+        raise raised
 
     monkeypatch.setattr(launcher, "_import_ray", lambda: NotStarted)
     monkeypatch.setattr(launcher, "_connect", interrupted_init)
-    saved = signal.getsignal(signal.SIGTERM)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = launcher.main(["generate", *flags, "--dp", "2"], stop_on_sigterm=True)
+        got = launcher.main(["generate", *flags, "--dp", "2"], stop_on_sigterm=True)
     finally:
-        signal.signal(signal.SIGTERM, saved)
-    assert code == 143
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert got == code
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("speculant: terminated (SIGTERM)"), lines
+    assert lines[-1].startswith(line), lines
     assert shut == [True]
     assert started[0].wait(10) == -signal.SIGKILL  # killed, not left running
