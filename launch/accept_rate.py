@@ -25,6 +25,7 @@ from speculant.config import MAX_DIST_TIMEOUT_S
 from speculant.errors import SpeculantError
 from speculant.executor.request import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
 from speculant.launch.paths import (
+    check_outside_checkpoints,
     check_readable_file,
     check_writable,
     read_input,
@@ -403,6 +404,11 @@ def _check(args: argparse.Namespace) -> None:
         [("--prompts", prompts), ("--baseline", args.baseline)],
         [(f, getattr(args, f[2:].replace("-", "_"))) for f in OUTPUT_FLAGS],
     )
+    check_outside_checkpoints(
+        [(f, getattr(args, f[2:].replace("-", "_"))) for f in OUTPUT_FLAGS],
+        [("--target", args.target or str(bundled("target"))),
+         ("--draft", args.draft or str(bundled(BUNDLED_DRAFTS[args.algo])))],
+    )  # fmt: skip
     check_plot(args.plot)
 
 

@@ -56,6 +56,7 @@ from speculant.errors import SpeculantError
 from speculant.executor.request import INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
 from speculant.launch.paths import (
+    check_outside_checkpoints,
     check_readable_file,
     check_writable,
     read_input,
@@ -601,6 +602,9 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
             f"stdout {problem}, so the completions printed there would be lost; pass --output "
             "FILE to write them to a file (or run with stdout open)"
         )
+    check_outside_checkpoints(
+        [("--output", args.output)], [("--target", args.target), ("--draft", args.draft)]
+    )
     if args.output and args.prompts and same_file(args.output, args.prompts):
         raise SpeculantError(
             f"--output {args.output!r} is the --prompts file {args.prompts!r} (the same file on "

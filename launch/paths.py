@@ -154,6 +154,38 @@ def same_file(a: str, b: str) -> bool:
     )
 
 
+# What a checkpoint directory holds that loading reads (weights, configs, tokenizer files)
+CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".model", ".txt", ".tiktoken")
+
+
+def check_outside_checkpoints(outputs: list, checkpoints: list) -> None:
+    """Refuse, before any model loads, an output (flag, path) that would change a checkpoint
+    directory (flag, dir) of the run: a path under it of a kind loading reads
+    (CHECKPOINT_SUFFIXES: config.json, a weights shard, a tokenizer file, or a new shard the
+    next load would read), or a link to one of its files. A JSONL output beside the model is
+    no harm. Pairs whose path is None are left out."""
+    for flag, path in outputs:
+        if not path:
+            continue
+        where = os.path.realpath(path)
+        for ckpt_flag, directory in checkpoints:
+            if not directory or not os.path.isdir(directory):
+                continue
+            root = os.path.realpath(directory)
+            harm = os.path.commonpath([where, root]) == root and where.endswith(CHECKPOINT_SUFFIXES)
+            if not harm and os.path.exists(path):  # a hard link to one of its files
+                with os.scandir(root) as entries:
+                    harm = any(
+                        entry.name.endswith(CHECKPOINT_SUFFIXES) and same_file(path, entry.path)
+                        for entry in entries
+                    )
+            if harm:
+                raise SpeculantError(
+                    f"{flag} {path!r} would write into the {ckpt_flag} checkpoint {directory!r} "
+                    "(a file loading reads); pick a path outside it"
+                )
+
+
 def check_writable(path: str, flag: str) -> None:
     """Refuse an output path that cannot be written, before any work: a directory, a missing or
     non-directory parent, a read-only file or place. Creating a probe file (removed at once) and
