@@ -258,7 +258,13 @@ def build_parser(
     samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     samp.add_argument("--top-k", type=_int, default=0, metavar="K", help="0 = off")
     samp.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus, in (0, 1]")
-    samp.add_argument("--seed", type=_int, metavar="S", help="sampling seed (and engine seed)")
+    samp.add_argument(
+        "--seed",
+        type=_int,
+        metavar="S",
+        help="the engine seed: request i samples with a seed made of S and i (a --prompts "
+        "line's own seed wins); default 0",
+    )
     samp.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
 
     eng = gen.add_argument_group("engine")
@@ -861,8 +867,7 @@ def generate_in_rank(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        seed=args.seed,
-    )
+    )  # --seed is the engine's (_engine_kwargs): request i samples with a seed made of it and i
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
     start = time.perf_counter()
     outputs = engine.generate(  # a bar only when there is more than one request to count
