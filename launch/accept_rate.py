@@ -23,7 +23,12 @@ from typing import Any, TextIO
 from speculant import ASSETS, bundled
 from speculant.config import MAX_DIST_TIMEOUT_S
 from speculant.errors import SpeculantError
-from speculant.executor.request import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
+from speculant.executor.request import (
+    FLOAT32_MAX,
+    GREEDY_TEMPERATURE,
+    INT64_MAX,
+    INT64_MIN,
+)
 from speculant.launch.paths import (
     check_outside_checkpoints,
     check_readable_file,
@@ -363,8 +368,10 @@ def _check(args: argparse.Namespace) -> None:
             f"--num-draft-tokens {args.num_draft_tokens} drafts nothing to measure; use 1 or "
             "more, or leave it out for the drafter's default"
         )
-    if not 0 <= args.temperature < math.inf:  # NaN fails too
-        raise SpeculantError(f"--temperature {args.temperature} must be a finite number >= 0")
+    if not 0 <= args.temperature <= FLOAT32_MAX:  # NaN fails too; the device takes float32
+        raise SpeculantError(
+            f"--temperature {args.temperature} must be a finite number in 0..{FLOAT32_MAX:.4g}"
+        )
     if args.temperature < GREEDY_TEMPERATURE:  # greedy as in SamplingParams: checked lossless
         args.temperature = 0.0
     if not INT64_MIN <= args.seed <= INT64_MAX - 2**32:  # per-prompt seeds count up from it

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +52,7 @@ from typing import Any, NoReturn, TextIO
 
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
 from speculant.errors import SpeculantError
-from speculant.executor.request import INT64_MAX, INT64_MIN
+from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
 from speculant.launch.paths import (
     check_outside_checkpoints,
@@ -450,7 +449,11 @@ class PromptSpec:
 # Values travel to the device as float32 and int64: finite numbers, integers that fit int64.
 _SAMPLING_RULES = {
     "max_new_tokens": (int, lambda v: v > 0, "a positive integer"),
-    "temperature": ((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+    "temperature": (
+        (int, float),
+        lambda v: 0 <= v <= FLOAT32_MAX,
+        f"a finite number in 0..{FLOAT32_MAX:.4g} (float32; 0 = greedy)",
+    ),
     "top_k": (int, lambda v: 0 <= v <= INT64_MAX, f"an integer in 0..{INT64_MAX} (0 = off)"),
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "seed": (int, lambda v: INT64_MIN <= v <= INT64_MAX, f"an integer in {INT64_MIN}..{INT64_MAX}"),

@@ -104,6 +104,7 @@ def test_sampled_run_reports_no_lossless_verdict(capsys, setup, llama_dir, tmp_p
         (["--dist-timeout", "-1"], "--dist-timeout -1"),
         (["--dist-timeout", "100000000000"], "--dist-timeout 100000000000 is too large"),
         (["--report", ""], "--report is an empty path"),
+        (["--temperature", "1e39"], "--temperature 1e+39 must be a finite number in 0..3.403e+38"),
         (["--baseline", "/no/such.json"], "/no/such.json"),
         (["--draft", "/no/such/dir"], "/no/such/dir"),
         (["--num-draft-tokens", "5", "--baseline", "BASELINE"], "num_draft_tokens=3"),

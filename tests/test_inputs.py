@@ -152,6 +152,7 @@ def test_sampling_params_refuse_values_that_cannot_reach_the_device(field, value
     [
         ("--temperature", "inf"),
         ("--temperature", "nan"),
+        ("--temperature", "1e+300"),  # finite, beyond float32: inf on the device
         ("--top-p", "nan"),
         ("--top-k", str(2**63)),
         ("--seed", str(2**64)),
@@ -171,6 +172,7 @@ def test_cli_refuses_non_finite_and_out_of_int64_values_before_loading(
     [
         ('{"prompt": "a", "temperature": Infinity}', "temperature=inf"),
         ('{"prompt": "a", "temperature": NaN}', "temperature=nan"),
+        ('{"prompt": "a", "temperature": 3.5e38}', "temperature=3.5e+38"),
         ('{"prompt": "a", "top_p": NaN}', "top_p=nan"),
         ('{"prompt": "a", "top_k": 1e400}', "top_k=inf"),
         (f'{{"prompt": "a", "top_k": {2**63}}}', f"top_k={2**63}"),
