@@ -519,9 +519,27 @@ def _json_int(text: str) -> int:
         raise _NumberTooLong(text) from None
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object of a --prompts line."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
 def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     try:
-        obj = json.loads(line, parse_int=_json_int)
+        obj = json.loads(line, parse_int=_json_int, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise SpeculantError(
+            f"{where}: the key {exc.args[0]!r} is given twice; keep one (JSON readers differ "
+            "on which one counts)"
+        ) from None
     except json.JSONDecodeError as exc:
         raise SpeculantError(
             f"{where}: not valid JSON ({exc.msg}); write one object per line"

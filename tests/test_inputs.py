@@ -178,6 +178,8 @@ def test_cli_refuses_non_finite_and_out_of_int64_values_before_loading(
         (f'{{"prompt": "a", "top_k": {2**63}}}', f"top_k={2**63}"),
         (f'{{"prompt": "a", "seed": {2**64}}}', f"seed={2**64}"),
         ("[" * 100_000, "nested too deeply"),
+        ('{"prompt": "a", "prompt": "b"}', "the key 'prompt' is given twice"),
+        ('{"prompt": "a", "temperature": 0, "temperature": 1}', "'temperature' is given twice"),
     ],
 )
 def test_prompts_lines_go_through_the_same_checks(capsys, tmp_path, text, needle):
