@@ -18,6 +18,9 @@ MAX_PAGE_SIZE = 1024
 # --dist-timeout at most ~11.6 days: torch's store and process-group timeouts are C ints of
 # milliseconds, which overflow beyond ~2.1e6 s (a hang, an abort, an OverflowError).
 MAX_DIST_TIMEOUT_S = 1_000_000
+# --num-draft-tokens (and a drafter config's default k) at most this many: the verify row is k + 1
+# tokens, and capture sizes, buffers and the acceptance statistics are sized for it.
+MAX_DRAFT_TOKENS = 16
 
 log = logging.getLogger("speculant")
 
@@ -33,6 +36,15 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # and none on o_proj whatever the config says, Mistral none at all
 ATTENTION_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ACTIVATIONS = ("silu", "swish")  # the MLPs compute SiLU(gate) * up (transformers: ACT2FN)
+# model_type -> architecture, as transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES maps it: what a
+# config without `architectures` is loaded as (AutoModelForCausalLM goes by model_type alone)
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def read_json_object(file: Path, what: str) -> dict:
@@ -125,6 +137,66 @@ def config_float(hf: dict, key: str, source: str, default=_REQUIRED, minimum: fl
             f"{key}={value!r} in {source} must be a finite number > {minimum:g}; fix config.json"
         )
     return float(value)
+
+
+def config_bool(hf: dict, key: str, source: str, default: bool | None = False) -> bool | None:
+    """hf[key] as a JSON boolean (`default` when missing or null): "false" or 0 would otherwise
+    read as Python truthiness, a string "false" switching the flag on."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpeculantError(f"{key}={value!r} in {source} must be true or false; fix config.json")
+    return value
+
+
+def config_architectures(hf: dict, source: str) -> list[str]:
+    """`architectures` as a list of class names ([] when missing, null or empty). The one reader
+    of the field, for targets and drafters alike: anything but a list of strings is refused, a
+    bare string too (vLLM and the engine pick the class from the list, and would read a string
+    letter by letter), so every loader sees the same names."""
+    value = hf.get("architectures")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        raise SpeculantError(
+            f"architectures={value!r} in {source} must be a list of class names; write "
+            f"[{json.dumps(value)}] in config.json"
+        )
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise SpeculantError(
+            f"architectures={value!r} in {source} must be a list of class names, e.g. "
+            '["LlamaForCausalLM"]; fix config.json'
+        )
+    return value
+
+
+def target_architecture(hf: dict, source: str) -> str:
+    """The architecture a target (or draft LM) config names: the first of `architectures`, else,
+    as transformers' AutoModelForCausalLM loads a config without them, the class its
+    `model_type` maps to (MODEL_TYPE_ARCHITECTURES). Either one unsupported is refused."""
+    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+    archs = config_architectures(hf, source)
+    if archs:
+        if archs[0] not in supported:
+            raise SpeculantError(
+                f"architecture {archs[0]!r} in {source} is not supported; supported: "
+                f"{', '.join(supported)}"
+            )
+        return archs[0]
+    model_type = hf.get("model_type")
+    if model_type is None:
+        raise SpeculantError(
+            f"{source} has neither architectures nor model_type; add the model's class, e.g. "
+            '"architectures": ["LlamaForCausalLM"], to config.json'
+        )
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPE_ARCHITECTURES:
+        raise SpeculantError(
+            f"{source} has no architectures and model_type={model_type!r} is not supported; "
+            f"supported model types: {', '.join(MODEL_TYPE_ARCHITECTURES)} (or set "
+            f"architectures to one of {', '.join(supported)})"
+        )
+    return MODEL_TYPE_ARCHITECTURES[model_type]
 
 
 def config_dict(hf: dict, key: str, source: str) -> dict:
@@ -417,7 +489,8 @@ def parse_quantization(hf: dict, source: str) -> QuantConfig | None:
 @dataclass
 class ModelConfig:
     """The architecture of a decoder (Llama / Qwen2 / Qwen3, and Qwen3-MoE's expert fields) as
-    read from config.json."""
+    read from config.json (the class from `architectures`, else from `model_type`:
+    `target_architecture`)."""
 
     architecture: str
     hidden_size: int
@@ -454,13 +527,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> ModelConfig:
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES:
-            raise SpeculantError(
-                f"architecture {arch!r} in {source} is not supported; supported: "
-                f"{', '.join(DENSE_ARCHITECTURES + MOE_ARCHITECTURES)}"
-            )
+        arch = target_architecture(hf, source)
         if hf.get("mlp_bias"):
             raise SpeculantError(f"mlp_bias=true in {source} is not supported")
         act = hf.get("hidden_act") or "silu"

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import torch
 
-from speculant.config import ModelConfig, read_hf_config
+from speculant.config import (
+    MAX_DRAFT_TOKENS,
+    ModelConfig,
+    config_architectures,
+    config_int,
+    read_hf_config,
+)
 from speculant.errors import SpeculantError
 from speculant.models.loader import iter_safetensors
 
@@ -62,7 +68,7 @@ def read_head_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
                 f"no model.safetensors or pytorch_model.bin in {str(path)!r}; "
                 "download the head or pass --load-format dummy"
             )
-        weights = {}
+        weights, held_by = {}, {}
         for file in bins:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True)
@@ -79,8 +85,23 @@ def read_head_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
                     f"{str(file)!r} holds {bad[0]!r}, which is not a tensor; it is not a "
                     "state dict of weights"
                 )
+            for name in state:  # as for safetensors: one file per tensor, never a silent winner
+                if name in held_by:
+                    raise SpeculantError(
+                        f"tensor {name!r} is in both {str(held_by[name])!r} and {str(file)!r}; "
+                        "a checkpoint holds each tensor once: remove the stray file"
+                    )
+                held_by[name] = file
             weights.update(state)
-    return {name.removeprefix("model."): t for name, t in weights.items()}, str(path)
+    stripped: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        short = name.removeprefix("model.")
+        if short in stripped:  # `model.x` and `x`: both would load as x, one silently lost
+            raise SpeculantError(
+                f"{str(path)!r} holds both {short!r} and 'model.{short}'; keep one of them"
+            )
+        stripped[short] = tensor
+    return stripped, str(path)
 
 
 def require_tensors(
@@ -108,12 +129,36 @@ _SPECULATORS_META = {
 class DrafterFormat:
     """What a drafter folder's config.json says it is: `algo` ("eagle3", "dflash", or None when
     it does not say), whether it is in the speculators format, that format's default number of
-    draft tokens (`speculative_tokens`) and the verifier it names."""
+    draft tokens (`speculative_tokens`, read through `num_draft_tokens`) and the verifier it
+    names."""
 
     algo: str | None
     speculators: bool = False
-    num_draft_tokens: int | None = None
+    speculative_tokens: int | None = None
     verifier: str | None = None
+    tokens_field: str = "speculative_tokens"  # where speculative_tokens sits, for errors
+    max_tokens: int = MAX_DRAFT_TOKENS  # the most drafts it may default to (a DFLASH block's)
+    source: str = "config.json"
+
+    @property
+    def num_draft_tokens(self) -> int | None:
+        """The default k this config sets (None: it sets none). One above what the engine (or a
+        DFLASH block) runs is refused here, when it is taken as k, rather than lowered: an
+        explicit --num-draft-tokens overrides it and never reads it (executor/build.check_spec
+        asks only without one), so such a config still runs with one."""
+        tokens = self.speculative_tokens
+        if tokens is not None and tokens > self.max_tokens:
+            limit = (
+                f"the engine's maximum of {MAX_DRAFT_TOKENS} draft tokens"
+                if self.max_tokens == MAX_DRAFT_TOKENS
+                else f"the {self.max_tokens} drafts a DFLASH block of {self.max_tokens + 1} holds"
+            )
+            raise SpeculantError(
+                f"{self.tokens_field}={tokens} in {self.source} is above {limit}; pass "
+                f"--num-draft-tokens N with N <= {self.max_tokens} to override it (or lower it "
+                "in config.json)"
+            )
+        return tokens
 
 
 def drafter_format(path: str | Path) -> DrafterFormat:
@@ -123,12 +168,14 @@ def drafter_format(path: str | Path) -> DrafterFormat:
 
 def format_of(hf: dict, source: str) -> DrafterFormat:
     """A speculators config names its algorithm in `speculators_model_type`; a published head's
-    `architectures` name it too (`LlamaForCausalLMEagle3`, `DFlashDraftModel`)."""
+    `architectures` name it too (`LlamaForCausalLMEagle3`, `DFlashDraftModel`). The
+    speculators_config fields read here (algorithm, verifier, proposal_methods) are checked:
+    a value of the wrong type is one line naming it, never a crash or a silent default."""
     kind = hf.get("speculators_model_type")
+    archs = " ".join(config_architectures(hf, source)).lower()
     if kind is None:
-        archs = " ".join(hf.get("architectures") or []).lower()
         algo = "eagle3" if "eagle3" in archs else "dflash" if "dflash" in archs else None
-        return DrafterFormat(algo)
+        return DrafterFormat(algo, source=source)
     if kind not in SPECULATORS_ALGOS:
         raise SpeculantError(
             f"speculators_model_type={kind!r} in {source} is not supported; supported: "
@@ -145,26 +192,71 @@ def format_of(hf: dict, source: str) -> DrafterFormat:
             f"speculators_config.algorithm={spec['algorithm']!r} in {source} contradicts "
             f"speculators_model_type={kind!r}; fix config.json"
         )
-    verifier = (spec.get("verifier") or {}).get("name_or_path")
-    return DrafterFormat(kind, True, _speculative_tokens(spec, source), verifier)
+    tokens, field = _speculative_tokens(spec, source)
+    limit = speculators_block_size(hf, source) - 1 if kind == "dflash" else MAX_DRAFT_TOKENS
+    return DrafterFormat(
+        kind, True, tokens, _verifier(spec, source), field, min(limit, MAX_DRAFT_TOKENS), source
+    )
 
 
-def _speculative_tokens(spec: dict, source: str) -> int | None:
-    """`speculative_tokens` of the default proposal method (else the first, as vLLM reads)."""
-    methods = spec.get("proposal_methods") or []
-    if not methods:
+def _verifier(spec: dict, source: str) -> str | None:
+    """`verifier.name_or_path`: the target the drafter was made for (null when absent)."""
+    verifier = spec.get("verifier")
+    if verifier is None:
         return None
-    default = spec.get("default_proposal_method")
-    method = next((m for m in methods if m.get("proposal_type") == default), methods[0])
-    tokens = method.get("speculative_tokens")
-    if tokens is None:
-        return None
-    if not isinstance(tokens, int) or tokens < 1:
+    if not isinstance(verifier, dict):
         raise SpeculantError(
-            f"speculators_config speculative_tokens={tokens!r} in {source} must be a "
-            "positive integer; fix config.json"
+            f"speculators_config.verifier={verifier!r} in {source} must be an object "
+            '({"name_or_path": ..., "architectures": [...]}); fix config.json'
         )
-    return tokens
+    name = verifier.get("name_or_path")
+    if name is not None and not isinstance(name, str):
+        raise SpeculantError(
+            f"speculators_config.verifier.name_or_path={name!r} in {source} must be a string; "
+            "fix config.json"
+        )
+    return name
+
+
+def _speculative_tokens(spec: dict, source: str) -> tuple[int | None, str]:
+    """`speculative_tokens` of the default proposal method (else the first, as vLLM reads) and
+    the field it came from. `proposal_methods` must be a list of method objects, and
+    `default_proposal_method`, when given, the `proposal_type` of one of them."""
+    where = "speculators_config.proposal_methods"
+    methods = spec.get("proposal_methods")
+    if methods is None or methods == []:
+        return None, where
+    if not isinstance(methods, list) or not all(isinstance(m, dict) for m in methods):
+        raise SpeculantError(
+            f"{where}={methods!r} in {source} must be a list of method objects, e.g. "
+            '[{"proposal_type": "greedy", "speculative_tokens": 3}]; fix config.json'
+        )
+    types = [m.get("proposal_type") for m in methods]
+    default = spec.get("default_proposal_method")
+    if default is None:
+        index = 0
+    elif default in types and isinstance(default, str):
+        index = types.index(default)
+    else:
+        raise SpeculantError(
+            f"speculators_config.default_proposal_method={default!r} in {source} names none of "
+            f"the proposal_methods ({', '.join(map(repr, types))}); fix config.json"
+        )
+    field = f"{where}[{index}].speculative_tokens"
+    tokens = methods[index].get("speculative_tokens")
+    if tokens is None:
+        return None, field
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise SpeculantError(
+            f"{field}={tokens!r} in {source} must be a positive integer; fix config.json"
+        )
+    return tokens, field
+
+
+def speculators_block_size(hf: dict, source: str) -> int:
+    """A speculators DFLASH drafter's top-level `block_size` (the speculators schema's default,
+    8, when absent or null)."""
+    return config_int(hf, "block_size", source, 8, minimum=2)
 
 
 def speculators_fields(hf: dict, source: str) -> dict:
@@ -188,7 +280,7 @@ def is_dflash2(hf: dict) -> bool:
     DFlash2DraftModel, as the reference's loader picks the class; without architectures, its
     `dflash_config` (or top level) has the selector and convolution fields."""
     archs = hf.get("architectures")
-    if archs:
+    if archs and isinstance(archs, list):  # one of another type: the loader refuses it by name
         return any("dflash2" in str(arch).lower() for arch in archs)
     extra = hf.get("dflash_config") if isinstance(hf.get("dflash_config"), dict) else {}
     return any(name in hf or name in extra for name in DFLASH2_FIELDS)

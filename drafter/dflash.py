@@ -32,7 +32,10 @@ drafter/checkpoint.py): layer shapes in `transformer_layer_config`, `block_size`
 layer), `sliding_window_non_causal` (default False: windowed sliding layers are causal; full
 layers and unwindowed ones never are).
 A reduced draft vocabulary (own lm_head and d2t), `sample_from_anchor` and aux id L (the final
-hidden state, taken before the final norm by vLLM and after it by z-lab) are refused.
+hidden state, taken before the final norm by vLLM and after it by z-lab) are refused. In either
+format a `vocab_size` (speculators: also `draft_vocab_size`) other than the target's is refused:
+the drafter drafts with the target's embeddings and lm_head, so its ids would be another
+tokenizer's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import (
     ModelConfig,
+    config_architectures,
+    config_bool,
     config_dict,
     config_float,
     config_int,
@@ -59,6 +64,7 @@ from speculant.drafter.checkpoint import (
     format_of,
     read_head_weights,
     require_tensors,
+    speculators_block_size,
     speculators_fields,
 )
 from speculant.drafter.eagle import ReplicatedLinear
@@ -114,7 +120,7 @@ class DFlashConfig:
         fmt = format_of(hf, source)
         if fmt.speculators:
             hf = _speculators_dflash(hf, fmt.algo, target, source)
-        archs = hf.get("architectures") or []
+        archs = config_architectures(hf, source)
         if archs and not any("dflash" in arch.lower() for arch in archs):
             raise SpeculantError(
                 f"{source} describes {archs[0]!r}, not a DFLASH drafter (DFlashDraftModel); "
@@ -138,6 +144,16 @@ class DFlashConfig:
                 f"DFLASH hidden_size {layer.hidden_size} in {source} != the target's "
                 f"{target.hidden_size}; the drafter shares the target's embeddings and lm_head, "
                 "so it is for another target"
+            )
+        if layer.vocab_size != target.vocab_size:  # the reference drafts with the target's lm_head
+            name = "DFlash2" if dflash2 else "DFLASH"
+            codebooks = (
+                ", and its selector's codebooks are indexed by target ids" if dflash2 else ""
+            )
+            raise SpeculantError(
+                f"{name} vocab_size={layer.vocab_size} in {source} != the target's "
+                f"{target.vocab_size}; the drafter shares the target's embeddings and lm_head"
+                f"{codebooks}, so it is for another target: pass the drafter made for this target"
             )
         mask_id = value("mask_token_id")
         if (
@@ -228,10 +244,11 @@ def _block_attention(
                 f"is_causal in the transformer_layer_config of {source} is not supported: the "
                 "speculators format sets the block's causality by sliding_window_non_causal"
             )
-        causal_window = window is not None and not hf.get("sliding_window_non_causal", False)
+        non_causal = config_bool(hf, "sliding_window_non_causal", source)
+        causal_window = window is not None and not non_causal
         causal = [s and causal_window for s in sliding]
     else:  # vLLM's order: is_causal, else dflash_config.causal (every layer), else sliding
-        is_causal = hf.get("is_causal")
+        is_causal = config_bool(hf, "is_causal", source, None)
         if is_causal is None:
             is_causal = override
         causal = [s if is_causal is None else bool(is_causal) for s in sliding]
@@ -258,7 +275,7 @@ def _speculators_dflash(hf: dict, algo: str, target: ModelConfig, source: str) -
             "(or leave --algo out)"
         )
     flat = speculators_fields(hf, source)
-    if flat.get("sample_from_anchor"):
+    if config_bool(flat, "sample_from_anchor", source):
         raise SpeculantError(
             f"sample_from_anchor=true in {source} is not supported: DFLASH drafts the block "
             "positions after the newest token only"
@@ -267,7 +284,7 @@ def _speculators_dflash(hf: dict, algo: str, target: ModelConfig, source: str) -
         ("draft_vocab_size", target.vocab_size),
         ("target_hidden_size", target.hidden_size),
     ):
-        if flat.get(name) is not None and int(flat[name]) != ours:
+        if flat.get(name) is not None and config_int(flat, name, source) != ours:
             raise SpeculantError(
                 f"{name}={flat[name]} in {source} != the target's {ours}: that needs the "
                 "drafter's own lm_head or embeddings, which DFLASH does not support"
@@ -278,23 +295,31 @@ def _speculators_dflash(hf: dict, algo: str, target: ModelConfig, source: str) -
             f"{source} lacks aux_hidden_state_layer_ids; re-convert it with the speculators "
             "package (DFlashConverter)"
         )
-    if any(not 1 <= int(a) < L for a in aux) or len(set(aux)) != len(aux):
+    if not isinstance(aux, list) or any(isinstance(a, bool) or not isinstance(a, int) for a in aux):
+        raise SpeculantError(
+            f"aux_hidden_state_layer_ids={aux!r} in {source} must be a list of target layer "
+            "indices; fix config.json"
+        )
+    if any(not 1 <= a < L for a in aux) or len(set(aux)) != len(aux):
         raise SpeculantError(
             f"aux_hidden_state_layer_ids={aux} in {source} must be distinct target layers in "
             f"1..{L - 1} (the input of layer a, z-lab's id a - 1) for a target with {L} layers"
         )
     dflash = {
-        "target_layer_ids": [int(a) - 1 for a in aux],
-        "block_size": flat.get("block_size", 8),  # the speculators schema's default
+        "target_layer_ids": [a - 1 for a in aux],
+        "block_size": speculators_block_size(hf, source),
         "mask_token_id": flat.get("mask_token_id"),
     }
     return {**flat, "dflash_config": dflash}
 
 
 def block_size_of(path: str | Path) -> int:
-    """The block size a drafter folder declares (before the target is known)."""
+    """The block size a drafter folder declares (before the target is known), with the default
+    of its format: a speculators drafter's 8 (as `_speculators_dflash` builds it), else 16."""
     hf = read_hf_config(path)
     source = str(Path(path) / "config.json")
+    if hf.get("speculators_model_type") is not None:
+        return speculators_block_size(hf, source)
     merged = {**hf, **config_dict(hf, "dflash_config", source)}
     return config_int(merged, "block_size", source, DEFAULT_BLOCK_SIZE, minimum=2)
 

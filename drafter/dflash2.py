@@ -68,12 +68,7 @@ class DFlash2Config(DFlashConfig):
         hf = read_hf_config(path)
         source = base.source
         merged = {**hf, **config_dict(hf, "dflash_config", source)}  # as _draft_value reads
-        if base.layer.vocab_size != target.vocab_size:
-            raise SpeculantError(
-                f"DFlash2 vocab_size={base.layer.vocab_size} in {source} != the target's "
-                f"{target.vocab_size}: its selector's codebooks are indexed by target tokens, so "
-                "it is for another target"
-            )
+        # vocab_size == the target's: DFlashConfig checks it (the codebooks are indexed by it)
         sizes = {name: config_int(merged, name, source) for name in (
             "selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size"
         )}  # fmt: skip

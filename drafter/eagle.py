@@ -54,6 +54,8 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import (
     ModelConfig,
+    config_architectures,
+    config_bool,
     config_dict,
     config_int,
     layer_types_and_window,
@@ -131,16 +133,16 @@ class Eagle3Config:
         fmt = format_of(hf, source)
         if fmt.speculators:
             hf = _speculators_eagle3(hf, fmt.algo, source)
-        archs = hf.get("architectures") or []
-        if archs and not any("eagle3" in str(arch).lower() for arch in archs):
+        archs = config_architectures(hf, source)
+        if archs and not any("eagle3" in arch.lower() for arch in archs):
             raise SpeculantError(
                 f"{source} describes {archs[0]!r}, not an EAGLE-3 head "
                 "(LlamaForCausalLMEagle3); pass the draft head's folder"
             )
         for flag in ("tie_word_embeddings", "attention_bias"):
-            if hf.get(flag):
+            if config_bool(hf, flag, source):
                 raise SpeculantError(f"{flag}=true in {source} is not supported for EAGLE-3 heads")
-        qwen3, named_by = _qwen3_layers(hf, fmt.speculators)
+        qwen3, named_by = _qwen3_layers(hf, fmt.speculators, source)
         arch = "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"
         layer = ModelConfig.from_hf({**hf, "architectures": [arch]}, source)
         window = _sliding_window(hf, layer.num_layers, source)
@@ -172,7 +174,7 @@ class Eagle3Config:
             target_vocab_size=target.vocab_size,
             target_hidden_size=target_hidden,
             aux_layer_ids=_aux_layer_ids(hf, target.num_layers, source),
-            fc_bias=bool(hf.get("bias", False)),
+            fc_bias=config_bool(hf, "bias", source),
             **_norm_flags(hf, source),
             speculators=fmt.speculators,
             sliding_window=window,
@@ -181,14 +183,14 @@ class Eagle3Config:
         )
 
 
-def _qwen3_layers(hf: dict, speculators: bool) -> tuple[bool, str]:
+def _qwen3_layers(hf: dict, speculators: bool, source: str) -> tuple[bool, str]:
     """Whether the head's decoder layers are Qwen3's (q/k norms), as vLLM and SGLang pick the
     model class, and the field that says so: a speculators head's layer model_type (vLLM's
     update_eagle3); else the architecture (vLLM's registry), and model_type only without one."""
     model_type = hf.get("model_type")
     if speculators:
         return model_type == "qwen3", f"transformer_layer_config.model_type={model_type!r}"
-    eagle3 = [str(a) for a in hf.get("architectures") or [] if "eagle3" in str(a).lower()]
+    eagle3 = [a for a in config_architectures(hf, source) if "eagle3" in a.lower()]
     if eagle3:
         return eagle3[0] in QWEN3_EAGLE3_ARCHITECTURES, f"architectures={eagle3[:1]}"
     return model_type == "qwen3", f"model_type={model_type!r} (no architectures)"
@@ -234,13 +236,17 @@ def _speculators_eagle3(hf: dict, algo: str, source: str) -> dict:
 
 def _norm_flags(hf: dict, source: str) -> dict[str, bool]:
     """norm_before_residual and the EAGLE-3.1 flags, False when absent (the speculators schema);
-    norm_before_fc may sit in eagle_config, as vLLM reads it."""
+    norm_before_fc may sit in eagle_config, as vLLM reads it. Each must be a JSON boolean: a
+    string "false" would read as true."""
     nested = config_dict(hf, "eagle_config", source)
+    before_fc = config_bool(hf, "norm_before_fc", source)
     flags = {
-        "norm_before_residual": bool(hf.get("norm_before_residual", False)),
-        "norm_before_fc": bool(nested.get("norm_before_fc", hf.get("norm_before_fc", False))),
-        "fc_norm": bool(hf.get("fc_norm", False)),
-        "norm_output": bool(hf.get("norm_output", False)),
+        "norm_before_residual": config_bool(hf, "norm_before_residual", source),
+        "norm_before_fc": config_bool(
+            nested, "norm_before_fc", f"eagle_config of {source}", before_fc
+        ),
+        "fc_norm": config_bool(hf, "fc_norm", source),
+        "norm_output": config_bool(hf, "norm_output", source),
     }
     if flags["norm_before_fc"] and flags["fc_norm"]:
         raise SpeculantError(

@@ -209,6 +209,7 @@ class Engine:
         self._cycles_before: deque = deque(maxlen=8)
         self._cycle_start = 0.0  # when the last step started
         self._resting = False  # whether the last step rested the drafter
+        self._read_at = 0.0  # when the last overlapped step's results were read (_read)
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
             self.attention_backend, mc.is_moe, self.graphs.sizes,
@@ -931,7 +932,10 @@ class Engine:
         """Wait for a launched step's results and apply them to its requests (those that ended
         in an earlier step, when it ran ahead, are skipped)."""
         host = launched.results.wait()
-        seconds = time.perf_counter() - launched.start
+        # the step's own time: from its launch, or from the read of the step before it when it
+        # was launched while that one ran (overlap), so that no time counts twice
+        now = time.perf_counter()
+        seconds, self._read_at = now - max(launched.start, self._read_at), now
         for request, row in zip(launched.requests, host, strict=True):
             if request.finish_reason is None:
                 shape = launched.shape

@@ -81,25 +81,39 @@ def default_device_and_dtype(device: str | torch.device, dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def safetensors_files(path: str | Path) -> list[Path]:
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json_object(index, "a safetensors index is one {...} object").get(
-            "weight_map"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _weight_map(path: Path) -> dict[str, str] | None:
+    """The index's tensor name -> shard file name (None without an index)."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return None
+    weight_map = read_json_object(index, "a safetensors index is one {...} object").get(
+        "weight_map"
+    )
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) for name in weight_map.values()
+    ):
+        raise SpeculantError(
+            f"{str(index)!r} is not a valid safetensors index (no 'weight_map' object of "
+            "tensor name -> file name); re-export the checkpoint"
         )
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(name, str) for name in weight_map.values()
-        ):
-            raise SpeculantError(
-                f"{str(index)!r} is not a valid safetensors index (no 'weight_map' object of "
-                "tensor name -> file name); re-export the checkpoint"
-            )
+    return weight_map
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of checkpoint folder `path`: the shards its index names (other
+    *.safetensors beside them, e.g. a consolidated copy, are not read), else every
+    *.safetensors in it."""
+    path = Path(path)
+    weight_map = _weight_map(path)
+    if weight_map is not None:
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise SpeculantError(
-                f"shard {missing[0]!r} named in {index.name} is missing; copy "
+                f"shard {missing[0]!r} named in {INDEX_FILE} is missing; copy "
                 "all shards of the checkpoint"
             )
         return files
@@ -113,10 +127,18 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's weight files (`safetensors_files`), each name once. A
+    name in two files is refused, naming both: which copy won used to depend on the files' sort
+    order. With an index, a tensor must sit in the shard the index maps it to (one it does not
+    list loads from the shard holding it, as transformers reads whole shards): a shard holding
+    one the index maps elsewhere means index and shards disagree, and is refused the same way."""
+    homes = {name: Path(path) / shard for name, shard in (_weight_map(Path(path)) or {}).items()}
+    held_by: dict[str, Path] = {}
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    _check_one_home(name, file, held_by, homes)
                     yield name, f.get_tensor(name)
         except SpeculantError:
             raise
@@ -125,6 +147,24 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
                 "truncated, download it again"
             ) from exc
+
+
+def _check_one_home(name: str, file: Path, held_by: dict[str, Path], homes: dict) -> None:
+    """Refuse tensor `name` in `file` when another file already gave it, or the index maps it to
+    another shard (`homes`: name -> the shard's path); else record where it came from."""
+    if name in held_by:
+        raise SpeculantError(
+            f"tensor {name!r} is in both {str(held_by[name])!r} and {str(file)!r}; a checkpoint "
+            "holds each tensor once: remove the stray file (or re-export the checkpoint)"
+        )
+    home = homes.get(name, file)
+    if home != file:
+        raise SpeculantError(
+            f"tensor {name!r} is in {str(file)!r} but {INDEX_FILE} maps it to "
+            f"{str(home)!r}; the index does not match its shards: re-export the "
+            "checkpoint (or fix the index's weight_map)"
+        )
+    held_by[name] = file
 
 
 def load_weights(
