@@ -17,7 +17,7 @@ from tqdm import tqdm
 from speculant.comm.all_reduce import build_one_shot
 from speculant.comm.groups import ParallelContext, resolve_context
 from speculant.config import ModelConfig, ParallelConfig
-from speculant.errors import SpeculantError
+from speculant.errors import PromptError, SpeculantError
 from speculant.executor.attention import PoolAttention, resolve_attention_backend
 from speculant.executor.build import (
     DEFAULT_MAX_MODEL_LEN,
@@ -377,53 +377,62 @@ class Engine:
             )
         params.validate()
         if is_integer(prompt):
-            raise SpeculantError(
-                f"prompt {index} is the integer {prompt}: prompts is a list of prompts, each a "
-                "text or a list of token ids; wrap one prompt's ids in a list: [[...]]"
+            raise PromptError(
+                index,
+                f"is the integer {prompt}: prompts is a list of prompts, each a "
+                "text or a list of token ids; wrap one prompt's ids in a list: [[...]]",
             )
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise SpeculantError(
-                    f"prompt {index} is text but {self.config.target!r} has no "
-                    "tokenizer.json; pass token ids or a checkpoint with one"
+                raise PromptError(
+                    index,
+                    f"is text but {self.config.target!r} has no "
+                    "tokenizer.json; pass token ids or a checkpoint with one",
                 )
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise SpeculantError(
-                    f"prompt {index} is not valid Unicode (a lone surrogate at character "
-                    f"{exc.start}); fix the text or pass token ids"
+                raise PromptError(
+                    index,
+                    f"is not valid Unicode (a lone surrogate at character "
+                    f"{exc.start}); fix the text or pass token ids",
                 ) from None
             ids = self.tokenizer.encode(prompt).ids
         else:
             if hasattr(prompt, "tolist"):  # a tensor or an array of token ids
                 prompt = prompt.tolist()
             if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
-                raise SpeculantError(
-                    f"prompt {index} is of type {type(prompt).__name__}; give a text or a list of "
-                    "token ids"
+                raise PromptError(
+                    index, f"is of type {type(prompt).__name__}; give a text or a list of token ids"
                 )
             ids = list(prompt)
             bad = next((t for t in ids if not is_integer(t)), None)
             if bad is not None:
-                raise SpeculantError(
-                    f"prompt {index} has token {bad!r} ({type(bad).__name__}); token ids are "
-                    "integers"
+                raise PromptError(
+                    index, f"has token {bad!r} ({type(bad).__name__}); token ids are integers"
                 )
             ids = [int(t) for t in ids]
         vocab = self.model_config.vocab_size
         if not ids:
-            raise SpeculantError(f"prompt {index} is empty; give at least one token")
+            raise PromptError(index, "is empty; give at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise SpeculantError(
-                f"prompt {index} has token id {max(ids) if max(ids) >= vocab else min(ids)} "
-                f"outside the vocabulary [0, {vocab}); fix the token ids"
+            bad = max(ids) if max(ids) >= vocab else min(ids)
+            if isinstance(prompt, str):  # the checkpoint's tokenizer and model disagree
+                raise PromptError(
+                    index,
+                    f"is text the tokenizer turns into token id {bad}, outside the model's "
+                    f"vocabulary [0, {vocab}) (config.json vocab_size): {self.config.target!r} "
+                    "holds a tokenizer.json of another model; use the model's own",
+                )
+            raise PromptError(
+                index, f"has token id {bad} outside the vocabulary [0, {vocab}); fix the token ids"
             )
         if len(ids) >= self.max_model_len:
-            raise SpeculantError(
-                f"prompt {index} has {len(ids)} tokens, leaving no room for output in the "
+            raise PromptError(
+                index,
+                f"has {len(ids)} tokens, leaving no room for output in the "
                 f"context (max_model_len={self.max_model_len}: at most "
-                f"{self.max_model_len - 1} prompt tokens); shorten it or raise --max-model-len"
+                f"{self.max_model_len - 1} prompt tokens); shorten it or raise --max-model-len",
             )
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -496,7 +505,7 @@ class Engine:
             try:
                 self.scheduler.check_fits(request)
             except SpeculantError as exc:
-                raise SpeculantError(f"prompt {request.index}: {exc}") from None
+                raise PromptError(request.index, f": {exc}") from None
         return requests
 
     def run(

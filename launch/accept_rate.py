@@ -703,6 +703,7 @@ def measure_in_rank(
     Returns (outputs, plain outputs or None, seconds) on rank 0 (or the one process), None on
     the other ranks."""
     from speculant import Engine, SamplingParams
+    from speculant.launch.cli import prompts_named  # cli imports this module
 
     pctx = None
     if args.tp * args.dp > 1:
@@ -741,7 +742,8 @@ def measure_in_rank(
         resolved = {"num_draft_tokens": spec_engine.config.spec.num_draft_tokens}
         check_run_shape(job.baseline, resolved, args.baseline)
     start = time.perf_counter()
-    outputs = _generate(spec_engine, prompts, params, "speculative", show)
+    with prompts_named(job.specs):  # errors about a prompt name its --prompts line
+        outputs = _generate(spec_engine, prompts, params, "speculative", show)
     seconds = time.perf_counter() - start
     del spec_engine
     plain = None  # greedy runs are checked against plain greedy output

@@ -45,13 +45,13 @@ import json
 import logging
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
-from speculant.errors import SpeculantError
+from speculant.errors import PromptError, SpeculantError
 from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
 from speculant.launch.paths import (
@@ -444,6 +444,20 @@ class PromptSpec:
 
     prompt: str | list[int]
     overrides: dict[str, Any] = field(default_factory=dict)
+    where: str = "--prompt"  # what an error about it names: FILE:LINE of a --prompts line
+
+
+@contextlib.contextmanager
+def prompts_named(specs: Sequence[PromptSpec]) -> Iterator[None]:
+    """Errors the engine finds in prompt i (executor/engine's PromptError: "prompt i has ...")
+    name where the user wrote it: the --prompts FILE:LINE (blank lines counted), or --prompt."""
+    try:
+        yield
+    except PromptError as exc:
+        if not 0 <= exc.index < len(specs):
+            raise
+        detail = exc.detail.removeprefix(":").strip()
+        raise SpeculantError(f"{specs[exc.index].where}: the prompt {detail}") from None
 
 
 # Values travel to the device as float32 and int64: finite numbers, integers that fit int64.
@@ -580,7 +594,7 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     for key, value in overrides.items():
         if expected := sampling_problem(key, value):
             raise SpeculantError(f"{where}: {key}={value!r} is invalid; use {expected}")
-    return PromptSpec(prompt, overrides)
+    return PromptSpec(prompt, overrides, where)
 
 
 def reads_inputs() -> bool:
@@ -877,11 +891,11 @@ def generate_in_rank(
     engine = Engine(target=args.target, pctx=pctx, **kwargs)
     if pctx is not None:
         fault_point(pctx.rank)
-    for i, spec in enumerate(specs if pctx is None else ()):  # ranks: make_requests checks
+    for spec in specs if pctx is None else ():  # ranks: make_requests checks
         if isinstance(spec.prompt, str) and engine.tokenizer is None:
             raise SpeculantError(
-                f"prompt {i} is text but {args.target!r} has no tokenizer.json; add one or pass "
-                "prompt_token_ids in a --prompts file"
+                f"{spec.where}: the prompt is text but {args.target!r} has no tokenizer.json; "
+                "add one or pass prompt_token_ids in a --prompts file"
             )
     base = dict(
         max_new_tokens=args.max_new_tokens,
@@ -891,9 +905,11 @@ def generate_in_rank(
     )  # --seed is the engine's (_engine_kwargs): request i samples with a seed made of it and i
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
     start = time.perf_counter()
-    outputs = engine.generate(  # a bar only when there is more than one request to count
-        [s.prompt for s in specs], params, use_tqdm=use_tqdm and len(specs) > 1, on_output=on_output
-    )
+    with prompts_named(specs):  # a bar only when there is more than one request to count
+        outputs = engine.generate(
+            [s.prompt for s in specs], params, use_tqdm=use_tqdm and len(specs) > 1,
+            on_output=on_output,
+        )  # fmt: skip
     seconds = time.perf_counter() - start
     if (pctx is None or pctx.rank == 0) and len(specs) > 1:  # a job: how the scheduler ran it
         stats = engine.stats()

@@ -643,3 +643,33 @@ def test_api_page_size_has_the_clis_bound(llama_dir):
         SpeculantError, match=f"page_size={MAX_PAGE_SIZE + 1} must be in 1..{MAX_PAGE_SIZE}"
     ):
         Engine(str(llama_dir), device="cpu", page_size=MAX_PAGE_SIZE + 1)
+
+
+# ------------------------------------------- prompt errors found once the model is loaded
+
+
+def test_a_prompt_the_model_refuses_is_named_by_its_file_line(capsys, tmp_path, llama_dir):
+    """Token ids outside the vocabulary or a prompt too long for --max-model-len are found
+    once the model is loaded; the error names the --prompts line (blank lines counted), not
+    the prompt's place among the prompts (an audit: "prompt 1" for line 4)."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt_token_ids": [5, 6]}, "", "  ", {"prompt_token_ids": [1, 2, 99999]},
+    ])  # fmt: skip
+    line = error_line(*run_main(capsys, "--target", llama_dir, "--prompts", prompts))
+    assert f"{prompts}:4: the prompt has token id 99999 outside the vocabulary" in line, line
+    prompts = write_jsonl(tmp_path / "q.jsonl", ["", {"prompt_token_ids": list(range(40))}])
+    line = error_line(*run_main(capsys, "--target", llama_dir, "--prompts", prompts,
+                                "--max-model-len", 32))  # fmt: skip
+    assert f"{prompts}:2: the prompt has 40 tokens, leaving no room" in line, line
+
+
+def test_a_tokenizer_of_another_model_is_named_as_such(capsys, tmp_path, llama_dir):
+    """A text prompt whose ids the checkpoint's own tokenizer puts past its vocab_size: the
+    checkpoint holds another model's tokenizer; the message says so (it said "fix the token
+    ids" to a user who wrote none)."""
+    folder = copy_checkpoint(llama_dir, tmp_path / "mixed")
+    shutil.copy(ASSETS / "target" / "tokenizer.json", folder / "tokenizer.json")
+    line = error_line(*run_main(capsys, "--target", folder, "--prompt",
+                                "def fibonacci(n): return fibonacci(n - 1)"))  # fmt: skip
+    assert line.startswith("speculant: error: --prompt: the prompt is text the tokenizer turns")
+    assert "tokenizer.json of another model" in line and "token ids" not in line, line
