@@ -235,6 +235,11 @@ def check_spec(spec: SpecConfig) -> None:
         fmt = drafter_format(spec.draft)
         spec.algo = spec.algo or fmt.algo
     if spec.algo is None:
+        if k and spec.draft is None:
+            raise SpeculantError(
+                f"--num-draft-tokens {k} needs a drafter: pass --draft DIR (and --algo "
+                f"{'|'.join(ALGOS)} when its config.json does not name it), or leave it out"
+            )
         if k or spec.draft:
             raise SpeculantError(
                 f"--num-draft-tokens/--draft need --algo ({', '.join(ALGOS)}): the drafter's "

@@ -608,12 +608,14 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     if args.demo_model and args.target:
         raise SpeculantError("pass either --target DIR or --demo-model, not both")
     bundled_run = args.bundled_run = not args.demo_model and not args.target
+    args.bundled_draft = False  # whether the drafter is a bundled one (its summary line says so)
     if bundled_run:  # the default run: the bundled code model, EAGLE-3 unless told otherwise
         args.target = str(accept_rate.bundled("target"))
         if args.algo is None and args.draft is None:
             args.algo = "eagle3"
         if args.algo is not None and args.draft is None:
             args.draft = str(accept_rate.bundled(accept_rate.BUNDLED_DRAFTS[args.algo]))
+            args.bundled_draft = True
     if not args.demo_model:
         if not Path(args.target).is_dir():
             raise SpeculantError(
@@ -948,7 +950,7 @@ def report_outputs(
             out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
     elif not args.output:
         print_completions(outputs, stdout, specs, on_printed=on_printed)
-    if getattr(args, "bundled_run", False) and (line := bundled_drafter_line(args, outputs)):
+    if getattr(args, "bundled_draft", False) and (line := bundled_drafter_line(args, outputs)):
         print(line, file=stderr)
     adaptive = getattr(args, "speculation", None) == "auto"
     print(summary_line(outputs, seconds, adaptive), file=stderr)  # the last line, as scripts expect

@@ -234,7 +234,7 @@ def test_default_prompt_is_the_readme_one():
 
 def test_output_shows_prompt_then_completion(capsys):
     args = build_parser().parse_args(["generate"])
-    args.bundled_run, args.algo = True, "eagle3"
+    args.bundled_run, args.bundled_draft, args.algo = True, True, "eagle3"
     outs = [
         output(0, 4, 2.5, [0.9, 0.6, 0.0], text="\n    return n"),
         output(1, 1, 1.0, [0, 0, 0], text="!"),
@@ -395,3 +395,19 @@ def test_checkout_root_on_sys_path_does_not_shadow_distributions():
         timeout=60,
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_drafter_of_ones_own_with_the_bundled_target_is_not_called_bundled(capsys, tmp_path):
+    """No --target but a --draft of one's own: the summary does not credit the bundled head
+    (an audit found "the bundled EAGLE-3 head drafts ..." for the user's drafter)."""
+    import shutil
+
+    from speculant import ASSETS
+
+    draft = tmp_path / "head"
+    shutil.copytree(ASSETS / "eagle3", draft)
+    assert (
+        main(["generate", "--device", "cpu", "--max-new-tokens", "12", "--draft", str(draft)]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "the bundled" not in err and "accept_len=" in err, err

@@ -673,3 +673,11 @@ def test_a_tokenizer_of_another_model_is_named_as_such(capsys, tmp_path, llama_d
                                 "def fibonacci(n): return fibonacci(n - 1)"))  # fmt: skip
     assert line.startswith("speculant: error: --prompt: the prompt is text the tokenizer turns")
     assert "tokenizer.json of another model" in line and "token ids" not in line, line
+
+
+def test_num_draft_tokens_without_a_drafter_says_so(capsys, llama_dir):
+    """--num-draft-tokens with a --target and no --draft: the message names the missing
+    drafter (it spoke of the drafter's config.json, with no drafter given)."""
+    line = error_line(*run_main(capsys, "--target", llama_dir, "--prompt", "hi",
+                                "--num-draft-tokens", 3))  # fmt: skip
+    assert "--num-draft-tokens 3 needs a drafter: pass --draft DIR" in line, line
