@@ -58,6 +58,7 @@ from speculant.launch.paths import (
     check_outside_checkpoints,
     check_readable_file,
     check_writable,
+    open_output,
     read_input,
     same_file,
     write_errors_named,
@@ -714,6 +715,9 @@ def output_lock(path: str | None) -> Iterator[None]:
         yield
         return
     existed = os.path.exists(path)
+    if existed and not os.path.isfile(path):  # a device or a FIFO (whose open would block
+        yield  # until it has a reader: paths.open_output says so when it does)
+        return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
     except OSError as exc:
@@ -832,7 +836,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         nonlocal out_file
         if args.output:
             with write_errors_named(args.output, "--output"):
-                out_file = out_file or open(args.output, "w", encoding="utf-8")
+                out_file = out_file or open_output(args.output)
                 out_file.write(json.dumps(out.to_json()) + "\n")
                 out_file.flush()
         else:
@@ -945,7 +949,7 @@ def report_outputs(
     if args.output and write_file:
         with (
             write_errors_named(args.output, "--output"),
-            open(args.output, "w", encoding="utf-8") as out_file,
+            open_output(args.output) as out_file,
         ):
             out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
     elif not args.output:

@@ -10,14 +10,16 @@ An input that is a stream (a pipe, a FIFO, /dev/stdin, the shell's `<(...)`) can
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TextIO
 
 from speculant.errors import SpeculantError
 
@@ -184,6 +186,28 @@ def check_outside_checkpoints(outputs: list, checkpoints: list) -> None:
                     f"{flag} {path!r} would write into the {ckpt_flag} checkpoint {directory!r} "
                     "(a file loading reads); pick a path outside it"
                 )
+
+
+def open_output(path: str) -> TextIO:
+    """`path` opened for writing text (an existing file replaced). A FIFO that no process reads
+    yet would block the open with nothing said: one warning, then the wait for its reader."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        fifo = False
+    if fifo:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            logging.getLogger("speculant").warning(
+                "--output %s is a FIFO that no process reads yet: waiting for its reader", path
+            )
+        else:
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "w", encoding="utf-8")
+    return open(path, "w", encoding="utf-8")
 
 
 def check_writable(path: str, flag: str) -> None:

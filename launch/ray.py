@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from speculant.errors import SpeculantError
-from speculant.launch.paths import write_errors_named
+from speculant.launch.paths import open_output, write_errors_named
 from speculant.launch.spawn import GRACE_S, Terminated, close_progress_bars, stopped_line
 
 log = logging.getLogger("speculant")
@@ -335,7 +335,7 @@ class _Finished:
             self.kept.extend(batch)
             return
         with write_errors_named(self.path, "--output"):
-            self.file = self.file or open(self.path, "w", encoding="utf-8")
+            self.file = self.file or open_output(self.path)
             self.file.writelines(json.dumps(out.to_json()) + "\n" for out in batch)
             self.file.flush()
 

@@ -8,7 +8,12 @@ model is no harm and runs."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +84,28 @@ def test_accept_rate_outputs_into_a_checkpoint_are_refused(capsys, tmp_path, tar
     assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
     assert f"{flag} '{draft / name}' would write into the --draft checkpoint" in err, err
     assert digest(draft) == before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_output_waits_for_its_reader_and_says_so(tmp_path, llama_dir):
+    """--output naming a FIFO nobody reads yet: one warning that the run waits for its reader
+    (it blocked in silence), then the lines reach the reader once it comes."""
+    fifo, log = tmp_path / "out.fifo", tmp_path / "err.txt"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu",
+           "--target", str(llama_dir), "--prompt", "hi", "--max-new-tokens", "3",
+           "--output", str(fifo)]  # fmt: skip
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 90
+        while "FIFO" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert "is a FIFO that no process reads yet: waiting for its reader" in log.read_text()
+        lines = fifo.read_text().splitlines()
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        proc.kill()
+    assert [json.loads(line)["index"] for line in lines] == [0]
