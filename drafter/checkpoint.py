@@ -172,7 +172,7 @@ def format_of(hf: dict, source: str) -> DrafterFormat:
     speculators_config fields read here (algorithm, verifier, proposal_methods) are checked:
     a value of the wrong type is one line naming it, never a crash or a silent default."""
     kind = hf.get("speculators_model_type")
-    archs = " ".join(config_architectures(hf, source)).lower()
+    archs = " ".join(config_architectures(hf, source)).lower()  # checked in either format
     if kind is None:
         algo = "eagle3" if "eagle3" in archs else "dflash" if "dflash" in archs else None
         return DrafterFormat(algo, source=source)
@@ -254,8 +254,12 @@ def _speculative_tokens(spec: dict, source: str) -> tuple[int | None, str]:
 
 
 def speculators_block_size(hf: dict, source: str) -> int:
-    """A speculators DFLASH drafter's top-level `block_size` (the speculators schema's default,
-    8, when absent or null)."""
+    """A speculators DFLASH drafter's `block_size`: its transformer_layer_config's when that
+    has one (it wins there, as in `speculators_fields`), else the top level's, else the
+    speculators schema's default, 8. The model and the default k both read it here."""
+    layer = hf.get("transformer_layer_config")
+    if isinstance(layer, dict) and layer.get("block_size") is not None:
+        return config_int(layer, "block_size", f"transformer_layer_config of {source}", minimum=2)
     return config_int(hf, "block_size", source, 8, minimum=2)
 
 

@@ -147,11 +147,12 @@ class DFlashConfig:
             )
         if layer.vocab_size != target.vocab_size:  # the reference drafts with the target's lm_head
             name = "DFlash2" if dflash2 else "DFLASH"
+            field = "transformer_layer_config.vocab_size" if fmt.speculators else "vocab_size"
             codebooks = (
                 ", and its selector's codebooks are indexed by target ids" if dflash2 else ""
             )
             raise SpeculantError(
-                f"{name} vocab_size={layer.vocab_size} in {source} != the target's "
+                f"{name} {field}={layer.vocab_size} in {source} != the target's "
                 f"{target.vocab_size}; the drafter shares the target's embeddings and lm_head"
                 f"{codebooks}, so it is for another target: pass the drafter made for this target"
             )

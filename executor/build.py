@@ -13,6 +13,7 @@ import torch
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import (
+    MAX_DRAFT_TOKENS,
     MAX_PAGE_SIZE,
     CacheConfig,
     EngineConfig,
@@ -49,7 +50,6 @@ log = logging.getLogger("speculant")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 ALGOS = ("eagle3", "draft-model", "dflash")
-MAX_DRAFT_TOKENS = 16
 DEFAULT_DRAFT_TOKENS = 3
 
 
@@ -260,6 +260,11 @@ def check_spec(spec: SpecConfig) -> None:
             block_k = block_size_of(spec.draft) - 1
             k = block_k if k is None else min(k, block_k)
         spec.num_draft_tokens = min(k or DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS)
+        if k is not None and k > MAX_DRAFT_TOKENS:  # a DFLASH block of more than 17 tokens
+            log.info(
+                "num_draft_tokens: %d (the most the engine drafts; the drafter's block takes %d; "
+                "--num-draft-tokens N to choose)", MAX_DRAFT_TOKENS, k,
+            )  # fmt: skip
     if not 1 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise SpeculantError(
             f"num_draft_tokens={spec.num_draft_tokens} must be in 0..{MAX_DRAFT_TOKENS} with "

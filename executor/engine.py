@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -289,10 +290,43 @@ class Engine:
     def load_weights(self, path: str) -> None:
         """Load a checkpoint of the target's architecture from `path` into the model in place
         (every rank calls it), then clear and recapture every graph: later steps run the new
-        weights. The drafter keeps its weights."""
+        weights. The drafter keeps its weights.
+
+        A checkpoint whose config.json describes another model (any architecture field:
+        sizes, layers, RoPE, quantization; its dtype and eos ids aside) is refused before any
+        weight changes. One that fails part way (a tensor missing or of the wrong shape) leaves
+        the weights as they were: a host copy taken first is put back, and the graphs are
+        captured again either way."""
+        self._check_same_architecture(path)
+        backup = {
+            name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
+        }
         self.clear_graphs()
-        load_weights(self.model, iter_safetensors(path), str(path))
-        self.capture_graphs()
+        try:
+            load_weights(self.model, iter_safetensors(path), str(path))
+        except BaseException:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    param.copy_(backup[name])
+            raise
+        finally:
+            del backup
+            self.capture_graphs()
+
+    # what a checkpoint may change in load_weights: the weights' stored dtype (cast to the
+    # engine's), the eos ids (the engine keeps its own), the raw dict
+    _LOADABLE_CONFIG_FIELDS = ("torch_dtype", "eos_token_ids", "hf")
+
+    def _check_same_architecture(self, path: str) -> None:
+        theirs = ModelConfig.from_dir(path)
+        for name in (f.name for f in dataclasses.fields(ModelConfig)):
+            ours, new = getattr(self.model_config, name), getattr(theirs, name)
+            if name not in self._LOADABLE_CONFIG_FIELDS and ours != new:
+                raise SpeculantError(
+                    f"{str(path)!r} is not a checkpoint of the target's architecture: its "
+                    f"config.json has {name}={new!r}, the target's {ours!r}; load it into an "
+                    "Engine of its own"
+                )
 
     def _attention_backends(self) -> list:
         """The runner's and the drafter's attention backends (one level of attributes)."""

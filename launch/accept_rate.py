@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ RUN_KEYS = (
     "algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature", "speculation",
     "seed",
 )  # fmt: skip
+# How far below the baseline a metric may fall (--rtol) before it counts as a regression.
+DEFAULT_RTOL = 0.05
 # What a baseline written before a field existed measured: every run had this value then.
 WRITTEN_BEFORE = {"speculation": "fixed"}
 # What --plot writes, by the path's extension (matplotlib writes each without extra software;
@@ -117,14 +120,38 @@ def acceptance(outputs: list) -> tuple[float, list[float], int] | None:
     return length, per_position, steps
 
 
-def aggregate(outputs: list) -> tuple[float, list[float], int]:
-    """`acceptance`, or an error when no request ran a verify step."""
+def aggregate(outputs: list, specs: list | None = None) -> tuple[float, list[float], int]:
+    """`acceptance`, or an error saying why no request ran a verify step (`specs`, the
+    cli.PromptSpec of each output, name the --prompts line meant)."""
     measured = acceptance(outputs)
     if measured is None:
-        raise SpeculantError(
-            "no verify step ran (every request finished at prefill); raise --max-new-tokens"
-        )
+        raise SpeculantError(no_verify_reason(outputs, specs or []))
     return measured
+
+
+def no_verify_reason(outputs: list, specs: list) -> str:
+    """Why no request ran a verify step, and what helps. Every prompt runs at least 2 tokens
+    (--max-new-tokens) ignoring EOS, so a request that ended at prefill (one token) was capped
+    by the context: the engine caps its max_new_tokens at max_model_len - len(prompt), 1 for a
+    prompt one token short of the context (no --max-new-tokens can help there). A request that
+    decoded without drafting (--speculation auto) verified nothing either."""
+    if any((out.stats or {}).get("num_plain_steps") for out in outputs):
+        return (
+            "no verify step ran: --speculation auto decoded every step without drafts; run "
+            "with --speculation fixed (the gate) to measure acceptance"
+        )
+    if not outputs or any(len(out.token_ids) > 1 for out in outputs):
+        return "no verify step ran (every request finished at prefill); raise --max-new-tokens"
+    index = max(range(len(outputs)), key=lambda i: len(outputs[i].prompt_token_ids))
+    prompt_len = len(outputs[index].prompt_token_ids)
+    context = prompt_len + len(outputs[index].token_ids)  # where its output was capped
+    where = f" ({specs[index].where})" if index < len(specs) else ""
+    return (
+        f"no verify step ran: the longest prompt{where} has {prompt_len} tokens and the "
+        f"target's context holds {context} (max_model_len), so every prompt filled it with the "
+        f"prefill's token, leaving no room for a verify step; use prompts of at most "
+        f"{context - 2} tokens"
+    )
 
 
 @dataclass
@@ -147,8 +174,10 @@ def check_run_shape(baseline: dict, run: dict, source: str) -> None:
             raise SpeculantError(f"baseline {source} lacks {key!r}; write it with --write-baseline")
         measured = baseline.get(key, WRITTEN_BEFORE.get(key))
         if measured != value:
+            shown = repr(measured)  # a field no check reads may hold anything: one short line
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
             raise SpeculantError(
-                f"baseline {source} was measured with {key}={measured!r}, this run has "
+                f"baseline {source} was measured with {key}={shown}, this run has "
                 f"{value!r}; run with the same settings or write a new baseline"
             )
 
@@ -310,7 +339,12 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="per-prompt seeds start here")
     p.add_argument("--baseline", metavar="B.json", help="fail (exit 1) on a regression vs this")
-    p.add_argument("--rtol", type=float, default=0.05, help="allowed relative drop")
+    p.add_argument(  # None: not given (it needs --baseline), DEFAULT_RTOL then
+        "--rtol",
+        type=float,
+        metavar="R",
+        help=f"allowed relative drop below --baseline (default: {DEFAULT_RTOL})",
+    )
     p.add_argument("--write-baseline", metavar="B.json", help="save this run as the baseline")
     p.add_argument("--report", metavar="R.json", help="write the JSON report")
     p.add_argument(
@@ -378,8 +412,15 @@ def _check(args: argparse.Namespace) -> None:
         raise SpeculantError(f"--seed {args.seed} must be in {INT64_MIN}..{INT64_MAX - 2**32}")
     if args.tp < 1 or args.dp < 1:
         raise SpeculantError(f"--tp {args.tp} / --dp {args.dp} must be positive integers")
-    if not 0 <= args.rtol < 1:
+    if args.rtol is not None and not 0 <= args.rtol < 1:
         raise SpeculantError(f"--rtol {args.rtol} must be in [0, 1)")
+    if args.rtol is not None and not args.baseline:  # nothing to compare with: it would do nothing
+        raise SpeculantError(
+            f"--rtol {args.rtol} is the allowed drop below --baseline, which is not given; pass "
+            "--baseline B.json or drop --rtol"
+        )
+    if args.rtol is None:
+        args.rtol = DEFAULT_RTOL
     for flag in ("threads", "max_num_seqs", "dist_timeout"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -403,9 +444,9 @@ def _check(args: argparse.Namespace) -> None:
         return  # only rank 0 reads the baseline and writes the reports
     if args.baseline:
         check_readable_file(args.baseline, "--baseline", "write one first with --write-baseline")
-    for flag in ("report", "write_baseline", "plot"):
-        if value := getattr(args, flag):
-            check_writable(value, "--" + flag.replace("_", "-"))
+    for flag in OUTPUT_FLAGS:
+        if value := getattr(args, flag[2:].replace("-", "_")):
+            check_writable(value, flag, OUTPUT_EXAMPLES[flag])
     prompts = args.prompts or str(ASSETS / "prompts" / "heldout_prompts.jsonl")
     check_distinct_files(  # first: an input destroyed matters more than a missing package
         [("--prompts", prompts), ("--baseline", args.baseline)],
@@ -419,8 +460,11 @@ def _check(args: argparse.Namespace) -> None:
     check_plot(args.plot)
 
 
-# What accept-rate writes, in the order it writes them.
-OUTPUT_FLAGS = ("--report", "--write-baseline", "--plot")
+# What accept-rate writes, in the order it writes them, with a file name each takes (what an
+# error about a directory given there suggests).
+OUTPUT_EXAMPLES = {"--report": "report.json", "--write-baseline": "baseline.json",
+                   "--plot": "out.png"}  # fmt: skip
+OUTPUT_FLAGS = tuple(OUTPUT_EXAMPLES)
 
 
 def check_distinct_files(inputs: list, outputs: list) -> None:
@@ -479,11 +523,16 @@ def _shown(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _rewrite_fix(flag: str) -> str:
+    """What fixes a bad --baseline or --compare file: writing it again."""
+    return "write it again with " + ("--report" if flag == "--compare" else "--write-baseline")
+
+
 def check_report_fields(report: Any, path: str, flag: str) -> None:
     """Every field `flag` (--baseline, --compare) uses: present, of its type and range, and as
     many rates as `num_draft_tokens`; refused naming the file and the field, before any model
     loads (rather than a KeyError or TypeError after the run)."""
-    fix = "write it again with " + ("--report" if flag == "--compare" else "--write-baseline")
+    fix = _rewrite_fix(flag)
     if not isinstance(report, dict):
         raise SpeculantError(
             f"{flag} {path!r} is not an accept-rate report (a JSON {type(report).__name__}, "
@@ -506,12 +555,31 @@ def check_report_fields(report: Any, path: str, flag: str) -> None:
 
 
 def _read_baseline(path: str, flag: str = "--baseline") -> dict:
+    """A --baseline or --compare report file, read and checked (check_report_fields); JSON that
+    cannot be read (too deeply nested, a number of too many digits) is refused naming the flag
+    and the file, as a --prompts line is (launch/cli.py), not a traceback or a bare message."""
+    from speculant.launch.cli import _json_int, _NumberTooLong
+    from speculant.launch.cli import _shown as _shown_text
+
+    fix = _rewrite_fix(flag)
     try:
-        baseline = json.loads(read_input(path).decode("utf-8"))
+        baseline = json.loads(read_input(path).decode("utf-8"), parse_int=_json_int)
+        # inside: a value nested a little less deeply than json reads can still be too deep
+        # for json to write in the message that refuses it (a few frames further down)
     except UnicodeDecodeError as exc:
         raise SpeculantError(f"{flag} {path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise SpeculantError(f"{flag} {path} is not valid JSON ({exc})") from exc
+    except _NumberTooLong as exc:
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise SpeculantError(
+            f"{flag} {path!r}: the number {_shown_text(str(exc))} has more than {limit} digits, "
+            f"more than can be read; a report's numbers are far smaller: {fix}"
+        ) from None
+    except RecursionError:
+        raise SpeculantError(
+            f"{flag} {path!r} holds JSON nested too deeply to read, which no report is; {fix}"
+        ) from None
     check_report_fields(baseline, path, flag)
     return baseline
 
@@ -545,7 +613,7 @@ def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
     for path in args.compare:
         check_readable_file(path, "--compare", "write it with --report")
     if args.plot:
-        check_writable(args.plot, "--plot")
+        check_writable(args.plot, "--plot", OUTPUT_EXAMPLES["--plot"])
     check_distinct_files([("--compare", path) for path in args.compare], [("--plot", args.plot)])
     check_plot(args.plot)
     reports = [_read_baseline(path, "--compare") for path in args.compare]
@@ -775,7 +843,7 @@ def report_accept(
     """Rank 0's (or the Ray driver's) part: aggregate, compare with the baseline, print the
     table and the verdict, then write the reports; returns the exit status."""
     baseline = job.baseline
-    length, per_position, steps = aggregate(outputs)
+    length, per_position, steps = aggregate(outputs, job.specs)
     lossless, mismatched = None, []
     if plain is not None:
         mismatched = [

@@ -210,17 +210,33 @@ def open_output(path: str) -> TextIO:
     return open(path, "w", encoding="utf-8")
 
 
-def check_writable(path: str, flag: str) -> None:
+def check_writable(path: str, flag: str, example: str = "out.jsonl") -> None:
     """Refuse an output path that cannot be written, before any work: a directory, a missing or
     non-directory parent, a read-only file or place. Creating a probe file (removed at once) and
     opening an existing file for append find what permission bits alone cannot (read-only
-    mounts, immutable files, root). Devices and pipes (/dev/null, /dev/stdout) are accepted."""
+    mounts, immutable files, root). Devices and pipes (/dev/null, /dev/stdout) are accepted.
+    `example` is a file name the flag takes (a directory is refused suggesting `DIR/example`:
+    out.png for --plot, which would refuse out.jsonl)."""
     target = Path(path)
     parent = target.resolve().parent
     if target.is_dir():
         raise SpeculantError(
             f"{flag} {path!r} is a directory; pass a file path such as "
-            f"{str(target / 'out.jsonl')!r}"
+            f"{str(target / example)!r}"
+        )
+    # pathlib drops a trailing '/' (and '/.'), so the checks below would pass "x.png/" and the
+    # write, which gets the path as given, fail after the whole run
+    if os.path.basename(path) in ("", ".", ".."):
+        separators = os.sep + (os.altsep or "")
+        bare = path.rstrip(separators)
+        if path.endswith(tuple(separators)) and os.path.basename(bare) not in ("", ".", ".."):
+            raise SpeculantError(
+                f"{flag} {path!r} ends in {path[len(bare) :]!r}, which names a directory, not a "
+                f"file; drop the trailing {path[len(bare) :]!r} ({bare!r})"
+            )
+        raise SpeculantError(
+            f"{flag} {path!r} ends in {os.path.basename(bare) or os.sep!r}, which names a "
+            f"directory, not a file; end the path with a file name such as {example!r}"
         )
     if not parent.exists():
         raise SpeculantError(

@@ -1,6 +1,7 @@
-"""Checkpoint loading: Hugging Face safetensors (single file or sharded with an index), TP
-sharding through each parameter's `weight_loader`, and `dummy` random weights built straight in
-the target dtype and device."""
+"""Checkpoint loading: Hugging Face safetensors (single file or sharded with an index; every
+tensor in exactly one file, the one the index names: `check_tensor_homes`), TP sharding through
+each parameter's `weight_loader`, and `dummy` random weights built straight in the target dtype
+and device."""
 
 from __future__ import annotations
 
@@ -127,44 +128,64 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint's weight files (`safetensors_files`), each name once. A
-    name in two files is refused, naming both: which copy won used to depend on the files' sort
-    order. With an index, a tensor must sit in the shard the index maps it to (one it does not
-    list loads from the shard holding it, as transformers reads whole shards): a shard holding
-    one the index maps elsewhere means index and shards disagree, and is refused the same way."""
-    homes = {name: Path(path) / shard for name, shard in (_weight_map(Path(path)) or {}).items()}
-    held_by: dict[str, Path] = {}
-    for file in safetensors_files(path):
+    """Every tensor of the checkpoint's weight files (`safetensors_files`), each name once,
+    after a check of the files' headers (`check_tensor_homes`) before any tensor is read."""
+    files = safetensors_files(path)
+    weight_map = _weight_map(Path(path))
+    homes = None if weight_map is None else {k: Path(path) / v for k, v in weight_map.items()}
+    check_tensor_homes({file: _tensor_names(file) for file in files}, homes)
+    for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    _check_one_home(name, file, held_by, homes)
                     yield name, f.get_tensor(name)
-        except SpeculantError:
-            raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise _unreadable(file, exc) from exc
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensor names in a safetensors file's header (no tensor is read)."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise _unreadable(file, exc) from exc
+
+
+def _unreadable(file: Path, exc: Exception) -> SpeculantError:
+    return SpeculantError(
+        f"cannot read {str(file)!r} ({exc}); the file is corrupt or truncated, download it again"
+    )
+
+
+def check_tensor_homes(headers: dict[Path, list[str]], homes: dict[str, Path] | None) -> None:
+    """Each tensor name in exactly one file (`headers`: file -> its tensor names): a name in two
+    files is refused, naming both, as which copy won used to depend on the files' sort order.
+    With an index (`homes`: name -> the shard its weight_map names) the index decides: a tensor
+    must sit in that shard, and one in another shard is refused (index and shards disagree); a
+    name the index does not list loads from the one shard holding it, as transformers reads
+    whole shards."""
+    homes = homes or {}
+    held_by: dict[str, Path] = {}
+    for file, names in headers.items():
+        for name in names:
+            home = homes.get(name)
+            mapped = "" if home is None else f" ({INDEX_FILE} maps it to {str(home)!r})"
+            if name in held_by:
+                raise SpeculantError(
+                    f"tensor {name!r} is in both {str(held_by[name])!r} and {str(file)!r}"
+                    f"{mapped}; a checkpoint holds each tensor once: remove the stray copy (or "
+                    "re-export the checkpoint)"
+                )
+            held_by[name] = file
+    for name, file in held_by.items():
+        home = homes.get(name, file)
+        if home != file:
             raise SpeculantError(
-                f"cannot read {str(file)!r} ({exc}); the file is corrupt or "
-                "truncated, download it again"
-            ) from exc
-
-
-def _check_one_home(name: str, file: Path, held_by: dict[str, Path], homes: dict) -> None:
-    """Refuse tensor `name` in `file` when another file already gave it, or the index maps it to
-    another shard (`homes`: name -> the shard's path); else record where it came from."""
-    if name in held_by:
-        raise SpeculantError(
-            f"tensor {name!r} is in both {str(held_by[name])!r} and {str(file)!r}; a checkpoint "
-            "holds each tensor once: remove the stray file (or re-export the checkpoint)"
-        )
-    home = homes.get(name, file)
-    if home != file:
-        raise SpeculantError(
-            f"tensor {name!r} is in {str(file)!r} but {INDEX_FILE} maps it to "
-            f"{str(home)!r}; the index does not match its shards: re-export the "
-            "checkpoint (or fix the index's weight_map)"
-        )
-    held_by[name] = file
+                f"tensor {name!r} is in {str(file)!r} but {INDEX_FILE} maps it to "
+                f"{str(home)!r}; the index does not match its shards: re-export the checkpoint "
+                "(or fix the index's weight_map)"
+            )
 
 
 def load_weights(
@@ -304,7 +325,10 @@ def file_holding(source: str | Path, name: str) -> str:
     path = Path(source)
     if path.is_file():
         return str(path)
-    for file in sorted(path.glob("*.safetensors")):
+    files: list[Path] = []
+    with contextlib.suppress(SpeculantError):  # none: a pytorch_model.bin head
+        files = safetensors_files(path)  # the index's shards only, as the loader reads them
+    for file in files:
         with contextlib.suppress(Exception), safe_open(str(file), framework="pt") as f:
             if name in f.keys() or f"model.{name}" in f.keys():  # heads drop `model.`
                 return str(file)

@@ -8,6 +8,7 @@ flat, so greedy decoding is not decided by rounding noise.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -73,7 +74,7 @@ def save_hf_model(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
-    kwargs = {**TINY, **overrides}
+    kwargs = {**TINY, **copy.deepcopy(overrides)}  # transformers writes into dicts it is given
     if tokenizer_dir is not None:
         from tokenizers import Tokenizer
 

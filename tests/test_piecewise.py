@@ -273,9 +273,7 @@ def test_eager_padding_on_the_triton_backend(llama_dir):
     backend here: the Triton backend's unpadded steps equal them,
     test_triton_decode_row_plan_equals_the_torch_backend)."""
     params = mixed_params(len(PROMPTS))
-    ref = engine(llama_dir, piecewise_sizes=[], attention_backend="torch").generate(
-        PROMPTS, params
-    )
+    ref = engine(llama_dir, piecewise_sizes=[], attention_backend="torch").generate(PROMPTS, params)
     padded = engine(llama_dir, eager_padding=True, attention_backend="triton")
     out = padded.generate(PROMPTS, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
@@ -683,6 +681,57 @@ def test_load_weights_of_another_shape_is_a_clear_error(llama_dir, qwen2_dir):
     eng = engine(llama_dir)
     with pytest.raises(SpeculantError):
         eng.load_weights(str(qwen2_dir))
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(intermediate_size=96), "intermediate_size=96"),
+        (dict(num_hidden_layers=3), "num_layers=3"),
+        (dict(rope_theta=12345.0), "rope_theta=12345.0"),
+    ],
+)
+def test_load_weights_of_another_architecture_changes_nothing(
+    llama_dir, tiny_tokenizer_dir, tmp_path, change, needle
+):
+    """A checkpoint whose config.json differs from the target's in any architecture field
+    (here a size, the layer count, RoPE) is refused before any weight changes (an audit: three
+    layers loaded into a two-layer target with a warning; RoPE never compared)."""
+    other = helpers_ckpt.save_hf_model(
+        tmp_path / "other", "llama", seed=7, rope_scaling=helpers_ckpt.LLAMA3_ROPE,
+        legacy_config=True, tokenizer_dir=tiny_tokenizer_dir, **change,
+    )  # fmt: skip
+    params = mixed_params(len(PROMPTS))
+    eng = engine(llama_dir, eager_padding=True)
+    before = eng.generate(PROMPTS, params)
+    with pytest.raises(
+        SpeculantError, match=f"not a checkpoint of the target's architecture.*{needle}"
+    ):
+        eng.load_weights(str(other))
+    assert [o.token_ids for o in eng.generate(PROMPTS, params)] == [o.token_ids for o in before]
+
+
+def test_load_weights_that_fails_part_way_keeps_the_old_weights(
+    llama_dir, tiny_tokenizer_dir, tmp_path
+):
+    """A checkpoint of the target's config that lacks a tensor fails after other tensors were
+    copied in: the weights are put back (an audit: the error came, the model was left half
+    loaded and generated other tokens), and the engine still generates as before."""
+    from safetensors.torch import load_file, save_file
+
+    other = helpers_ckpt.save_hf_model(
+        tmp_path / "other", "llama", seed=7, rope_scaling=helpers_ckpt.LLAMA3_ROPE,
+        legacy_config=True, tokenizer_dir=tiny_tokenizer_dir,
+    )  # fmt: skip
+    weights = load_file(str(other / "model.safetensors"))
+    weights.pop("model.norm.weight")  # the last tensor the model needs, after every layer's
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    params = mixed_params(len(PROMPTS))
+    eng = engine(llama_dir, eager_padding=True)
+    before = eng.generate(PROMPTS, params)
+    with pytest.raises(SpeculantError, match="lacks the tensor for 'model.norm.weight'"):
+        eng.load_weights(str(other))
+    assert [o.token_ids for o in eng.generate(PROMPTS, params)] == [o.token_ids for o in before]
 
 
 # ------------------------------------------------------------------------------ two gloo ranks
