@@ -116,6 +116,21 @@ def check_options(options: dict) -> None:
     """One SpeculantError line for an option value of the wrong kind or range (the CLI's
     argparse refuses the same values): whole numbers (a bool is not one), lists of sizes, the
     memory fraction, switches."""
+    device = options.get("device")
+    if isinstance(device, torch.device):  # as torch takes it: torch.device("cuda", 1) too
+        options["device"] = str(device)
+    elif device is not None and not isinstance(device, str):
+        raise SpeculantError(
+            f"device={device!r} must be 'cpu', 'cuda' or 'cuda:N' (a str or a torch.device)"
+        )
+    draft = options.get("draft")
+    if isinstance(draft, os.PathLike):
+        options["draft"] = draft = os.fspath(draft)
+    if draft is not None and (not isinstance(draft, str) or not draft):
+        raise SpeculantError(
+            f"draft={draft!r} must be the path of a drafter checkpoint directory (a str or a "
+            "Path; None: no drafter)"
+        )
     for name in INTEGER_OPTIONS.keys() & options.keys():
         value, (least, nullable) = options[name], INTEGER_OPTIONS[name]
         if value is None and nullable:
@@ -224,12 +239,15 @@ def check_spec(spec: SpecConfig) -> None:
             "(--sampled-verify)"
         )
     depth = spec.catch_up_depth
-    if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= 256:
+    if not is_integer(depth) or not 0 <= depth <= 256:  # numpy integers too
         raise SpeculantError(
             f"catch_up_depth={depth!r} must be an integer in 0..256 (0: catch up every step)"
         )
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+    spec.catch_up_depth = int(depth)
+    if k is not None and (not is_integer(k) or k < 0):  # numpy integers too
         raise SpeculantError(f"num_draft_tokens={k!r} must be an integer >= 0 (0 = plain decoding)")
+    if k is not None:
+        k = spec.num_draft_tokens = int(k)
     fmt = None
     if spec.draft is not None and (spec.algo is None or k is None):
         fmt = drafter_format(spec.draft)

@@ -211,6 +211,7 @@ class Engine:
         self._cycle_start = 0.0  # when the last step started
         self._resting = False  # whether the last step rested the drafter
         self._read_at = 0.0  # when the last overlapped step's results were read (_read)
+        self._generating = False  # a generate call under way (no nested one: generate)
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
             self.attention_backend, mc.is_moe, self.graphs.sizes,
@@ -409,7 +410,7 @@ class Engine:
                 f"sampling params {index} is of type {type(params).__name__}, not "
                 "SamplingParams; pass SamplingParams(...)"
             )
-        params.validate()
+        params = params.validate()
         if is_integer(prompt):
             raise PromptError(
                 index,
@@ -502,12 +503,23 @@ class Engine:
             raise SpeculantError(
                 f"on_output={on_output!r} is not callable; pass a function of one RequestOutput"
             )
-        if self.pctx.world_size > 1:
-            return self._generate_distributed(
-                prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output
+        if type(use_tqdm).__name__ not in ("bool", "bool_"):
+            raise SpeculantError(f"use_tqdm={use_tqdm!r} must be True or False")
+        if self._generating:  # one scheduler: a nested call would run the outer requests
+            raise SpeculantError(
+                "Engine.generate is already running on this engine (called from its "
+                "on_output?); keep the outputs and call generate again once it returns"
             )
-        requests = self.make_requests(prompts, sampling_params)
-        return self.run(requests, use_tqdm=use_tqdm, on_output=on_output)
+        self._generating = True
+        try:
+            if self.pctx.world_size > 1:
+                return self._generate_distributed(
+                    prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output
+                )
+            requests = self.make_requests(prompts, sampling_params)
+            return self.run(requests, use_tqdm=use_tqdm, on_output=on_output)
+        finally:
+            self._generating = False
 
     def make_requests(self, prompts, sampling_params=None) -> list[Request]:
         """Checked requests (index = position in `prompts`) for one or one-per-prompt params."""
@@ -520,12 +532,29 @@ class Engine:
                 f"prompts is of type {type(prompts).__name__}; give a list of prompts (texts or "
                 "lists of token ids)"
             )
+        if isinstance(prompts, (bytes, bytearray)):
+            raise SpeculantError(
+                f"prompts is {type(prompts).__name__}; give a text (str), a list of texts or of "
+                "token-id lists"
+            )
         if isinstance(sampling_params, dict):
             raise SpeculantError(
                 "sampling_params is a dict; pass SamplingParams(**that dict), or a list of them"
             )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise SpeculantError(
+                f"sampling_params is of type {type(sampling_params).__name__}; give one "
+                "SamplingParams, or a list of them with one per prompt"
+            )
+        else:  # one per prompt: a bad one is named by its place
+            for i, params in enumerate(sampling_params):
+                if isinstance(params, SamplingParams):
+                    try:
+                        params.validate()
+                    except SpeculantError as exc:
+                        raise SpeculantError(f"sampling_params[{i}]: {exc}") from None
         if len(sampling_params) != len(prompts):
             raise SpeculantError(
                 f"{len(sampling_params)} sampling params for {len(prompts)} "

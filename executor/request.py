@@ -3,6 +3,7 @@ them (Request)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -41,9 +42,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
-    def validate(self) -> None:
-        """Raise on a value that cannot be right, naming it; temperatures below
-        GREEDY_TEMPERATURE become 0 (greedy) in place."""
+    def validate(self) -> SamplingParams:
+        """Raise on a value that cannot be right, naming it; else the params a request runs
+        with: these, or a copy whose temperature below GREEDY_TEMPERATURE is 0 (greedy). The
+        caller's object is never changed (one object may serve many prompts and calls)."""
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise SpeculantError(
                 f"max_new_tokens={self.max_new_tokens!r} must be an integer of at least 1"
@@ -76,8 +78,9 @@ class SamplingParams:
             raise SpeculantError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise SpeculantError(f"ignore_eos={self.ignore_eos!r} must be True or False")
-        if self.temperature < GREEDY_TEMPERATURE:
-            self.temperature = 0.0
+        if 0 < self.temperature < GREEDY_TEMPERATURE:
+            return dataclasses.replace(self, temperature=0.0)
+        return self
 
 
 @dataclass

@@ -106,9 +106,9 @@ def test_temperatures_below_epsilon_are_greedy(temperature):
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 40).float())
     assert torch.equal(sample(logits, info, torch.arange(5), "full"), logits.argmax(-1))
     assert batch_variant([temperature]) == GREEDY
-    params = SamplingParams(temperature=temperature)
-    params.validate()
-    assert params.temperature == 0.0  # the engine then runs the greedy path
+    given = SamplingParams(temperature=temperature)
+    assert given.validate().temperature == 0.0  # the engine then runs the greedy path
+    assert given.temperature == temperature  # the caller's object as it was
 
 
 def test_tiny_sampling_values_generate_the_greedy_tokens(llama_dir):
