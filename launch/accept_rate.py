@@ -130,10 +130,10 @@ def aggregate(outputs: list, specs: list | None = None) -> tuple[float, list[flo
 
 
 def no_verify_reason(outputs: list, specs: list) -> str:
-    """Why no request ran a verify step, and what helps. Every prompt runs at least 2 tokens
-    (--max-new-tokens) ignoring EOS, so a request that ended at prefill (one token) was capped
-    by the context: the engine caps its max_new_tokens at max_model_len - len(prompt), 1 for a
-    prompt one token short of the context (no --max-new-tokens can help there). A request that
+    """Why no request ran a verify step, and what helps. --max-new-tokens is at least 2 (_check)
+    and every prompt ignores EOS, so a request that ended at prefill (one token) was capped by
+    the context: the engine caps its max_new_tokens at max_model_len - len(prompt), 1 for a
+    prompt one token short of the context, whatever --max-new-tokens says. A request that
     decoded without drafting (--speculation auto) verified nothing either."""
     if any((out.stats or {}).get("num_plain_steps") for out in outputs):
         return (
@@ -566,6 +566,7 @@ def _read_baseline(path: str, flag: str = "--baseline") -> dict:
         baseline = json.loads(read_input(path).decode("utf-8"), parse_int=_json_int)
         # inside: a value nested a little less deeply than json reads can still be too deep
         # for json to write in the message that refuses it (a few frames further down)
+        check_report_fields(baseline, path, flag)
     except UnicodeDecodeError as exc:
         raise SpeculantError(f"{flag} {path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
@@ -580,7 +581,6 @@ def _read_baseline(path: str, flag: str = "--baseline") -> dict:
         raise SpeculantError(
             f"{flag} {path!r} holds JSON nested too deeply to read, which no report is; {fix}"
         ) from None
-    check_report_fields(baseline, path, flag)
     return baseline
 
 

@@ -1050,3 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
             if signal.getsignal(sig) is _record_early_stop:
                 signal.signal(sig, signal.SIG_IGN)
     return code
+
+
+if __name__ == "__main__":  # python -m speculant.launch.cli, as python -m speculant
+    sys.exit(main())

@@ -221,8 +221,7 @@ def check_writable(path: str, flag: str, example: str = "out.jsonl") -> None:
     parent = target.resolve().parent
     if target.is_dir():
         raise SpeculantError(
-            f"{flag} {path!r} is a directory; pass a file path such as "
-            f"{str(target / example)!r}"
+            f"{flag} {path!r} is a directory; pass a file path such as {str(target / example)!r}"
         )
     # pathlib drops a trailing '/' (and '/.'), so the checks below would pass "x.png/" and the
     # write, which gets the path as given, fail after the whole run

@@ -141,17 +141,23 @@ def test_rtol_without_a_baseline_is_refused(capsys, tmp_path, no_model, given):
 
 
 def test_prompts_that_fill_the_context_name_it_not_max_new_tokens(capsys, tmp_path, llama_dir):
-    """A prompt one token short of the context (max_model_len 512 on the tiny llama) gets one
-    output token, at prefill: no verify step can run. The message said to raise
-    --max-new-tokens, which cannot help; it names the prompt, its length and the context."""
+    """A prompt one token short of the context (the engine's max_model_len: the model's
+    max_position_embeddings, at most DEFAULT_MAX_MODEL_LEN) gets one output token, at prefill:
+    no verify step can run. The message said to raise --max-new-tokens, which cannot help; it
+    names the prompt, its length and the context."""
+    from speculant.executor.build import DEFAULT_MAX_MODEL_LEN
+
+    config = json.loads((llama_dir / "config.json").read_text())
+    context = min(config["max_position_embeddings"], DEFAULT_MAX_MODEL_LEN)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": [7] * 511}) + "\n")
+    prompts.write_text(json.dumps({"prompt_token_ids": [7] * (context - 1)}) + "\n")
     line = error_line(*accept_rate(
         capsys, "--target", llama_dir, "--draft", llama_dir, "--algo", "draft-model",
         "--num-draft-tokens", 2, "--prompts", prompts, "--max-new-tokens", 8,
     ))  # fmt: skip
-    assert f"the longest prompt ({prompts}:1) has 511 tokens" in line, line
-    assert "context holds 512 (max_model_len)" in line and "at most 510 tokens" in line
+    assert f"the longest prompt ({prompts}:1) has {context - 1} tokens" in line, line
+    assert f"context holds {context} (max_model_len)" in line
+    assert f"at most {context - 2} tokens" in line
     assert "--max-new-tokens" not in line
 
 
