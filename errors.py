@@ -13,3 +13,6 @@ class PromptError(SpeculantError):
     def __init__(self, index: int, detail: str):
         super().__init__(f"prompt {index}{'' if detail.startswith(':') else ' '}{detail}")
         self.index, self.detail = index, detail
+
+    def __reduce__(self):  # pickled whole (a Ray actor's error reaches its driver so)
+        return type(self), (self.index, self.detail)

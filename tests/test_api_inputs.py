@@ -79,3 +79,19 @@ def test_generate_inside_on_output_is_refused_and_the_engine_goes_on(engine):
         engine.generate([[5, 6, 7], [9, 10]], params, on_output=nested)
     again = engine.generate([[5, 6, 7], [9, 10]], params)
     assert [len(o.token_ids) for o in again] == [4, 4]
+
+
+def test_a_prompt_error_survives_pickling():
+    """A rank's PromptError reaches the Ray driver pickled: it must come back whole, a user
+    error (it came back as a failed deserialisation, exit 1 instead of 2)."""
+    import pickle
+
+    from speculant.errors import PromptError
+
+    error = pickle.loads(pickle.dumps(PromptError(3, "has 400 tokens")))
+    assert isinstance(error, PromptError) and isinstance(error, SpeculantError)
+    assert (error.index, error.detail, str(error)) == (
+        3,
+        "has 400 tokens",
+        "prompt 3 has 400 tokens",
+    )
