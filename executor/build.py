@@ -104,7 +104,7 @@ def resolve_device(device: str | None) -> str:
 # the least value (None: check_spec checks the range) and whether None (the default) may be given
 INTEGER_OPTIONS = {
     "page_size": (1, False), "max_num_seqs": (1, True), "max_num_batched_tokens": (1, True),
-    "max_model_len": (1, True), "num_pages": (1, True), "max_capture_size": (1, True),
+    "max_model_len": (2, True), "num_pages": (1, True), "max_capture_size": (1, True),
     "tp": (1, False), "dp": (1, False), "moe_max_tokens_per_rank": (1, True),
     "num_draft_tokens": (None, True), "catch_up_depth": (None, True),
 }  # fmt: skip
@@ -264,6 +264,8 @@ def check_spec(spec: SpecConfig) -> None:
                 "config.json does not name its algorithm"
             )
         spec.num_draft_tokens = 0
+        if spec.speculation != "fixed":
+            log.warning("speculation=%r without a drafter: plain decoding", spec.speculation)
         return
     if spec.algo not in ALGOS:
         raise SpeculantError(f"algo {spec.algo!r} is not supported; use one of {', '.join(ALGOS)}")

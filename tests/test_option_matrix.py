@@ -165,7 +165,8 @@ def test_random_option_combination_greedy_equals_plain(plain, corpus, case):
 BAD_OPTIONS = [
     (dict(max_num_seqs=0), r"^max_num_seqs=0 must be an integer >= 1 \(None: the default\)$"),
     (dict(max_num_batched_tokens=-1), r"^max_num_batched_tokens=-1 must be an integer >= 1"),
-    (dict(max_model_len=0), r"^max_model_len=0 must be an integer >= 1"),
+    (dict(max_model_len=0), r"^max_model_len=0 must be an integer >= 2"),
+    (dict(max_model_len=1), r"^max_model_len=1 must be an integer >= 2"),  # no room for output
     (dict(num_pages=-2), r"^num_pages=-2 must be an integer >= 1"),
     (dict(max_capture_size=0), r"^max_capture_size=0 must be an integer >= 1"),
     (dict(moe_max_tokens_per_rank=0), r"^moe_max_tokens_per_rank=0 must be an integer >= 1"),
