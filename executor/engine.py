@@ -421,8 +421,8 @@ class Engine:
             if self.tokenizer is None:
                 raise PromptError(
                     index,
-                    f"is text but {self.config.target!r} has no "
-                    "tokenizer.json; pass token ids or a checkpoint with one",
+                    f"is text but {self.config.target!r} has no tokenizer.json; add one, or "
+                    "pass token ids (prompt_token_ids in a --prompts file)",
                 )
             try:
                 prompt.encode("utf-8")

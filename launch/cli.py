@@ -455,10 +455,15 @@ def prompts_named(specs: Sequence[PromptSpec]) -> Iterator[None]:
     try:
         yield
     except PromptError as exc:
-        if not 0 <= exc.index < len(specs):
-            raise
-        detail = exc.detail.removeprefix(":").strip()
-        raise SpeculantError(f"{specs[exc.index].where}: the prompt {detail}") from None
+        raise prompt_named(exc, specs) from None
+
+
+def prompt_named(exc: PromptError, specs: Sequence[PromptSpec]) -> SpeculantError:
+    """`exc` as it names where the user wrote prompt i (`exc` itself when i is not in specs)."""
+    if not 0 <= exc.index < len(specs):
+        return exc
+    detail = exc.detail.removeprefix(":").strip()
+    return SpeculantError(f"{specs[exc.index].where}: the prompt {detail}")
 
 
 # Values travel to the device as float32 and int64: finite numbers, integers that fit int64.
@@ -897,12 +902,6 @@ def generate_in_rank(
     engine = Engine(target=args.target, pctx=pctx, **kwargs)
     if pctx is not None:
         fault_point(pctx.rank)
-    for spec in specs if pctx is None else ():  # ranks: make_requests checks
-        if isinstance(spec.prompt, str) and engine.tokenizer is None:
-            raise SpeculantError(
-                f"{spec.where}: the prompt is text but {args.target!r} has no tokenizer.json; "
-                "add one or pass prompt_token_ids in a --prompts file"
-            )
     base = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -1034,12 +1033,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.debug:
                 raise
             close_progress_bars()
-            print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
+            # every rank checks rank 0's prompts: rank 0's line names the --prompts line
+            if not (isinstance(exc, PromptError) and not reads_inputs()):
+                print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
             code = 2
         restore_signals()  # inside the try: a stop up to here still ends as a stop
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         close_progress_bars()  # so that this line is the last on stderr
-        line, code = stopped_line(exc, getattr(args, "output", None), ranks=False)
+        output = getattr(args, "output", None) if reads_inputs() else None  # rank 0 writes it
+        line, code = stopped_line(exc, output, ranks=False)
         print(line, file=sys.stderr)
     finally:
         restore_signals()

@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from speculant.errors import SpeculantError
+from speculant.errors import PromptError, SpeculantError
 from speculant.launch.paths import open_output, write_errors_named
 from speculant.launch.spawn import GRACE_S, Terminated, close_progress_bars, stopped_line
 
@@ -529,8 +529,13 @@ def _run_ranks(args, job, empty, ray, run, finished, grace_s) -> tuple[Any, tupl
     if not errors and not stuck:
         return results[0], None
     line, user = failure_line(ray, errors, stuck, grace_s)
-    if user:
-        return None, (f"speculant: error: {_first_line(_cause(errors[0][1]))}", 2)
+    if user:  # every rank checks the same inputs: rank 0's (or the lowest) error, its line named
+        cause = _cause(min(errors, key=lambda item: item[0])[1])
+        if isinstance(cause, PromptError):
+            from speculant.launch.cli import prompt_named
+
+            cause = prompt_named(cause, job if args.command == "generate" else job.specs)
+        return None, (f"speculant: error: {_first_line(cause)}", 2)
     return None, (f"speculant: error: {line}", 1)
 
 

@@ -681,3 +681,12 @@ def test_num_draft_tokens_without_a_drafter_says_so(capsys, llama_dir):
     line = error_line(*run_main(capsys, "--target", llama_dir, "--prompt", "hi",
                                 "--num-draft-tokens", 3))  # fmt: skip
     assert "--num-draft-tokens 3 needs a drafter: pass --draft DIR" in line, line
+
+
+def test_a_text_prompt_without_a_tokenizer_says_the_same_everywhere(capsys, tmp_path, llama_dir):
+    """One message whether one process or a rank found it (the CLI had its own wording)."""
+    folder = copy_checkpoint(llama_dir, tmp_path / "notok")
+    (folder / "tokenizer.json").unlink()
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [5]}, {"prompt": "hi"}])
+    line = error_line(*run_main(capsys, "--target", folder, "--prompts", prompts))
+    assert f"{prompts}:2: the prompt is text but '{folder}' has no tokenizer.json; add one" in line

@@ -157,6 +157,20 @@ def test_torchrun_stdout_holds_only_rank0s_completions(flags, tmp_path):
     assert shown == ["[0]", "[1]", "[2]", "[3]"], proc.stdout
 
 
+def test_torchrun_prompt_error_is_rank0s_line_alone(flags, tmp_path):
+    """A prompt every rank refuses (ids past the vocabulary, line 3): rank 0's line names the
+    --prompts FILE:LINE; the other ranks print none of their own ("prompt 1 has ..."). torchrun
+    itself then ends with its failure summary, exit 1 (its agent's, for any failed rank)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5, 6]}\n\n{"prompt_token_ids": [5, 99999]}\n')
+    args = list(flags)
+    args[args.index("--prompts") + 1] = str(prompts)
+    proc = torchrun(2, ["generate", *args, "--tp", "2"])
+    lines = [line for line in proc.stderr.splitlines() if "speculant: error:" in line]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"{prompts}:3: the prompt has token id 99999 outside the vocabulary" in lines[0]
+
+
 def test_torchrun_world_must_match_tp_dp(flags):
     proc = torchrun(2, ["generate", *flags, "--tp", "2", "--dp", "2"])
     assert proc.returncode != 0
@@ -555,6 +569,7 @@ class TestRayDriver:
         assert main(["generate", *args]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("speculant: error: ") and "rank" not in last, last
+        assert f"{long_prompt}:1: the prompt has 400 tokens" in last, last  # whichever rank
         self.assert_nothing_left(ray)
 
 
