@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers_eagle import write_random_eagle3
-
-from speculant.launch.cli import main
+from helpers_io import accept_rate
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +20,6 @@ def setup(tmp_path_factory, llama_dir):
     rows.append({"prompt": "def add(a, b):"})
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root, prompts
-
-
-def accept_rate(capsys, *args) -> tuple[int, str, str]:
-    device = [] if "--compare" in args else ["--device", "cpu"]  # --compare takes no --device
-    try:
-        status = main(["accept-rate", *device, *map(str, args)])
-    except SystemExit as exc:
-        status = exc.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def test_report_and_baseline_roundtrip(capsys, setup, llama_dir, tmp_path):

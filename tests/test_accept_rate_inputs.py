@@ -10,8 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
-from speculant.launch.cli import main
+from helpers_io import accept_rate
 
 REPORT = {
     "algo": "eagle3",
@@ -22,16 +21,6 @@ REPORT = {
     "acceptance_length": 1.4,
     "per_position_acceptance": [0.3, 0.1, 0.0],
 }
-
-
-def accept_rate(capsys, *args) -> tuple[int, str, str]:
-    device = [] if "--compare" in args else ["--device", "cpu"]  # --compare takes no --device
-    try:
-        status = main(["accept-rate", *device, *map(str, args)])
-    except SystemExit as exc:
-        status = exc.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def error_line(status: int, out: str, err: str) -> str:
