@@ -470,6 +470,11 @@ class Engine:
                 f"{self.max_model_len - 1} prompt tokens); shorten it or raise --max-model-len",
             )
         stop = set(params.stop_token_ids)
+        if stop and max(stop) >= vocab:  # the model never emits it: the stop would do nothing
+            raise SpeculantError(
+                f"stop_token_ids holds {max(stop)}, outside the vocabulary [0, {vocab}) of "
+                f"{self.config.target!r}; give token ids the model can emit"
+            )
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)
         # the engine seed's per-request default, folded into int64 (the device's seed type)

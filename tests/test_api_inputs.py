@@ -95,3 +95,9 @@ def test_a_prompt_error_survives_pickling():
         "has 400 tokens",
         "prompt 3 has 400 tokens",
     )
+
+
+def test_a_stop_token_the_model_cannot_emit_is_refused(engine):
+    """A stop id past the vocabulary would never match: refused, not silently kept."""
+    with pytest.raises(SpeculantError, match=r"stop_token_ids holds 4101, outside the vocab"):
+        engine.generate([[5, 6]], SamplingParams(stop_token_ids=[3, 4101]))
