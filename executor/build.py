@@ -35,7 +35,7 @@ from speculant.drafter.tokenizer_vocab import check_draft_tokenizer
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
-from speculant.executor.request import is_integer, is_number
+from speculant.executor.request import is_bool, is_integer, is_number
 from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
@@ -162,7 +162,7 @@ def check_options(options: dict) -> None:
         raise SpeculantError(f"kv_cache_memory_fraction={fraction!r} must be a number in (0, 1]")
     for name in BOOL_OPTIONS:
         value = options.get(name, False)
-        if type(value).__name__ not in ("bool", "bool_"):  # a bool or numpy's (1 and 0 are not)
+        if not is_bool(value):
             raise SpeculantError(f"{name}={value!r} must be True or False")
 
 

@@ -40,7 +40,13 @@ from speculant.executor.input_buffers import PendingResults, Readback, ReadResul
 from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
-from speculant.executor.request import Request, RequestOutput, SamplingParams, is_integer
+from speculant.executor.request import (
+    Request,
+    RequestOutput,
+    SamplingParams,
+    is_bool,
+    is_integer,
+)
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.speculation import (
@@ -405,12 +411,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def _make_request(self, index: int, prompt, params: SamplingParams) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise SpeculantError(
-                f"sampling params {index} is of type {type(params).__name__}, not "
-                "SamplingParams; pass SamplingParams(...)"
-            )
-        params = params.validate()
+        """Request `index` of `prompt`, its params already checked (`make_requests`)."""
         if is_integer(prompt):
             raise PromptError(
                 index,
@@ -508,7 +509,7 @@ class Engine:
             raise SpeculantError(
                 f"on_output={on_output!r} is not callable; pass a function of one RequestOutput"
             )
-        if type(use_tqdm).__name__ not in ("bool", "bool_"):
+        if not is_bool(use_tqdm):
             raise SpeculantError(f"use_tqdm={use_tqdm!r} must be True or False")
         if self._generating:  # one scheduler: a nested call would run the outer requests
             raise SpeculantError(
@@ -547,19 +548,14 @@ class Engine:
                 "sampling_params is a dict; pass SamplingParams(**that dict), or a list of them"
             )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [(sampling_params or SamplingParams()).validate()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
             raise SpeculantError(
                 f"sampling_params is of type {type(sampling_params).__name__}; give one "
                 "SamplingParams, or a list of them with one per prompt"
             )
-        else:  # one per prompt: a bad one is named by its place
-            for i, params in enumerate(sampling_params):
-                if isinstance(params, SamplingParams):
-                    try:
-                        params.validate()
-                    except SpeculantError as exc:
-                        raise SpeculantError(f"sampling_params[{i}]: {exc}") from None
+        else:  # one per prompt, each checked once: a bad one is named by its place
+            sampling_params = [_checked_params(i, sp) for i, sp in enumerate(sampling_params)]
         if len(sampling_params) != len(prompts):
             raise SpeculantError(
                 f"{len(sampling_params)} sampling params for {len(prompts)} "
@@ -1057,3 +1053,16 @@ class Engine:
                 else {}
             ),
         }
+
+
+def _checked_params(i: int, params: SamplingParams) -> SamplingParams:
+    """sampling_params[i] of a list, checked (SamplingParams.validate), named by its place."""
+    if not isinstance(params, SamplingParams):
+        raise SpeculantError(
+            f"sampling_params[{i}] is of type {type(params).__name__}, not SamplingParams; pass "
+            "SamplingParams(...)"
+        )
+    try:
+        return params.validate()
+    except SpeculantError as exc:
+        raise SpeculantError(f"sampling_params[{i}]: {exc}") from None

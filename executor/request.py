@@ -24,6 +24,11 @@ def is_integer(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def is_bool(value: object) -> bool:
+    """A bool or numpy's (1 and 0 are not)."""
+    return isinstance(value, (bool, np.bool_))
+
+
 def is_number(value: object) -> bool:
     """A finite int or float (or numpy scalar), not a bool: NaN and inf are not numbers here."""
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -76,7 +81,7 @@ class SamplingParams:
             )
         if any(not is_integer(t) or not 0 <= t <= INT64_MAX for t in stops):
             raise SpeculantError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+        if not is_bool(self.ignore_eos):
             raise SpeculantError(f"ignore_eos={self.ignore_eos!r} must be True or False")
         if 0 < self.temperature < GREEDY_TEMPERATURE:
             return dataclasses.replace(self, temperature=0.0)
