@@ -27,12 +27,12 @@ forward and a replayed graph make the same collectives. The drafter's forwards a
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from speculant.comm.groups import ParallelContext
+from speculant.comm.store_call import bounded_call
 from speculant.executor.cuda_graph import GraphRunner, dp_can_use_graph, dp_graph_batch_size
 from speculant.executor.request import Request
 from speculant.executor.speculation import DraftShape
@@ -135,30 +135,16 @@ class JobProgress:
         return self.count
 
     def _call(self, method: Callable, *args: Any) -> Any:
-        """method(*args) in a daemon thread, waited on for call_s: its result, or None (and the
-        store given up on) when it did not answer. Its exception is raised here."""
-        result: list = []
-
-        def call() -> None:
-            try:
-                result.append((True, method(*args)))
-            except BaseException as exc:  # raised again in the caller's thread
-                result.append((False, exc))
-
-        thread = threading.Thread(target=call, name="speculant-progress", daemon=True)
-        thread.start()
-        thread.join(self.call_s)
-        if not result:
+        """method(*args), waited on for call_s (comm.store_call): its result, or None (and the
+        store given up on) when it did not answer."""
+        answered, value = bounded_call(lambda: method(*args), self.call_s, "speculant-progress")
+        if not answered:
             self.lost = True
             log.warning(
                 "the job's store did not answer a progress update in %.0f s (the rank holding "
                 "it stopped?); the progress bar stops counting the other DP ranks",
                 self.call_s,
             )
-            return None
-        ok, value = result[0]
-        if not ok:
-            raise value
         return value
 
 

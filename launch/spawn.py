@@ -281,13 +281,12 @@ def report_failure(exc: BaseException) -> str | None:
     waits for its server's answers without a timeout (the connection's ping, `check`, `get`),
     so a store whose host is stopped (SIGSTOP: the kernel still accepts the connection) would
     hold this rank, and the launcher waiting for it, forever."""
-    result: list[str | None] = []
-    worker = threading.Thread(
-        target=lambda: result.append(_roll_call(exc)), name="speculant-roll-call", daemon=True
-    )
-    worker.start()
-    worker.join(REPORT_S)
-    return result[0] if result else None
+    from speculant.comm.store_call import bounded_call
+
+    try:
+        return bounded_call(lambda: _roll_call(exc), REPORT_S, "speculant-roll-call")[1]
+    except Exception:  # the report failed: nothing to name (as one that never answered)
+        return None
 
 
 def _roll_call(exc: BaseException) -> str | None:
