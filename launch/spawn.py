@@ -842,16 +842,14 @@ def rank_inputs(argv: Sequence[str]) -> tuple[list[str], list[IO[bytes]]]:
 
 
 def shown_paths(given: Sequence[str], ranks_argv: Sequence[str]) -> dict[str, str]:
-    """{the ranks' /dev/fd/N: the user's path} for each input `rank_inputs` replaced."""
+    """{the ranks' /dev/fd/N: the user's path} for each input `rank_inputs` replaced (the
+    `FLAG /dev/fd/N` pairs it appends to the command line)."""
     from speculant.launch.cli import build_parser
 
-    before, after = build_parser().parse_args(given), build_parser().parse_args(ranks_argv)
-    shown = {}
-    for flag in INPUT_FLAGS:
-        old, new = getattr(before, flag[2:], None), getattr(after, flag[2:], None)
-        if old and new and old != new:
-            shown[new] = old
-    return shown
+    args, added = build_parser().parse_args(given), list(ranks_argv[len(given) :])
+    return {
+        copy: getattr(args, flag[2:]) for flag, copy in zip(added[::2], added[1::2], strict=True)
+    }
 
 
 def launch_cli(
