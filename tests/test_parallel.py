@@ -384,8 +384,18 @@ STORE_SERVER = (
 )
 
 
+def _wait_stopped(pid: int, limit_s: float = 10.0) -> None:
+    """Until the kernel reports `pid` stopped (state T in /proc/PID/stat)."""
+    deadline = time.monotonic() + limit_s
+    with open(f"/proc/{pid}/stat") as stat:
+        while stat.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            assert time.monotonic() < deadline, f"process {pid} did not stop in {limit_s} s"
+            time.sleep(0.01)
+            stat.seek(0)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="stops the store's process")
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="stops the store's process")
 def test_job_progress_gives_up_on_a_store_that_stopped_answering(caplog):
     """A real TCPStore whose server process (rank 0, or torchrun's agent) is stopped: a client's
     add then never returns. The counter waits `call_s`, warns once and stops touching the store;
@@ -407,6 +417,7 @@ def test_job_progress_gives_up_on_a_store_that_stopped_answering(caplog):
                                call_s=1.0)  # fmt: skip
         assert progress.update(1, done=False) == 1  # the store answers
         os.kill(server.pid, signal.SIGSTOP)
+        _wait_stopped(server.pid)  # kill returns before a busy process has stopped (CI saw it answer)
         start = time.monotonic()
         now[0] = 1.0
         assert progress.update(2, done=False) is None
