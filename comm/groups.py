@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from speculant.comm.store_call import interruptible_call
 from speculant.errors import SpeculantError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -108,13 +109,19 @@ class ParallelContext:
         backend = "nccl" if cuda else "gloo"
         timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend=backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-            )
+
+            def join() -> None:  # waits for every rank; a stop meanwhile ends this one
+                if cuda:
+                    torch.cuda.set_device(local_rank)  # the current device is per thread
+                dist.init_process_group(
+                    backend=backend,
+                    init_method=f"tcp://{master_addr}:{master_port}",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                )
+
+            interruptible_call(join, "speculant-join")
         elif dist.get_world_size() != world_size:
             check_world(dist.get_world_size(), tp, dp)
         pctx = cls(

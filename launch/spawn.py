@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from speculant.comm.store_call import bounded_call, calls_left_running
 from speculant.errors import SpeculantError
 from speculant.launch.paths import SHOWN_PATHS_ENV
 
@@ -281,8 +282,6 @@ def report_failure(exc: BaseException) -> str | None:
     waits for its server's answers without a timeout (the connection's ping, `check`, `get`),
     so a store whose host is stopped (SIGSTOP: the kernel still accepts the connection) would
     hold this rank, and the launcher waiting for it, forever."""
-    from speculant.comm.store_call import bounded_call
-
     try:
         return bounded_call(lambda: _roll_call(exc), REPORT_S, "speculant-roll-call")[1]
     except Exception:  # the report failed: nothing to name (as one that never answered)
@@ -481,7 +480,7 @@ def _exit(code: int, device: str) -> None:
     after NCCL graph capture); CPU ranks exit normally so multiprocessing cleans up."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or calls_left_running():
         os._exit(code)
     # a gloo group left open (a rank function that did not close its context) keeps threads
     # whose destruction at interpreter exit can abort the rank ("terminate called without an

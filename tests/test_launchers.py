@@ -171,6 +171,33 @@ def test_torchrun_prompt_error_is_rank0s_line_alone(flags, tmp_path):
     assert f"{prompts}:3: the prompt has token id 99999 outside the vocabulary" in lines[0]
 
 
+SLOW_RANK0 = """
+import os, time
+if os.environ.get("RANK") == "0":
+    time.sleep(6)  # the other rank is in the join (waiting for rank 0) when rank 0 fails
+"""
+
+
+def test_torchrun_rank0_error_before_the_join_ends_the_job_at_once(flags, tmp_path):
+    """Rank 0 refuses its --output before the ranks join; the other rank waits in the join
+    (inside torch's C++, where a Python signal handler does not run) when torchrun sends it
+    SIGTERM: it stops at once (was: torchrun's 30 s grace, then SIGKILL)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_RANK0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    start = time.monotonic()
+    proc = torchrun(2, ["generate", *flags, "--dp", "2", "--output", str(tmp_path / "no" / "o")],
+                    env=env)  # fmt: skip
+    took = time.monotonic() - start
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("speculant: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "directory does not exist" in errors[0] and "SIGKILL" not in proc.stderr, proc.stderr
+    assert "terminate called" not in proc.stderr, proc.stderr  # the join thread left running
+    assert took < 25, took  # 6 s of rank 0's sleep; torchrun's grace alone is 30 s
+
+
 def test_torchrun_world_must_match_tp_dp(flags):
     proc = torchrun(2, ["generate", *flags, "--tp", "2", "--dp", "2"])
     assert proc.returncode != 0

@@ -417,7 +417,7 @@ def test_job_progress_gives_up_on_a_store_that_stopped_answering(caplog):
                                call_s=1.0)  # fmt: skip
         assert progress.update(1, done=False) == 1  # the store answers
         os.kill(server.pid, signal.SIGSTOP)
-        _wait_stopped(server.pid)  # kill returns before a busy process has stopped (CI saw it answer)
+        _wait_stopped(server.pid)  # kill returns before a busy process stops (CI saw it answer)
         start = time.monotonic()
         now[0] = 1.0
         assert progress.update(2, done=False) is None

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from speculant.launch import cli
+from speculant.launch.spawn import GRACE_S
 
 TARGET = Path(__file__).resolve().parents[1] / "assets" / "target"
 WAIT_S = 60  # the most a job may take to reach the point a test acts at, or to end after it
@@ -246,6 +247,71 @@ def test_killing_the_launcher_stops_every_rank(job, tmp_path, sig):
     assert all(len(line["token_ids"]) == 4 for line in lines[:2])
     assert not list(started.tmpdir.glob("speculant-ranks-*"))
     assert not is_locked(out)
+
+
+SLOW_RANK = """
+import os, time
+if os.environ.get("RANK") == os.environ.get("SLOW_RANK") and os.environ.get("SPECULANT_TEST_MARK"):
+    time.sleep(30)  # the other rank waits for it in the process-group join
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slow,group", [("0", False), ("1", True)], ids=["rank1", "rank0"])
+def test_sigterm_during_the_join_stops_the_ranks_at_once(job, tmp_path, slow, group):
+    """SIGTERM to the launcher (or to the whole job, as a batch system's stop) while a rank
+    waits in the process-group join (inside torch's C++, where a Python handler does not run):
+    it stops at once, the launcher exits 143 well within its grace period, and no rank aborts on
+    its way out (rank 0, which hosts the store, left its join's thread running: "terminate
+    called without an active exception" when a CPU rank exited normally)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_RANK)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    started = job(tp2_args(tmp_path), env={"PYTHONPATH": path, "SLOW_RANK": slow})
+    wait_until(lambda: any(environ(pid).get("RANK") == "1" for pid in marked(started.mark)),
+               "rank 1 to start")  # fmt: skip
+    time.sleep(4)  # the other rank has imported torch and waits in the join
+    start = time.monotonic()
+    if group:  # as a batch system's stop does: every process of the job gets it
+        os.killpg(started.proc.pid, signal.SIGTERM)
+    else:
+        os.kill(started.proc.pid, signal.SIGTERM)
+    code, err = started.wait(30)
+    took = time.monotonic() - start
+    assert code == 143 and last_line(err).startswith("speculant: terminated (SIGTERM)"), err
+    assert took < GRACE_S - 1, (took, err)  # was the grace period, then SIGKILL
+    assert "terminate called" not in err, err
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket of this host listens on TCP `port` (/proc/net/tcp, state 0A)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_as_the_join_starts_ends_every_rank_cleanly(job, tmp_path):
+    """SIGTERM to the whole job the moment rank 0 starts the join (creating the store and
+    gloo's threads in the join's thread): exit 143, and no rank aborts on its way out (a CPU
+    rank exiting normally while that thread ran printed "terminate called without an active
+    exception" and died of SIGABRT)."""
+    started = job(tp2_args(tmp_path))
+    wait_until(lambda: any(environ(pid).get("RANK") == "0" for pid in marked(started.mark)),
+               "rank 0 to start")  # fmt: skip
+    port = int(environ(rank_pid(started.mark, 0))["MASTER_PORT"])
+    deadline = time.monotonic() + 30
+    while not _listening(port):  # rank 0 has created the job's store: the join has begun
+        assert time.monotonic() < deadline and started.proc.poll() is None, "no join"
+        time.sleep(0.002)
+    os.killpg(started.proc.pid, signal.SIGTERM)
+    code, err = started.wait(30)
+    assert code == 143 and "terminate called" not in err, err
 
 
 @pytest.mark.timeout(60)
