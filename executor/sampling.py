@@ -16,6 +16,7 @@ STREAM_ACCEPT = 2  # the accept test of a draft token
 STREAM_DRAFT = 3  # a drafter's own sampled proposal
 
 GREEDY, FULL = "greedy", "full"  # sampler variants; each is captured as its own graph
+U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 ARGMAX_CHUNKS = 64
@@ -63,13 +64,16 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Te
     seed broadcasts against position (for example [bs, 1] against [bs, T])."""
     h = _mix32((seed & MASK32) ^ _mix32((seed >> 32) & MASK32) ^ (stream * 0x9E3779B9 & MASK32))
     h = _mix32(h ^ (position & MASK32))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (2^24 - 1) + 0.5 rounds up to 2^24 in float32: keep u below 1, or u * total would reach the
+    # cdf's end and sample_from would pick the last id even where its probability is 0
+    return (((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
 
 
 def filtered_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """softmax(logits / T) restricted to the top-k and top-p set and renormalised.
+    """softmax(logits / T) restricted to the top-k tokens, then to the top-p nucleus of that
+    set (its mass renormalised first, as vLLM and transformers apply them), and renormalised.
     logits [..., V]; parameters broadcast over the leading dims ([bs] or [bs, 1]).
     Rows with T below GREEDY_TEMPERATURE get a one-hot at the argmax (logits / T would overflow
     float32); the most likely token always survives top-p, however small top_p is."""
@@ -81,8 +85,12 @@ def filtered_probs(
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
+    sorted_probs = sorted_probs * (rank < k)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep = (rank < k) & ((mass_before < top_p.unsqueeze(-1)) | (rank == 0))
+    top_k_mass = sorted_probs.sum(-1, keepdim=True)
+    # top_p 1 keeps every token: the float32 cumsum reaches 1 before a large vocabulary's tail
+    top_p = top_p.unsqueeze(-1)
+    keep = (mass_before < top_p * top_k_mass) | (top_p >= 1) | (rank == 0)
     sorted_probs = sorted_probs * keep
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum(-1, keepdim=True)

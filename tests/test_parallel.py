@@ -790,6 +790,40 @@ def test_one_shot_all_reduce_equals_nccl_on_two_gpus():
             assert check == {"eager": True, "graph": True, "fits": True}, (rank, name)
 
 
+def joined_nccl_rank() -> dict:
+    """Rank body: the NCCL groups (made by init_process_group in the join's thread,
+    comm.store_call.interruptible_call) used from the main thread, eagerly and in a graph."""
+    import torch.distributed as dist
+
+    pctx = ParallelContext.from_env(1, 1, "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    dist.all_reduce(x, group=pctx.tp_group)
+    static = torch.ones(8, device="cuda")
+    dist.all_reduce(static, group=pctx.tp_group)  # first use outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(static, group=pctx.tp_group)
+    static.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    pctx.barrier()
+    return {
+        "eager": x.tolist() == list(range(8)),
+        "graph": static.tolist() == [3.0] * 8,
+        "backend": dist.get_backend(),
+        "main": threading.current_thread() is threading.main_thread(),
+        "device": torch.cuda.current_device(),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_nccl_groups_joined_in_a_thread_run_on_the_main_thread():
+    (checks,) = run_ranks(joined_nccl_rank, 1, (), device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    assert checks == {"eager": True, "graph": True, "backend": "nccl", "main": True, "device": 0}
+
+
 def test_one_shot_all_reduce_stays_off_across_hosts(monkeypatch):
     """A TP group on two hosts cannot share a CUDA IPC buffer: every rank keeps NCCL, decided
     from the same gathered host list (no rank enters the buffer's rendezvous)."""
