@@ -39,6 +39,8 @@ CONFIGS = {  # name: extra CLI flags
     "seqs128": ["--max-num-seqs", "128"],
     "seqs256": ["--max-num-seqs", "256"],
     "seqs512": ["--max-num-seqs", "512"],
+    # a KV pool of 4096 pages (65,536 positions) for 512 rows: preemption all the time
+    "tight": ["--num-pages", "4096"],
     "eagle3": ["--algo", "eagle3", "--num-draft-tokens", "3"],  # --draft added below
     "eagle3_auto": ["--algo", "eagle3", "--num-draft-tokens", "3", "--speculation", "auto"],
     # auto with the drafter caught up in every plain step (what the deferred catch-up replaced)

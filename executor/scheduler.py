@@ -8,9 +8,13 @@ over several steps (chunked prefill). A request holds the pages it has written p
 lookahead and grows page by page; when the pool cannot serve a decoding request's next step, the
 most recently admitted request is preempted: its pages are freed and it goes back to the front of
 the queue, to be recomputed from its prompt and the tokens it has emitted (vLLM's recompute
-preemption). While requests decode, waiting ones are admitted in groups (`admit_group`,
-max_num_seqs // 16): a step with prefill chunks runs eagerly, a pure decode step replays a graph,
-so admissions are gathered into few mixed steps. Output is unchanged by preemption and grouping:
+preemption). A step that preempted admits no waiting request (the pages it freed go to the
+running requests' next steps, as vLLM's scheduler does), and a waiting request is admitted only
+while a free page per decoding request is left after its chunk (each may need one next step):
+otherwise the one admitted is the next one preempted, and its chunks are computed again. While
+requests decode, waiting ones are admitted in groups (`admit_group`, max_num_seqs // 16): a step
+with prefill chunks runs eagerly, a pure decode step replays a graph, so admissions are gathered
+into few mixed steps. Output is unchanged by preemption and grouping:
 greedy steps are deterministic and sampling draws from a counter-based RNG keyed by position."""
 
 from __future__ import annotations
@@ -107,10 +111,14 @@ class Scheduler:
         group = min(len(self.waiting), self.admit_group)
         if plan.decode and not plan.chunks and free_rows < group:
             return self._done(plan)  # keep decoding in graphs until a group's rows are free
+        if plan.preempted:
+            return self._done(plan)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             request.row = kv.allocate_row()
             chunk = self._chunk(request, budget)
+            if chunk is not None and len(kv.free_pages) < len(plan.decode):
+                chunk = None  # no page left for a decoding request's next step
             if chunk is None:
                 kv.free(request.row)
                 request.row = -1

@@ -132,6 +132,41 @@ def test_preemption_happens_and_is_reported(llama_dir, drafts):
     assert_pool_whole(engine)
 
 
+def test_preempting_steps_admit_nothing_and_admissions_leave_decoders_a_page(llama_dir, drafts):
+    """Under a pool that preempts constantly: a step that preempted admits no waiting request
+    (it used to take back, in the same step, the pages its preemption freed, and be preempted
+    again next step, its chunks computed again), and an admission leaves a free page for each
+    decoding request's next step. Outputs equal the unconstrained run."""
+    engine = engine_for(llama_dir, drafts, "eagle3", 3, 4, 16, 1.3)
+    roomy = engine_for(llama_dir, drafts, "eagle3", 3, 4, 64, 8.0)
+    prompts = [prompt_of(12 + 5 * i, i) for i in range(8)]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    scheduler, seen = engine.scheduler, {"preempting": 0, "admitting": 0}
+    schedule = scheduler.schedule
+
+    def checked():
+        waiting = {id(r) for r in scheduler.waiting}
+        plan = schedule()
+        waiting |= {id(r) for r in plan.preempted}  # waiting again, and to be admitted again
+        admitted = [r for r in scheduler.running if id(r) in waiting]
+        if plan.preempted:
+            seen["preempting"] += 1
+            assert not admitted, "a step that preempted admitted a waiting request"
+        if admitted and plan.decode:
+            seen["admitting"] += 1
+            assert len(engine.kv.free_pages) >= len(plan.decode), "no page left for a decoder"
+        return plan
+
+    scheduler.schedule = checked
+    try:
+        outs = engine.generate(prompts, params)
+    finally:
+        del scheduler.schedule
+    assert seen["preempting"] > 0 and seen["admitting"] > 0, seen
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy.generate(prompts, params)]
+    assert_pool_whole(engine)
+
+
 def test_chunks_split_prompts_and_mix_with_decode_rows(llama_dir, drafts):
     """Under a small budget a long prompt is prefilled over several steps, while the requests
     already decoding keep verifying in the same forwards; a 1-token chunk occurs too."""
