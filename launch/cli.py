@@ -924,8 +924,10 @@ def generate_in_rank(
                 return ",".join(f"{k}:{v}" for k, v in value.items())
             return str(value)
 
-        print("scheduler: " + " ".join(f"{k}={text(v)}" for k, v in stats.items()),
-              file=sys.stderr)  # fmt: skip
+        # under DP each rank schedules its own share: this line is rank 0's (the summary line's
+        # preemptions are the job's)
+        where = "scheduler: " if args.dp == 1 else f"scheduler (DP rank 0 of {args.dp}): "
+        print(where + " ".join(f"{k}={text(v)}" for k, v in stats.items()), file=sys.stderr)
     if pctx is not None:
         pctx.close()
     return (outputs if pctx is None or pctx.rank == 0 else None), seconds

@@ -130,6 +130,10 @@ def test_torchrun_standalone_equals_one_process(flags, expected, tmp_path, tp, d
     assert read_tokens(out) == expected
     summaries = [line for line in proc.stderr.splitlines() if line.startswith("requests=")]
     assert len(summaries) == 1 and summaries[0].startswith("requests=4 ")  # rank 0 reports
+    # rank 0's own scheduler under DP, said so (its preemptions are not the job's)
+    scheduler = [line for line in proc.stderr.splitlines() if line.startswith("scheduler")]
+    assert len(scheduler) == 1, proc.stderr
+    assert scheduler[0].startswith("scheduler: " if dp == 1 else f"scheduler (DP rank 0 of {dp}): ")
 
 
 NOISY_RANK = """import os, sys, threading, time
