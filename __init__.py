@@ -34,6 +34,7 @@ from speculant.errors import SpeculantError  # noqa: E402
 
 if TYPE_CHECKING:
     from speculant.config import EngineConfig, ModelConfig
+    from speculant.executor.chat import Chat
     from speculant.executor.engine import Engine
     from speculant.executor.request import RequestOutput, SamplingParams
 
@@ -47,6 +48,7 @@ BUNDLED_NAMES = {
     "draft-model": "draft_lm",
 }
 _LAZY = {
+    "Chat": "speculant.executor.chat",
     "Engine": "speculant.executor.engine",
     "EngineConfig": "speculant.config",
     "ModelConfig": "speculant.config",
@@ -79,6 +81,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Chat",
     "Engine",
     "EngineConfig",
     "ModelConfig",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -33,6 +34,7 @@ from speculant.executor.build import (
     resolve_device,
 )
 from speculant.executor.catch_up import CatchUpBuffers, PendingRows
+from speculant.executor.chat import Chat, load_chat_template, messages_problem, render_chat
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
@@ -418,7 +420,9 @@ class Engine:
                 f"is the integer {prompt}: prompts is a list of prompts, each a "
                 "text or a list of token ids; wrap one prompt's ids in a list: [[...]]",
             )
-        if isinstance(prompt, str):
+        if isinstance(prompt, Chat):
+            ids = self._chat_ids(index, prompt)
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise PromptError(
                     index,
@@ -453,7 +457,7 @@ class Engine:
             raise PromptError(index, "is empty; give at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
             bad = max(ids) if max(ids) >= vocab else min(ids)
-            if isinstance(prompt, str):  # the checkpoint's tokenizer and model disagree
+            if isinstance(prompt, (str, Chat)):  # the checkpoint's tokenizer and model disagree
                 raise PromptError(
                     index,
                     f"is text the tokenizer turns into token id {bad}, outside the model's "
@@ -493,15 +497,61 @@ class Engine:
             stop_ids=frozenset(stop),
         )
 
-    def generate(
+    @functools.cached_property
+    def chat_template(self) -> tuple[str, dict[str, str]] | None:
+        """The target's chat template and special tokens (executor/chat.py), read on first use."""
+        return load_chat_template(self.config.target)
+
+    def _chat_ids(self, index: int, chat: Chat) -> list[int]:
+        """A conversation's token ids: rendered with the target's chat template (read once),
+        tokenized without added special tokens (the template writes them; executor/chat.py)."""
+        if (problem := messages_problem(chat.messages)) is not None:
+            raise PromptError(index, f"is a chat whose messages {problem}")
+        if self.tokenizer is None:
+            raise PromptError(
+                index, f"is a chat but {self.config.target!r} has no tokenizer.json; add one"
+            )
+        if self.chat_template is None:
+            raise PromptError(
+                index,
+                f"is a chat but {self.config.target!r} has no chat template (chat_template.jinja, "
+                "or chat_template in tokenizer_config.json); add the model's template, or give "
+                "the prompt as text",
+            )
+        try:
+            text = render_chat(*self.chat_template, chat)
+        except SpeculantError as exc:
+            raise PromptError(index, f"is a chat that could not be rendered: {exc}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def chat(
         self,
-        prompts: Sequence[str | Sequence[int]],
+        conversations: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order and
+        """`generate` for conversations (one, a list of {"role", "content"} messages, or a list
+        of them), each rendered with the target's chat template and continued as the assistant
+        (as vLLM's `LLM.chat`)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate(
+            [Chat(c) if isinstance(c, (list, tuple)) else c for c in conversations],
+            sampling_params, use_tqdm=use_tqdm, on_output=on_output,
+        )  # fmt: skip
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int] | Chat],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or a `Chat`: a conversation the target's
+        chat template renders, executor/chat.py); outputs come back in input order and
         are also passed to `on_output` as each request finishes. Every prompt is checked before
         any generation starts. With several ranks, every rank calls this; rank 0's prompts are
         spread over the DP ranks and rank 0 returns all outputs (see executor/dp.py)."""

@@ -52,6 +52,7 @@ from typing import Any, NoReturn, TextIO
 
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
 from speculant.errors import PromptError, SpeculantError
+from speculant.executor.chat import Chat, messages_problem
 from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN
 from speculant.launch import accept_rate
 from speculant.launch.paths import (
@@ -67,7 +68,7 @@ from speculant.launch.threads import check_threads, set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defaults
 
@@ -239,7 +240,8 @@ def build_parser(
         "--prompts",
         type=_path("pass a .jsonl file, or --prompt TEXT"),
         metavar="FILE.jsonl",
-        help='one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}, '
+        help='one JSON object per line: {"prompt": "..."}, {"prompt_token_ids": [...]} or '
+        '{"messages": [{"role": "user", "content": "..."}]} (the target\'s chat template), '
         f"optionally with {', '.join(SAMPLING_KEYS)}",
     )
     gen.add_argument(
@@ -443,7 +445,7 @@ def build_parser(
 class PromptSpec:
     """One request from the command line or a --prompts line, with its sampling overrides."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | Chat
     overrides: dict[str, Any] = field(default_factory=dict)
     where: str = "--prompt"  # what an error about it names: FILE:LINE of a --prompts line
 
@@ -580,8 +582,16 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     if unknown:
         allowed = ", ".join(PROMPT_KEYS + SAMPLING_KEYS)
         raise SpeculantError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {allowed}")
-    if ("prompt" in obj) == ("prompt_token_ids" in obj):
-        raise SpeculantError(f"{where}: give exactly one of 'prompt' or 'prompt_token_ids'")
+    if sum(key in obj for key in PROMPT_KEYS) != 1:
+        raise SpeculantError(
+            f"{where}: give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
+        )
+    if "messages" in obj:
+        if problem := messages_problem(obj["messages"]):
+            raise SpeculantError(f"{where}: 'messages' {problem}")
+        for i, message in enumerate(obj["messages"]):
+            if problem := text_problem(message["content"]):
+                raise SpeculantError(f"{where}: message {i}'s content {problem}; fix the text")
     prompt = obj.get("prompt", obj.get("prompt_token_ids"))
     if "prompt" in obj and not (isinstance(prompt, str) and prompt):
         raise SpeculantError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
@@ -600,7 +610,7 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     for key, value in overrides.items():
         if expected := sampling_problem(key, value):
             raise SpeculantError(f"{where}: {key}={value!r} is invalid; use {expected}")
-    return PromptSpec(prompt, overrides, where)
+    return PromptSpec(Chat(obj["messages"]) if "messages" in obj else prompt, overrides, where)
 
 
 def reads_inputs() -> bool:

@@ -1,0 +1,148 @@
+"""Chat prompts: a conversation rendered with the target checkpoint's own chat template.
+
+A `Chat` (a list of {"role", "content"} messages, OpenAI's form) is a prompt like a text or token
+ids; the engine renders it with the template the checkpoint ships (`chat_template.jinja`, else
+`tokenizer_config.json`'s `chat_template`, the default of a list of named ones: where and in
+which order transformers' tokenizers read them), ending with the assistant's turn
+(`add_generation_prompt`), and tokenizes the result without adding special tokens (the template
+writes BOS itself), as transformers' `apply_chat_template(..., tokenize=True)` does. The
+template runs in jinja2's sandbox with what Hugging Face templates use: `bos_token`, `eos_token`
+and the other special tokens from tokenizer_config.json, `raise_exception`, `strftime_now`, a
+`tojson` that keeps non-ASCII text, loop controls, and the `{% generation %}` block (rendered as
+its content).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from speculant.errors import SpeculantError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation to continue: messages in order, each a dict with a "role" and a text
+    "content" (other keys, such as "name", reach the template as they are)."""
+
+    messages: tuple[dict, ...]
+
+    def __init__(self, messages: Sequence[dict]):
+        object.__setattr__(self, "messages", tuple(messages))
+
+
+def messages_problem(messages: Any) -> str | None:
+    """What is wrong with `messages` as a conversation, or None."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return 'must be a non-empty list of {"role": ..., "content": ...} objects'
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"message {i} is a {type(message).__name__}, not an object"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            return f'message {i} has no "role" string (system, user, assistant, ...)'
+        if not isinstance(content, str):
+            return (
+                f'message {i} has a "content" of type {type(content).__name__}; give the '
+                "text as a string (lists of content parts are not supported)"
+            )
+    return None
+
+
+def _text_of(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export it") from None
+    if not isinstance(value, dict):
+        raise SpeculantError(f"{str(file)!r} is not a JSON object; re-export the tokenizer")
+    return value
+
+
+def _template_in(value: Any, file: Path) -> str | None:
+    """The default template of a `chat_template` value: a string, or a list of named ones."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise SpeculantError(
+            f"{str(file)!r} names chat templates {sorted(map(str, named))} but none 'default'"
+        )
+    raise SpeculantError(f"{str(file)!r}: chat_template is a {type(value).__name__}, not text")
+
+
+def load_chat_template(path: str | Path) -> tuple[str, dict[str, str]] | None:
+    """(template, special tokens) of a checkpoint folder, or None when it has no template."""
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    config = _read_json(config_file) if config_file.is_file() else {}
+    specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _text_of(config.get(k))) is not None}
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), specials
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpeculantError(f"cannot read {str(jinja_file)!r} ({exc})") from None
+    template = _template_in(config.get("chat_template"), config_file)
+    return (template, specials) if template else None
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str):
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # {% generation %}...{% endgeneration %}: its content
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)  # fmt: skip
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateError as exc:
+        raise SpeculantError(f"the checkpoint's chat template does not parse ({exc})") from None
+
+
+def render_chat(template: str, specials: dict[str, str], chat: Chat) -> str:
+    """The text of `chat` with the assistant's turn opened, as the template writes it."""
+    import jinja2
+
+    try:
+        return _compiled(template).render(
+            messages=[dict(m) for m in chat.messages], add_generation_prompt=True, **specials
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise SpeculantError(f"the chat template refused the conversation: {exc}") from None

@@ -1,0 +1,159 @@
+"""Chat prompts (executor/chat.py): a conversation rendered with the target's own chat template
+gives the token ids transformers' `apply_chat_template(..., add_generation_prompt=True,
+tokenize=True)` gives, for templates in the published styles (Llama 3 headers, ChatML, one
+using `raise_exception`, `tojson`, loop controls and a `{% generation %}` block), from each place
+a checkpoint keeps its template; `Engine.chat`, `Engine.generate([Chat])` and a `--prompts`
+line `{"messages": [...]}` (one process and `--dp 2`) generate what the same ids give; bad
+conversations and a target without a template are one line naming the line and the fix."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speculant import Chat, Engine, SamplingParams, SpeculantError
+from speculant.launch import cli
+
+LLAMA3 = (
+    "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+STRICT = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if loop.index0 > 3 %}{% break %}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] | tojson }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}assistant:{% endif %}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "def f(x):"}],
+    [
+        {"role": "user", "content": '  héllo ✓ "quoted" <tag>  '},
+        {"role": "assistant", "content": "import os"},
+        {"role": "user", "content": "and then?"},
+    ],
+    [{"role": "user", "content": str(i)} for i in range(6)],  # past STRICT's break
+]
+
+
+def with_template(src: Path, dst: Path, where: str, template: str) -> Path:
+    """A copy of checkpoint `src` whose chat template is `template`, kept `where`."""
+    shutil.copytree(src, dst)
+    eos = {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}  # the old form
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+              "eos_token": eos}  # fmt: skip
+    if where == "tokenizer_config":
+        config["chat_template"] = template
+    elif where == "named":
+        config["chat_template"] = [{"name": "tool_use", "template": "x"},
+                                   {"name": "default", "template": template}]  # fmt: skip
+    elif where == "jinja":
+        config["chat_template"] = "not this one"  # the .jinja file comes first
+        (dst / "chat_template.jinja").write_text(template)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def transformers_ids(folder: Path, messages: list[dict]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.mark.parametrize(
+    "template, where",
+    [(LLAMA3, "tokenizer_config"), (CHATML, "jinja"), (STRICT, "named")],
+    ids=["llama3-config", "chatml-jinja", "strict-named"],
+)
+def test_chat_ids_equal_transformers(llama_dir, tmp_path, template, where):
+    folder = with_template(llama_dir, tmp_path / "t", where, template)
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+    for messages in CONVERSATIONS:
+        ours = engine._chat_ids(0, Chat(messages))
+        assert ours == transformers_ids(folder, messages), messages
+    if template is STRICT:
+        with pytest.raises(SpeculantError, match="System role not supported"):
+            engine.generate([Chat([{"role": "system", "content": "x"}])])
+
+
+def test_engine_chat_generates_what_the_rendered_ids_give(llama_dir, tmp_path):
+    folder = with_template(llama_dir, tmp_path / "t", "tokenizer_config", LLAMA3)
+    engine = Engine(str(folder), device="cpu", max_num_seqs=4, max_model_len=512)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    expected = [engine.generate([transformers_ids(folder, c)], params)[0] for c in CONVERSATIONS]
+    for outs in (engine.chat(CONVERSATIONS, params), engine.generate(map_chat(), params)):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+        assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in expected]
+    assert engine.chat(CONVERSATIONS[0], params)[0].token_ids == expected[0].token_ids  # one
+    assert pickle.loads(pickle.dumps(Chat(CONVERSATIONS[1]))) == Chat(CONVERSATIONS[1])
+
+
+def map_chat() -> list[Chat]:
+    return [Chat(c) for c in CONVERSATIONS]
+
+
+def test_chat_refusals(llama_dir, tmp_path):
+    engine = Engine(str(llama_dir), device="cpu", max_num_seqs=2, max_model_len=64)
+    with pytest.raises(SpeculantError, match="prompt 0 is a chat but .* has no chat template"):
+        engine.chat(CONVERSATIONS[0])
+    with pytest.raises(SpeculantError, match='message 0 has no "role" string'):
+        engine.chat([{"content": "x"}])
+    with pytest.raises(SpeculantError, match='message 1 has a "content" of type list'):
+        engine.chat([{"role": "user", "content": "x"}, {"role": "user", "content": [{}]}])
+
+
+def test_cli_messages_lines(llama_dir, tmp_path, capsys):
+    folder = with_template(llama_dir, tmp_path / "t", "jinja", CHATML)
+    prompts, ids_prompts = tmp_path / "p.jsonl", tmp_path / "ids.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    ids_prompts.write_text("".join(
+        json.dumps({"prompt_token_ids": transformers_ids(folder, c)}) + "\n"
+        for c in CONVERSATIONS))  # fmt: skip
+    base = ["generate", "--device", "cpu", "--target", str(folder), "--max-new-tokens", "5",
+            "--ignore-eos", "--max-model-len", "512"]  # fmt: skip
+    outs = {}
+    for name, file in (("chat", prompts), ("ids", ids_prompts)):
+        assert cli.main([*base, "--prompts", str(file), "--output", str(tmp_path / name)]) == 0
+        outs[name] = [json.loads(line)["token_ids"] for line in (tmp_path / name).open()]
+    assert outs["chat"] == outs["ids"]
+    two = subprocess.run(
+        [sys.executable, "-m", "speculant", *base, "--dp", "2", "--prompts", str(prompts),
+         "--output", str(tmp_path / "dp"), "--dist-timeout", "60"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-2000:]
+    dp = {
+        json.loads(line)["index"]: json.loads(line)["token_ids"] for line in open(tmp_path / "dp")
+    }
+    assert [dp[i] for i in range(len(CONVERSATIONS))] == outs["ids"]
+
+    bad = tmp_path / "bad.jsonl"
+    for line, expected in [
+        ({"messages": [], "prompt": "x"}, "give exactly one of 'prompt', 'prompt_token_ids' or"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+        ({"messages": [{"role": "user", "content": 3}]}, 'message 0 has a "content" of type int'),
+    ]:
+        bad.write_text(json.dumps(line) + "\n")
+        assert cli.main([*base, "--prompts", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"speculant: error: {bad}:1: ") and expected in err, err
+    bad.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    assert cli.main([*base[:4], str(llama_dir), *base[5:], "--prompts", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{bad}:1: the prompt is a chat but" in err and "has no chat template" in err, err
