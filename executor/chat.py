@@ -142,7 +142,11 @@ def render_chat(template: str, specials: dict[str, str], chat: Chat) -> str:
 
     try:
         return _compiled(template).render(
-            messages=[dict(m) for m in chat.messages], add_generation_prompt=True, **specials
+            messages=[dict(m) for m in chat.messages],
+            tools=None,  # passed as transformers passes them: `tools is not none` is false
+            documents=None,
+            add_generation_prompt=True,
+            **specials,
         )
     except jinja2.exceptions.TemplateError as exc:
         raise SpeculantError(f"the chat template refused the conversation: {exc}") from None

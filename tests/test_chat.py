@@ -37,7 +37,9 @@ STRICT = (
     "{% if loop.index0 > 3 %}{% break %}{% endif %}"
     "{{ m['role'] }}: {{ m['content'] | tojson }}\n"
     "{% if m['role'] == 'assistant' %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}assistant:{% endif %}"
+    "{% endif %}{% endfor %}{% if tools is not none %}TOOLS{% endif %}"
+    "{% if documents is not none %}DOCUMENTS{% endif %}"
+    "{% if add_generation_prompt %}{{ eos_token }}assistant:{% endif %}"
 )
 CONVERSATIONS = [
     [{"role": "user", "content": "def f(x):"}],
