@@ -18,7 +18,7 @@ from typing import Any
 _ABANDONED: list[str] = []  # the names of calls whose caller went on without their result
 
 
-def calls_left_running() -> bool:
+def calls_abandoned() -> bool:
     """Whether a call was given up on (a bound passed, or a stop while it waited): the process
     should then end with os._exit. Torch's C++ objects that call made (the store, gloo's
     threads), finished or not, abort the process when interpreter exit tears them down

@@ -53,6 +53,13 @@ def messages_problem(messages: Any) -> str | None:
                 f'message {i} has a "content" of type {type(content).__name__}; give the '
                 "text as a string (lists of content parts are not supported)"
             )
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                f"message {i}'s content holds a lone surrogate at character {exc.start}, not "
+                "valid Unicode text; fix the text (pair the \\u escapes)"
+            )
     return None
 
 

@@ -86,8 +86,8 @@ def filtered_probs(
     rank = torch.arange(probs.shape[-1], device=probs.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
     sorted_probs = sorted_probs * (rank < k)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    top_k_mass = sorted_probs.sum(-1, keepdim=True)
+    cumulative = sorted_probs.cumsum(-1)
+    mass_before, top_k_mass = cumulative - sorted_probs, cumulative[..., -1:]
     # top_p 1 keeps every token: the float32 cumsum reaches 1 before a large vocabulary's tail
     top_p = top_p.unsqueeze(-1)
     keep = (mass_before < top_p * top_k_mass) | (top_p >= 1) | (rank == 0)

@@ -589,9 +589,6 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     if "messages" in obj:
         if problem := messages_problem(obj["messages"]):
             raise SpeculantError(f"{where}: 'messages' {problem}")
-        for i, message in enumerate(obj["messages"]):
-            if problem := text_problem(message["content"]):
-                raise SpeculantError(f"{where}: message {i}'s content {problem}; fix the text")
     prompt = obj.get("prompt", obj.get("prompt_token_ids"))
     if "prompt" in obj and not (isinstance(prompt, str) and prompt):
         raise SpeculantError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")

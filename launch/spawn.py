@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from speculant.comm.store_call import bounded_call, calls_left_running
+from speculant.comm.store_call import bounded_call, calls_abandoned
 from speculant.errors import SpeculantError
 from speculant.launch.paths import SHOWN_PATHS_ENV
 
@@ -477,10 +477,12 @@ def _enter_rank(rank: int, world_size: int, port: int, device: str) -> None:
 
 def _exit(code: int, device: str) -> None:
     """End a rank: flushed, and without process-group destructors on GPUs (they have hung
-    after NCCL graph capture); CPU ranks exit normally so multiprocessing cleans up."""
+    after NCCL graph capture) or after a store call or join was given up on (tearing down what
+    it made aborts: comm.store_call.calls_abandoned); CPU ranks exit normally otherwise, so
+    multiprocessing cleans up."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if device.startswith("cuda") or calls_left_running():
+    if device.startswith("cuda") or calls_abandoned():
         os._exit(code)
     # a gloo group left open (a rank function that did not close its context) keeps threads
     # whose destruction at interpreter exit can abort the rank ("terminate called without an

@@ -118,6 +118,8 @@ def test_chat_refusals(llama_dir, tmp_path):
         engine.chat([{"content": "x"}])
     with pytest.raises(SpeculantError, match='message 1 has a "content" of type list'):
         engine.chat([{"role": "user", "content": "x"}, {"role": "user", "content": [{}]}])
+    with pytest.raises(SpeculantError, match="message 0's content holds a lone surrogate"):
+        engine.chat([{"role": "user", "content": "a\ud800b"}])  # was the tokenizer's exception
 
 
 def test_cli_messages_lines(llama_dir, tmp_path, capsys):
@@ -150,6 +152,7 @@ def test_cli_messages_lines(llama_dir, tmp_path, capsys):
         ({"messages": [], "prompt": "x"}, "give exactly one of 'prompt', 'prompt_token_ids' or"),
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"messages": [{"role": "user", "content": 3}]}, 'message 0 has a "content" of type int'),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "content holds a lone surrogate"),
     ]:
         bad.write_text(json.dumps(line) + "\n")
         assert cli.main([*base, "--prompts", str(bad)]) == 2
