@@ -60,6 +60,7 @@ from speculant.executor.speculation import (
     step_shape,
 )
 from speculant.executor.step_plan import DPStepSizes, StepPlan
+from speculant.executor.stop_strings import StopStrings
 from speculant.models.loader import iter_safetensors, load_weights, resolve_dtype
 
 log = logging.getLogger("speculant")
@@ -482,6 +483,13 @@ class Engine:
             )
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise PromptError(
+                index,
+                f"has stop strings {list(params.stop)!r} but {self.config.target!r} has no "
+                "tokenizer.json to read the output as text; add one, or stop on token ids "
+                "(stop_token_ids)",
+            )
         # the engine seed's per-request default, folded into int64 (the device's seed type)
         seed = (
             params.seed
@@ -495,6 +503,9 @@ class Engine:
             seed=int(seed),
             max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(ids)),
             stop_ids=frozenset(stop),
+            stop_text=StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            if params.stop
+            else None,
         )
 
     @functools.cached_property
@@ -687,7 +698,10 @@ class Engine:
         self.chooser.idle()
 
     def _output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_ids) if self.tokenizer else None
+        if request.stop_text is not None and request.stop_text.matched is not None:
+            text = request.stop_text.text  # cut at the stop string
+        else:
+            text = self.tokenizer.decode(request.output_ids) if self.tokenizer else None
         steps = request.num_verify_steps
         stats = {
             "num_prompt_tokens": len(request.prompt_ids),
@@ -708,6 +722,7 @@ class Engine:
             text,
             request.finish_reason,
             stats,
+            request.stop_reason,
         )
 
     def _generate_distributed(

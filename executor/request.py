@@ -11,6 +11,7 @@ from numbers import Integral, Real
 import numpy as np
 
 from speculant.errors import SpeculantError
+from speculant.executor.stop_strings import StopStrings
 
 # Temperatures below this sample greedily: logits / T overflows float32 long before T reaches 0
 # (a subnormal T turns every logit into inf), and so does vLLM (its _SAMPLING_EPS).
@@ -46,6 +47,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # text that ends the request where it appears in the output (a string or a list of them);
+    # the output text stops before it, or after it with include_stop_str_in_output
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> SamplingParams:
         """Raise on a value that cannot be right, naming it; else the params a request runs
@@ -83,9 +88,40 @@ class SamplingParams:
             raise SpeculantError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
         if not is_bool(self.ignore_eos):
             raise SpeculantError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        if problem := stop_problem(self.stop):
+            raise SpeculantError(f"stop={self.stop!r} {problem}")
+        if not is_bool(self.include_stop_str_in_output):
+            raise SpeculantError(
+                f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be True or "
+                "False"
+            )
+        changes = {}
         if 0 < self.temperature < GREEDY_TEMPERATURE:
-            return dataclasses.replace(self, temperature=0.0)
-        return self
+            changes["temperature"] = 0.0
+        if not isinstance(self.stop, tuple):  # one string, or a list: a tuple of them
+            changes["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def stop_problem(stop: object) -> str | None:
+    """What is wrong with a `stop` value (a string or a list of non-empty strings of valid
+    Unicode), None when nothing is: SamplingParams and the CLI's --stop / "stop" share it."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)):
+        return "must be a string or a list of strings"
+    for text in stops:
+        if not isinstance(text, str):
+            return f"holds {text!r} ({type(text).__name__}); stop strings are strings"
+        if not text:
+            return "holds an empty string, which would end every request at once; remove it"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                f"holds {text!r}, whose character {exc.start} is a lone surrogate (not valid "
+                "Unicode); fix the text"
+            )
+    return None
 
 
 @dataclass
@@ -96,8 +132,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
     stats: dict = field(default_factory=dict)
+    # the stop string or stop token id that ended it; None for EOS and "length" (as vLLM)
+    stop_reason: str | int | None = None
 
     def to_json(self) -> dict:
         return {
@@ -105,6 +143,7 @@ class RequestOutput:
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
             **self.stats,
         }
 
@@ -130,6 +169,8 @@ class Request:
     accepted_per_position: list[int] = field(default_factory=list)
     num_computed: int = 0  # context positions in the KV cache (prefilled so far, this residency)
     num_preemptions: int = 0
+    stop_text: StopStrings | None = None  # the output text, watched for params.stop
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
 
     @property
     def context(self) -> list[int]:
@@ -155,11 +196,17 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def append(self, tokens: list[int]) -> None:
-        """Add emitted tokens, stopping at a stop token or the length limit."""
+        """Add emitted tokens, stopping at a stop token, a stop string or the length limit (in
+        that order, as vLLM checks them); tokens after the one that ended it are dropped."""
         for token in tokens:
             self.output_ids.append(token)
             if token in self.stop_ids:
                 self.finish_reason = "stop"
+                if token in self.params.stop_token_ids:  # EOS itself is no stop reason
+                    self.stop_reason = token
+                return
+            if self.stop_text is not None and (stop := self.stop_text.add(token)) is not None:
+                self.finish_reason, self.stop_reason = "stop", stop
                 return
             if len(self.output_ids) >= self.max_new_tokens:
                 self.finish_reason = "length"

@@ -53,7 +53,7 @@ from typing import Any, NoReturn, TextIO
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
 from speculant.errors import PromptError, SpeculantError
 from speculant.executor.chat import Chat, messages_problem
-from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN
+from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN, stop_problem
 from speculant.launch import accept_rate
 from speculant.launch.paths import (
     check_outside_checkpoints,
@@ -67,7 +67,7 @@ from speculant.launch.paths import (
 from speculant.launch.threads import check_threads, set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defaults
@@ -268,6 +268,18 @@ def build_parser(
         "line's own seed wins); default 0",
     )
     samp.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    samp.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end a request where TEXT appears in its output (repeat for several; a --prompts "
+        'line\'s "stop", a string or a list, replaces them); the text is cut before it',
+    )
+    samp.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep the stop string at the end of the output text",
+    )
 
     eng = gen.add_argument_group("engine")
     eng.add_argument(
@@ -484,6 +496,8 @@ _SAMPLING_RULES = {
 
 def sampling_problem(key: str, value: Any) -> str | None:
     """What a valid `key` looks like, if `value` is not one; None when it is fine."""
+    if key == "stop":  # None: the flag not given
+        return None if value is None else stop_problem(value)
     kind, ok, expected = _SAMPLING_RULES[key]
     if key == "seed" and value is None:
         return None
@@ -605,7 +619,9 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
         )
     overrides = {k: obj[k] for k in SAMPLING_KEYS if k in obj}
     for key, value in overrides.items():
-        if expected := sampling_problem(key, value):
+        if key == "stop" and (problem := stop_problem(value)):
+            raise SpeculantError(f"{where}: 'stop' {problem}")
+        if key != "stop" and (expected := sampling_problem(key, value)):
             raise SpeculantError(f"{where}: {key}={value!r} is invalid; use {expected}")
     return PromptSpec(Chat(obj["messages"]) if "messages" in obj else prompt, overrides, where)
 
@@ -645,7 +661,9 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
             f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} must be in (0, 1]"
         )
     check_threads(args.threads)
-    for key in SAMPLING_KEYS:
+    if args.stop is not None and (problem := stop_problem(args.stop)):
+        raise SpeculantError(f"--stop {problem}")
+    for key in SAMPLING_KEYS[:-1]:  # stop: above
         if expected := sampling_problem(key, getattr(args, key)):
             flag = "--" + key.replace("_", "-")
             raise SpeculantError(f"{flag} {getattr(args, key)} is invalid; use {expected}")
@@ -914,6 +932,8 @@ def generate_in_rank(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        stop=tuple(args.stop or ()),
+        include_stop_str_in_output=args.include_stop_str_in_output,
     )  # --seed is the engine's (_engine_kwargs): request i samples with a seed made of it and i
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
     start = time.perf_counter()

@@ -1,0 +1,64 @@
+"""Stop strings (`SamplingParams.stop`, vLLM's semantics): one request's output text, grown a
+token at a time as the scheduler appends tokens, watched for the first stop string.
+
+The text is the one `Engine` returns (the tokenizer's `decode` of the output ids), grown
+incrementally: each token decodes a window of the last tokens twice (before and after it) and
+keeps what the new token added, holding back a trailing U+FFFD (a character whose UTF-8 bytes
+are split over tokens) until a later token completes it; the whole characters before it are
+searched at once, so a stop string ends the request at the token that completes it even when
+that token also starts a split character. A stop string is searched for only
+where new text could complete it (the last `len(stop) - 1` characters before the new text,
+and the new text), so each token costs two short decodes, not one of the whole output.
+
+When a token's text completes a stop string the request ends there ("stop"): the token stays
+in the output ids (as in vLLM), any later token of the same verify step is dropped, and the
+text is cut before the stop string (or after it, with `include_stop_str_in_output`). Text
+before the output (the prompt) is not searched, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+INCOMPLETE = "\ufffd"  # decode's stand-in for the bytes of a character not yet complete
+
+
+class StopStrings:
+    """The output text of one request so far, and the stop string that ended it, if one did."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], include: bool = False):
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.include = include
+        self.ids: list[int] = []
+        self.text = ""  # the text of ids[:read]
+        self.prefix = 0  # the window decoded for each new token starts here ...
+        self.read = 0  # ... and the text of ids[prefix:read] is already in self.text
+        self.matched: str | None = None  # the stop string that ended the request
+
+    def add(self, token: int) -> str | None:
+        """Take the next output token; the stop string its text completes, or None."""
+        if self.matched is not None:
+            raise RuntimeError("a request ended by a stop string took another token")
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix : self.read])
+        after = decode(self.ids[self.prefix :])
+        ready = not after.endswith(INCOMPLETE)  # else a character is still missing bytes
+        new = (after if ready else after.rstrip(INCOMPLETE))[len(before) :]
+        if not new:
+            return None  # nothing printable yet: wait for the next token
+        start = len(self.text)
+        text = self.text + new
+        if ready:  # the window moves on only past whole characters
+            self.text = text
+            self.prefix, self.read = self.read, len(self.ids)
+        found = None  # (position, stop): the earliest, the first listed on a tie
+        for stop in self.stops:
+            at = text.find(stop, max(0, start - len(stop) + 1))
+            if at != -1 and (found is None or at < found[0]):
+                found = (at, stop)
+        if found is None:
+            return None
+        at, self.matched = found
+        self.text = text[: at + len(self.matched) if self.include else at]
+        return self.matched
