@@ -62,8 +62,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
     """U(0,1) float32 per element, a pure function of (seed, position, stream).
     seed broadcasts against position (for example [bs, 1] against [bs, T])."""
-    h = _mix32((seed & MASK32) ^ _mix32((seed >> 32) & MASK32) ^ (stream * 0x9E3779B9 & MASK32))
-    h = _mix32(h ^ (position & MASK32))
+    key = _mix32((seed & MASK32) ^ _mix32((seed >> 32) & MASK32) ^ (stream * 0x9E3779B9 & MASK32))
+    # the position hashed before it meets the key: with key ^ position, two requests whose keys
+    # differ by d < the context length drew the same numbers at positions p and p ^ d (a whole
+    # stream shared, about one pair in a job of 1,000 requests); now only isolated coincidences
+    h = _mix32(key ^ _mix32((position & MASK32) ^ 0x5BD1E995))
     # (2^24 - 1) + 0.5 rounds up to 2^24 in float32: keep u below 1, or u * total would reach the
     # cdf's end and sample_from would pick the last id even where its probability is 0
     return (((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
