@@ -10,6 +10,13 @@ template runs in jinja2's sandbox with what Hugging Face templates use: `bos_tok
 and the other special tokens from tokenizer_config.json, `raise_exception`, `strftime_now`, a
 `tojson` that keeps non-ASCII text, loop controls, and the `{% generation %}` block (rendered as
 its content).
+
+A message's content may also be a list of text parts (OpenAI's form: {"type": "text", "text":
+...}, or plain strings), read as vLLM reads them: a template that loops over a message's content
+(`{% for part in message['content'] %}`, the multimodal templates' form) gets the parts as
+{"type": "text", "text": ...} objects, as transformers would pass them; any other template gets
+the parts' texts joined by newlines, where transformers would print the list itself. Parts of
+other types (images, audio) are refused: the targets here read text only.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
 
 @dataclass(frozen=True)
 class Chat:
-    """A conversation to continue: messages in order, each a dict with a "role" and a text
-    "content" (other keys, such as "name", reach the template as they are)."""
+    """A conversation to continue: messages in order, each a dict with a "role" and a
+    "content", a text or a list of text parts (other keys, such as "name", reach the template
+    as they are)."""
 
     messages: tuple[dict, ...]
 
@@ -48,10 +56,25 @@ def messages_problem(messages: Any) -> str | None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             return f'message {i} has no "role" string (system, user, assistant, ...)'
-        if not isinstance(content, str):
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                text = part_text(part)
+                if text is None:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    return (
+                        f'message {i}\'s content part {j} is of type "{kind}"; the targets here '
+                        'read text only: give text parts, {"type": "text", "text": ...}'
+                        if isinstance(kind, str) and kind != "text"
+                        else f"message {i}'s content part {j} is not a text part; give "
+                        '{"type": "text", "text": "..."} or a string'
+                    )
+                texts.append(text)
+            content = "".join(texts)
+        elif not isinstance(content, str):
             return (
                 f'message {i} has a "content" of type {type(content).__name__}; give the '
-                "text as a string (lists of content parts are not supported)"
+                "text as a string or a list of text parts"
             )
         try:
             content.encode("utf-8")
@@ -61,6 +84,68 @@ def messages_problem(messages: Any) -> str | None:
                 "valid Unicode text; fix the text (pair the \\u escapes)"
             )
     return None
+
+
+def part_text(part: Any) -> str | None:
+    """The text of one content part (a string, or {"type": "text", "text": str}), else None."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    return None
+
+
+@lru_cache(maxsize=8)
+def loops_over_content(template: str) -> bool:
+    """Whether the template iterates over a message's content (vLLM's "openai" content format):
+    a for loop over `X['content']` or `X.content` (through filters such as selectattr), or over
+    a name set from one."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = _environment().parse(template)
+    except jinja2.exceptions.TemplateError:
+        return False  # rendering reports it
+
+    def is_content(node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+            node = node.node
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return isinstance(node, nodes.Getattr) and node.attr == "content"
+
+    aliases = {
+        a.target.name
+        for a in tree.find_all(nodes.Assign)
+        if isinstance(a.target, nodes.Name) and is_content(a.node)
+    }
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, (nodes.Filter, nodes.Test)) and it.node is not None:
+            it = it.node
+        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+            return True
+    return False
+
+
+def _template_messages(template: str, chat: Chat) -> list[dict]:
+    """The messages as the template gets them: list contents as text-part objects for a
+    template that loops over content, else joined into one text (see the module doc)."""
+    parts = loops_over_content(template)
+    messages = []
+    for message in chat.messages:
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [part_text(p) for p in content]
+            message["content"] = (
+                [p if isinstance(p, dict) else {"type": "text", "text": p} for p in content]
+                if parts
+                else "\n".join(texts)
+            )
+        messages.append(message)
+    return messages
 
 
 def _text_of(value: Any) -> str | None:
@@ -110,8 +195,9 @@ def load_chat_template(path: str | Path) -> tuple[str, dict[str, str]] | None:
     return (template, specials) if template else None
 
 
-@lru_cache(maxsize=8)
-def _compiled(template: str):
+@lru_cache(maxsize=1)
+def _environment():
+    """jinja2's sandbox as Hugging Face templates expect it (see the module doc)."""
     import jinja2
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -137,8 +223,15 @@ def _compiled(template: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str):
+    import jinja2
+
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.exceptions.TemplateError as exc:
         raise SpeculantError(f"the checkpoint's chat template does not parse ({exc})") from None
 
@@ -149,7 +242,7 @@ def render_chat(template: str, specials: dict[str, str], chat: Chat) -> str:
 
     try:
         return _compiled(template).render(
-            messages=[dict(m) for m in chat.messages],
+            messages=_template_messages(template, chat),
             tools=None,  # passed as transformers passes them: `tools is not none` is false
             documents=None,
             add_generation_prompt=True,

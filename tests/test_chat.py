@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from speculant import Chat, Engine, SamplingParams, SpeculantError
+from speculant.executor import chat
 from speculant.launch import cli
 
 LLAMA3 = (
@@ -50,6 +51,35 @@ CONVERSATIONS = [
     ],
     [{"role": "user", "content": str(i)} for i in range(6)],  # past STRICT's break
 ]
+
+
+# templates that loop over a message's content parts (multimodal templates' forms: plain, through
+# selectattr, through a name set from the content)
+PARTS = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}[{{ part['text'] }}]"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PARTS_SELECTATTR = (
+    "{{- bos_token }}{%- for message in messages %}{{- message.role + ': ' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}"
+    "{%- for c in message.content | selectattr('type', 'equalto', 'text') %}{{- c.text + '|' }}"
+    "{%- endfor %}{%- endif %}\n{%- endfor %}{%- if add_generation_prompt %}A:{%- endif %}"
+)
+PARTS_ALIAS = (
+    "{% for m in messages %}{% set body = m['content'] %}{{ m['role'] }}="
+    "{% if body is string %}{{ body }}{% else %}{% for p in body %}<{{ p.text }}>{% endfor %}"
+    "{% endif %};{% endfor %}{% if add_generation_prompt %}assistant={% endif %}"
+)
+PARTED = [
+    {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+    {"role": "user", "content": [{"type": "text", "text": "def f(x):"}, "return x",
+                                 {"type": "text", "text": " ✓"}]},
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": []},
+]  # fmt: skip
 
 
 def with_template(src: Path, dst: Path, where: str, template: str) -> Path:
@@ -106,6 +136,26 @@ def test_engine_chat_generates_what_the_rendered_ids_give(llama_dir, tmp_path):
     assert pickle.loads(pickle.dumps(Chat(CONVERSATIONS[1]))) == Chat(CONVERSATIONS[1])
 
 
+@pytest.mark.parametrize("template", [PARTS, PARTS_SELECTATTR, PARTS_ALIAS, CHATML, LLAMA3])
+def test_content_parts_as_vllm_reads_them(llama_dir, tmp_path, template):
+    """A template that loops over content gets the parts (ids equal transformers' with the same
+    list); any other gets the parts' texts joined by newlines (ids equal transformers' with
+    that text, where transformers itself would print the list)."""
+    folder = with_template(llama_dir, tmp_path / "t", "jinja", template)
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+    loops = template in (PARTS, PARTS_SELECTATTR, PARTS_ALIAS)
+    assert chat.loops_over_content(template) is loops
+    as_transformers_gets_it = [
+        {**m, "content": [p if isinstance(p, dict) else {"type": "text", "text": p}
+                          for p in m["content"]] if loops
+         else "\n".join(p if isinstance(p, str) else p["text"] for p in m["content"])}
+        if isinstance(m["content"], list) else m
+        for m in PARTED
+    ]  # fmt: skip
+    assert engine._chat_ids(0, Chat(PARTED)) == transformers_ids(folder, as_transformers_gets_it)
+    assert PARTED[1]["content"][1] == "return x"  # the caller's messages are not changed
+
+
 def map_chat() -> list[Chat]:
     return [Chat(c) for c in CONVERSATIONS]
 
@@ -116,8 +166,13 @@ def test_chat_refusals(llama_dir, tmp_path):
         engine.chat(CONVERSATIONS[0])
     with pytest.raises(SpeculantError, match='message 0 has no "role" string'):
         engine.chat([{"content": "x"}])
-    with pytest.raises(SpeculantError, match='message 1 has a "content" of type list'):
+    with pytest.raises(SpeculantError, match="message 1's content part 0 is not a text part"):
         engine.chat([{"role": "user", "content": "x"}, {"role": "user", "content": [{}]}])
+    with pytest.raises(SpeculantError, match='message 0 has a "content" of type int'):
+        engine.chat([{"role": "user", "content": 3}])
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(SpeculantError, match='content part 1 is of type "image_url"; the targets'):
+        engine.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, image]}])
     with pytest.raises(SpeculantError, match="message 0's content holds a lone surrogate"):
         engine.chat([{"role": "user", "content": "a\ud800b"}])  # was the tokenizer's exception
 
@@ -153,6 +208,14 @@ def test_cli_messages_lines(llama_dir, tmp_path, capsys):
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"messages": [{"role": "user", "content": 3}]}, 'message 0 has a "content" of type int'),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "content holds a lone surrogate"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "content holds a lone surrogate",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            'message 0\'s content part 0 is of type "input_audio"; the targets here read text only',
+        ),
     ]:
         bad.write_text(json.dumps(line) + "\n")
         assert cli.main([*base, "--prompts", str(bad)]) == 2
