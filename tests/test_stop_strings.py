@@ -368,3 +368,19 @@ def test_cli_stops_flags_and_lines(base_outputs, tmp_path, capsys):
     assert cli.main(["accept-rate", "--device", "cpu", "--prompts", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{bad}:1: accept-rate takes no stop" in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, draft", [(None, None), ("eagle3", "eagle3"), ("dflash", "dflash")])
+def test_stops_on_cuda_with_graphs_and_overlap(algo, draft):
+    """On CUDA (graph replays, the Triton backend, steps launched ahead of the read-back): the
+    outputs with stops are the CUDA run without them, cut by the reference."""
+    target = speculant.bundled("target")
+    plain = Engine(target, device="cuda", max_num_seqs=8)
+    base = plain.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    params = stop_params(base)
+    spec = {} if algo is None else {"algo": algo, "draft": speculant.bundled(draft)}
+    engine = plain if algo is None else Engine(target, device="cuda", max_num_seqs=8, **spec)
+    outputs = engine.generate(PROMPTS, params)
+    assert rows(outputs) == expected_outputs(base, params)
+    assert engine.stats()["steps_ahead"] > 0
