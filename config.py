@@ -622,6 +622,9 @@ class CacheConfig:
     max_model_len: int | None = None
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.85
+    # keep whole prefilled KV pages and reuse them for contexts that start the same
+    # (executor/prefix_cache.py)
+    enable_prefix_caching: bool = False
 
 
 @dataclass

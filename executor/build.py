@@ -109,7 +109,10 @@ INTEGER_OPTIONS = {
     "num_draft_tokens": (None, True), "catch_up_depth": (None, True),
 }  # fmt: skip
 SIZE_LIST_OPTIONS = ("capture_sizes", "piecewise_sizes")  # lists of sizes (piecewise: [] = none)
-BOOL_OPTIONS = ("enforce_eager", "eager_padding", "disable_graph_padding", "piecewise", "overlap")
+BOOL_OPTIONS = (
+    "enforce_eager", "eager_padding", "disable_graph_padding", "piecewise", "overlap",
+    "enable_prefix_caching",
+)  # fmt: skip
 
 
 def check_options(options: dict) -> None:
@@ -178,6 +181,7 @@ def engine_config(target: str, **options) -> EngineConfig:
                 "max_model_len",
                 "num_pages",
                 "kv_cache_memory_fraction",
+                "enable_prefix_caching",
             },
         ),
         "graph": (
@@ -345,6 +349,7 @@ def build_kv_cache(
     attn = model.model.layers[0].self_attn
     per_token = kv_bytes_per_token(mc.num_layers, attn.num_kv_heads, mc.head_dim, setup.dtype)
     max_requests = setup.max_num_seqs if num_pages is None else 1
+    num_pages_given = num_pages  # a scratch cache: never a prefix cache
     if num_pages is None:
         # the CPU ranks of a job share the host's memory; each GPU rank has its own device
         on_host = int(os.environ.get("LOCAL_WORLD_SIZE", setup.pctx.world_size))
@@ -372,6 +377,7 @@ def build_kv_cache(
         setup.device,
         max_requests,
         max_pages,
+        prefix_caching=cache.enable_prefix_caching and num_pages_given is None,
     )
 
 

@@ -308,6 +308,8 @@ class Engine:
         the weights as they were: a host copy taken first is put back, and the graphs are
         captured again either way."""
         self._check_same_architecture(path)
+        if self.kv.prefix is not None:  # K/V of the old weights (also if the load fails: safe)
+            self.kv.prefix.clear()
         backup = {
             name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
         }
@@ -710,6 +712,7 @@ class Engine:
             "num_plain_steps": request.num_plain_steps,  # decode steps that verified no draft
             "decode_time_s": round(request.decode_seconds, 6),
             "num_preemptions": request.num_preemptions,
+            "num_cached_tokens": request.num_cached,  # context taken from the prefix cache
             "accept_len": request.emitted_in_verify / steps if steps else None,
             "per_position_acceptance": [a / steps for a in request.accepted_per_position]
             if steps
@@ -854,7 +857,7 @@ class Engine:
         # a context that starts (admitted, or resumed after a preemption) outside a rest starts
         # warm, and so ends a rest gone on past its length (speculation.py): a step that then
         # rests marks it cold again (_settle_catch_up)
-        starting = [c.request.index for c in plan.chunks if c.start == 0]
+        starting = [c.request.index for c in plan.chunks if c.first]
         if adaptive and not resting and chooser.cold:
             for index in starting:
                 chooser.mark_warm(index)
@@ -912,7 +915,7 @@ class Engine:
             return
         if chooser.cold:
             for chunk in plan.chunks:
-                if chunk.start == 0:  # its context starts again with the drafter at work
+                if chunk.first:  # its context starts again with the drafter at work
                     chooser.mark_warm(chunk.request.index)
         if pending is None:
             return
@@ -923,7 +926,7 @@ class Engine:
                 self.graphs.run_catch_up(rows)
         if plain:
             pending.recorded(plan.decode)
-        starting = [c.request.row for c in plan.chunks if c.start == 0]
+        starting = [c.request.row for c in plan.chunks if c.first]
         if starting:  # a context starts in these rows: no entries of an earlier owner count
             self.runner.catch_up.reset(starting)
 
@@ -1033,6 +1036,9 @@ class Engine:
                     request.accepted_per_position = [0] * (T - 1)
             newest = request.output_ids[-1]
             request.next_input = [newest] + row[T:-1]
+        if not plan.rests:  # the drafter's K/V of the chunks are written too
+            for chunk in plan.chunks:
+                self.scheduler.cache_prefilled(chunk.request)
 
     def _decode(self, plan: StepPlan) -> None:
         launched = self._launch(plan)
@@ -1109,6 +1115,16 @@ class Engine:
             "decode_s": round(self.step_seconds["decode"], 2),
             "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,
+            **(
+                {
+                    "prefix_cache_hit_tokens": self.kv.prefix.hit_tokens,
+                    "prefix_cache_hit_rate": round(
+                        self.kv.prefix.hit_tokens / max(self.kv.prefix.admitted_tokens, 1), 4
+                    ),
+                }
+                if self.kv.prefix is not None
+                else {}
+            ),
             **({"drafts_chosen": self.chooser.summary()} if self.chooser.adaptive else {}),
             **({"rest_steps": self.chooser.rest_steps} if self.chooser.adaptive else {}),
             **({"catch_ups": self.pending.flushes} if self.pending is not None else {}),

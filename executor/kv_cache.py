@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from speculant.errors import SpeculantError
+from speculant.executor.prefix_cache import FreePages, PrefixCache
 
 log = logging.getLogger("speculant")
 
@@ -32,6 +33,7 @@ class PagedKVCache:
         device: str | torch.device,
         max_requests: int,
         max_pages_per_req: int,
+        prefix_caching: bool = False,
     ):
         if num_pages < 2:
             raise SpeculantError(
@@ -48,9 +50,13 @@ class PagedKVCache:
             max_requests + 1, max_pages_per_req, dtype=torch.int32, device=device
         )
         self.cache_lens = torch.zeros(max_requests + 1, dtype=torch.int64, device=device)
-        self.free_pages = list(range(num_pages - 1, 0, -1))
+        self.free_pages = FreePages(range(num_pages - 1, 0, -1))
         self.free_rows = list(range(max_requests - 1, -1, -1))
         self.pages_of_row: dict[int, list[int]] = {}
+        # prefix caching (executor/prefix_cache.py): pages held by more than one row, by count
+        # (a held page absent here has one holder)
+        self.prefix = PrefixCache(page_size) if prefix_caching else None
+        self.holders: dict[int, int] = {}
         self.pending: list[tuple[int, int, int]] = []  # (row, column, page) not yet on the device
 
     @property
@@ -120,9 +126,23 @@ class PagedKVCache:
             return False
         held = self.pages_of_row[row]
         for _ in range(extra):
-            self.pending.append((row, len(held), self.free_pages[-1]))
-            held.append(self.free_pages.pop())
+            page, was_cached = self.free_pages.take()
+            if was_cached:
+                self.prefix.forget(page)
+            self.pending.append((row, len(held), page))
+            held.append(page)
         return True
+
+    def attach(self, row: int, pages: list[int]) -> None:
+        """Give a row with no pages yet the cached `pages` (its context's start), shared with
+        any row that holds them (PrefixCache.match)."""
+        held = self.pages_of_row[row]
+        assert not held, "cached pages start a row"
+        for page in pages:
+            if not self.free_pages.claim(page):  # held elsewhere: one holder more
+                self.holders[page] = self.holders.get(page, 1) + 1
+            self.pending.append((row, len(held), page))
+            held.append(page)
 
     def commit(self) -> None:
         """Write the block-table entries `grow` added since the last commit (one copy)."""
@@ -139,7 +159,14 @@ class PagedKVCache:
         """Return a request's pages and row; the row is zeroed like the sentinel."""
         pages = self.pages_of_row.pop(row)
         self.pending = [entry for entry in self.pending if entry[0] != row]
-        self.free_pages.extend(pages)
+        for page in pages:
+            left = self.holders.pop(page, 1) - 1
+            if left > 1:
+                self.holders[page] = left
+            elif left == 0:  # no row holds it: free, and still cached if it was
+                self.free_pages.give(
+                    page, cached=self.prefix is not None and page in self.prefix.key_of
+                )
         self.free_rows.append(row)
         self.req_to_page[row, : len(pages)] = 0
         self.cache_lens[row] = 0

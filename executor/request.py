@@ -168,6 +168,7 @@ class Request:
     decode_seconds: float = 0.0  # wall time of the decode steps (verify + draft) it took part in
     accepted_per_position: list[int] = field(default_factory=list)
     num_computed: int = 0  # context positions in the KV cache (prefilled so far, this residency)
+    num_cached: int = 0  # of them, positions taken from the prefix cache at admission
     num_preemptions: int = 0
     stop_text: StopStrings | None = None  # the output text, watched for params.stop
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it

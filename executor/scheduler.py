@@ -15,7 +15,12 @@ otherwise the one admitted is the next one preempted, and its chunks are compute
 requests decode, waiting ones are admitted in groups (`admit_group`, max_num_seqs // 16): a step
 with prefill chunks runs eagerly, a pure decode step replays a graph, so admissions are gathered
 into few mixed steps. Output is unchanged by preemption and grouping:
-greedy steps are deterministic and sampling draws from a counter-based RNG keyed by position."""
+greedy steps are deterministic and sampling draws from a counter-based RNG keyed by position.
+
+With prefix caching (executor/prefix_cache.py) an admitted request first takes the cached pages
+of its context's start (`num_cached` tokens it does not prefill); its first chunk starts after
+them (`Chunk.first`), and the engine registers the pages each extend step completes
+(`cache_prefilled`)."""
 
 from __future__ import annotations
 
@@ -116,15 +121,23 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             request.row = kv.allocate_row()
+            if kv.prefix is not None:
+                pages = kv.prefix.match(request.context)
+                kv.attach(request.row, pages)
+                request.num_computed = request.num_cached = len(pages) * kv.page_size
             chunk = self._chunk(request, budget)
             if chunk is not None and len(kv.free_pages) < len(plan.decode):
                 chunk = None  # no page left for a decoding request's next step
             if chunk is None:
                 kv.free(request.row)
                 request.row = -1
+                request.num_computed = request.num_cached = 0
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if kv.prefix is not None:
+                kv.prefix.admitted_tokens += len(request.context)
+                kv.prefix.hit_tokens += request.num_cached
             plan.chunks.append(chunk)
             budget -= len(chunk.tokens)
         return self._done(plan)
@@ -146,14 +159,15 @@ class Scheduler:
             successor = context[end]
         else:  # a resumed request already emitted the token after its context
             successor = request.output_ids[-1] if request.output_ids else None
-        return Chunk(request, start, context[start:end], last, successor)
+        first = start == request.num_cached
+        return Chunk(request, start, context[start:end], last, successor, first)
 
     def preempt(self, request: Request, plan: StepPlan) -> None:
         """Free a running request's pages and row; it resumes first, recomputing its context."""
         self.running.remove(request)
         self.kv.free(request.row)
         request.row = -1
-        request.num_computed = 0
+        request.num_computed = request.num_cached = 0
         request.next_input = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -162,6 +176,13 @@ class Scheduler:
         if request in plan.decode:  # planned before a prompt in progress needed its pages
             plan.decode.remove(request)
         plan.chunks = [c for c in plan.chunks if c.request is not request]
+
+    def cache_prefilled(self, request: Request) -> None:
+        """Register in the prefix cache the pages of `request`'s context its prefill has
+        computed so far (after an extend step that ran the drafter too)."""
+        kv = self.kv
+        if kv.prefix is not None and request.row >= 0:
+            kv.prefix.register(kv.pages_of_row[request.row], request.context, request.num_computed)
 
     def reserve_ahead(self, requests: list[Request], steps: int) -> bool:
         """Pages for `steps` more decode steps of each request, without preempting (overlap's

@@ -322,6 +322,12 @@ def build_parser(
         help="GPU: share of free memory for the KV cache",
     )
     eng.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="keep prefilled KV pages and reuse them for prompts that start the same (shared "
+        "system prompts, few-shot examples, repeated prompts)",
+    )
+    eng.add_argument(
         "--threads",
         type=_positive_int,
         metavar="N",
@@ -798,6 +804,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         num_pages=args.num_pages,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=args.enable_prefix_caching,
         draft=args.draft,
         algo=args.algo,
         num_draft_tokens=args.num_draft_tokens,
