@@ -58,6 +58,7 @@ CONFIGS = {  # name: extra CLI flags
     "nopiecewise": ["--piecewise-sizes", "none"],  # extend steps eager, decode graphs kept
     "lazypiecewise": ["--piecewise-capture", "lazy"],
     "overlap": ["--overlap"],
+    "prefix": ["--enable-prefix-caching"],
     "sync": ["--no-overlap"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
@@ -65,15 +66,20 @@ CONFIGS = {  # name: extra CLI flags
 CONTEXT = 4096  # the default --max-model-len of an 8B Llama (min(checkpoint, 4096))
 
 
-def make_job(n: int, seed: int, vocab: int, scale: float = 1.0) -> list[dict]:
-    """The job's JSONL records (prompt_token_ids, max_new_tokens); `scale` shrinks lengths."""
+def make_job(
+    n: int, seed: int, vocab: int, scale: float = 1.0, shared_prefix: int = 0
+) -> list[dict]:
+    """The job's JSONL records (prompt_token_ids, max_new_tokens); `scale` shrinks lengths;
+    `shared_prefix` tokens (the same for every request: a system prompt) start every prompt."""
     rng = np.random.default_rng(seed)
+    prefix = np.random.default_rng(seed + 1).integers(3, vocab, shared_prefix).tolist()
     prompt_lens = np.clip(rng.lognormal(math.log(220 * scale), 1.0, n), 16 * scale, 3000 * scale)
     output_lens = np.clip(rng.lognormal(math.log(180 * scale), 0.9, n), 16 * scale, 1200 * scale)
     records = []
     for p, o in zip(prompt_lens.astype(int), output_lens.astype(int), strict=True):
-        o = int(max(1, min(o, CONTEXT * scale - p - 16)))
-        ids = rng.integers(3, vocab, int(max(p, 1))).tolist()
+        p = int(min(p, CONTEXT * scale - shared_prefix - 32))
+        o = int(max(1, min(o, CONTEXT * scale - shared_prefix - p - 16)))
+        ids = prefix + rng.integers(3, vocab, int(max(p, 1))).tolist()
         records.append({"prompt_token_ids": ids, "max_new_tokens": o})
     return records
 
@@ -143,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         "baseline's (the default order gives this tree that advantage)",
     )
     parser.add_argument("--shape", choices=["llama8b", "small"], default="llama8b")
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N tokens (one draw) start every prompt, as a shared system prompt (config "
+        "`prefix`: --enable-prefix-caching)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
     args = parser.parse_args(argv)
@@ -155,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     head_config["draft_vocab_size"] = min(head_config["draft_vocab_size"], shape["vocab_size"])
     (Path(head) / "config.json").write_text(json.dumps(head_config))
     scale = 1.0 if args.shape == "llama8b" else 0.1
-    records = make_job(args.requests, args.seed, shape["vocab_size"], scale)
+    records = make_job(args.requests, args.seed, shape["vocab_size"], scale, args.shared_prefix)
     job = Path(args.out) / "workload_job.jsonl"
     job.write_text("".join(json.dumps(r) + "\n" for r in records))
     report = {
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "shape": args.shape,
         "requests": args.requests,
+        "shared_prefix": args.shared_prefix,
         "job_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in records),
         "job_output_tokens": sum(r["max_new_tokens"] for r in records),
         "runs": [],

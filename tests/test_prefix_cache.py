@@ -367,3 +367,38 @@ def test_cached_pages_are_never_written(algo, draft):
         ):
             torch.testing.assert_close(mine_pool[page * 4 : page * 4 + 4],
                                        their_pool[theirs * 4 : theirs * 4 + 4])  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo, draft", [(None, None), ("eagle3", "eagle3"), ("dflash", "dflash")])
+def test_prefix_caching_on_cuda(algo, draft):
+    """On CUDA (graph replays, piecewise graphs of extend steps, the Triton backend), float32:
+    output with the cache equals output without it; a page a request takes from the cache holds
+    the K/V it computes alone."""
+    spec = {} if algo is None else {"algo": algo, "draft": speculant.bundled(draft)}
+    common = dict(device="cuda", dtype="float32", max_num_seqs=4, **spec)
+    batch = prompts(random.Random(3))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    expected = run(Engine(speculant.bundled("target"), **common), batch, params)
+    cached = Engine(speculant.bundled("target"), enable_prefix_caching=True, **common)
+    for _ in range(2):
+        outs = run(cached, batch, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+        assert_pool_whole(cached)
+    assert cached.stats()["prefix_cache_hit_tokens"] > 0
+    head = list(range(40, 72))
+    x, y = head + [5, 6, 7], head[:16] + [300] + head[17:] + [5, 6, 7]
+    run(cached, [y], params)
+    run(cached, [x], params)
+    alone = Engine(speculant.bundled("target"), enable_prefix_caching=True, **common)
+    run(alone, [x], params)
+    mine, theirs = cached.kv.prefix.match(x), alone.kv.prefix.match(x)
+
+    def pools(e):
+        drafter = [] if algo is None else [*e.runner.drafter.k_pools, *e.runner.drafter.v_pools]
+        return [*e.kv.k, *e.kv.v, *drafter]
+
+    for a, b in zip(pools(cached), pools(alone), strict=True):
+        for page_a, page_b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a[page_a * 16 : page_a * 16 + 16],
+                                       b[page_b * 16 : page_b * 16 + 16])  # fmt: skip
