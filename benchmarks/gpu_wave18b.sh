@@ -20,6 +20,6 @@ rm -rf "$OUT/warm"
     --configs prefix,default --timeout 95 2>&1 | tee "$OUT/plain/workload.log" | tail -5)
 rm -f "$OUT"/*/workload_*.jsonl
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_cache.py \
-    tests/test_stop_strings.py tests/test_batch_jobs.py tests/test_gpu.py 2>&1 | tail -8 \
+    tests/test_stop_strings.py tests/test_batch_jobs.py 2>&1 | tail -8 \
     | tee "$OUT/pytest_gpu.log"
 exit 0
