@@ -59,6 +59,8 @@ CONFIGS = {  # name: extra CLI flags
     "lazypiecewise": ["--piecewise-capture", "lazy"],
     "overlap": ["--overlap"],
     "prefix": ["--enable-prefix-caching"],
+    "tight_prefix": ["--num-pages", "4096", "--enable-prefix-caching"],
+    "eagle3_prefix": ["--algo", "eagle3", "--num-draft-tokens", "3", "--enable-prefix-caching"],
     "sync": ["--no-overlap"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
