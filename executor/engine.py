@@ -700,10 +700,15 @@ class Engine:
         self.chooser.idle()
 
     def _output(self, request: Request) -> RequestOutput:
+        ids = request.output_ids
         if request.stop_text is not None and request.stop_text.matched is not None:
             text = request.stop_text.text  # cut at the stop string
+        elif self.tokenizer is None:
+            text = None
+        elif request.finish_reason == "stop" and not request.params.include_stop_str_in_output:
+            text = self.tokenizer.decode(ids[:-1])  # a stop token's text is left out (vLLM)
         else:
-            text = self.tokenizer.decode(request.output_ids) if self.tokenizer else None
+            text = self.tokenizer.decode(ids)
         steps = request.num_verify_steps
         stats = {
             "num_prompt_tokens": len(request.prompt_ids),

@@ -48,8 +48,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # text that ends the request where it appears in the output (a string or a list of them);
-    # the output text stops before it, or after it with include_stop_str_in_output
-    stop: tuple[str, ...] = ()
+    # the output text stops before it, or after it with include_stop_str_in_output (which also
+    # keeps the text of a stop token or EOS that ended it)
+    stop: tuple[str, ...] | str | None = ()
     include_stop_str_in_output: bool = False
 
     def validate(self) -> SamplingParams:
@@ -89,7 +90,7 @@ class SamplingParams:
         if not is_bool(self.ignore_eos):
             raise SpeculantError(f"ignore_eos={self.ignore_eos!r} must be True or False")
         if problem := stop_problem(self.stop):
-            raise SpeculantError(f"stop={self.stop!r} {problem}")
+            raise SpeculantError(f"stop={shown(self.stop)} {problem}")
         if not is_bool(self.include_stop_str_in_output):
             raise SpeculantError(
                 f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be True or "
@@ -98,28 +99,43 @@ class SamplingParams:
         changes = {}
         if 0 < self.temperature < GREEDY_TEMPERATURE:
             changes["temperature"] = 0.0
-        if not isinstance(self.stop, tuple):  # one string, or a list: a tuple of them
-            changes["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not isinstance(self.stop, tuple):  # None, one string or a list: a tuple of them
+            stop = () if self.stop is None else self.stop
+            changes["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         return dataclasses.replace(self, **changes) if changes else self
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """repr(value), its middle left out when long (an error line stays short)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
+
+
 def stop_problem(stop: object) -> str | None:
-    """What is wrong with a `stop` value (a string or a list of non-empty strings of valid
-    Unicode), None when nothing is: SamplingParams and the CLI's --stop / "stop" share it."""
-    stops = [stop] if isinstance(stop, str) else stop
+    """What is wrong with a `stop` value (None, a string or a list of non-empty strings of
+    valid Unicode), None when nothing is: SamplingParams and the CLI's --stop / "stop" share
+    it."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)):
         return "must be a string or a list of strings"
     for text in stops:
         if not isinstance(text, str):
-            return f"holds {text!r} ({type(text).__name__}); stop strings are strings"
+            return f"holds {shown(text)} ({type(text).__name__}); stop strings are strings"
         if not text:
             return "holds an empty string, which would end every request at once; remove it"
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             return (
-                f"holds {text!r}, whose character {exc.start} is a lone surrogate (not valid "
-                "Unicode); fix the text"
+                f"holds {shown(text)}, whose character {exc.start} is a lone surrogate (not "
+                "valid Unicode); fix the text"
+            )
+        if "\ufffd" in text:
+            return (
+                f"holds {shown(text)} with U+FFFD, the character a decode writes for bytes that "
+                "are not yet (or never) a whole character: it cannot be matched reliably"
             )
     return None
 

@@ -273,12 +273,13 @@ def build_parser(
         action="append",
         metavar="TEXT",
         help="end a request where TEXT appears in its output (repeat for several; a --prompts "
-        'line\'s "stop", a string or a list, replaces them); the text is cut before it',
+        'line\'s "stop", a string or a list, replaces them); the text is cut before it (a '
+        "TEXT that starts with '-': --stop=TEXT)",
     )
     samp.add_argument(
         "--include-stop-str-in-output",
         action="store_true",
-        help="keep the stop string at the end of the output text",
+        help="keep the stop string (or the stop token's text) at the end of the output text",
     )
 
     eng = gen.add_argument_group("engine")

@@ -290,6 +290,11 @@ def test_stop_reason_of_stop_token_ids_and_eos(plain, base_outputs):
                                                      stop_token_ids=[ids[5]]))[0]  # fmt: skip
     first = ids.index(ids[5])
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[: first + 1], "stop", ids[5])
+    tokenizer = bundled_tokenizer()  # the stop token's text is left out, as vLLM does
+    assert out.text == tokenizer.decode(ids[:first]) != tokenizer.decode(ids[: first + 1])
+    kept = plain.generate(PROMPTS[:1], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True,
+                          stop_token_ids=[ids[5]], include_stop_str_in_output=True))[0]  # fmt: skip
+    assert kept.text == tokenizer.decode(ids[: first + 1])
     eos = plain.model_config.eos_token_ids[0]
     out = plain.generate([[5, 6, 7]], SamplingParams(max_new_tokens=MAX_NEW))[0]
     if out.token_ids[-1] == eos:  # EOS is no stop reason (vLLM: None)
@@ -300,12 +305,15 @@ def test_stop_reason_of_stop_token_ids_and_eos(plain, base_outputs):
 def test_bad_stop_values_are_refused(plain, qwen2_dir):
     original = SamplingParams(stop="ab")
     assert original.validate().stop == ("ab",) and original.stop == "ab"
+    assert SamplingParams(stop=None).validate().stop == ()  # vLLM's default
     for kwargs, message in [
         ({"stop": 5}, "stop=5 must be a string or a list of strings"),
         ({"stop": ["a", 1]}, "holds 1 (int); stop strings are strings"),
         ({"stop": [""]}, "holds an empty string"),
         ({"stop": "\ud800"}, "lone surrogate"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output='yes' must be True"),
+        ({"stop": ["a\ufffd"]}, "with U+FFFD, the character a decode writes for bytes"),
+        ({"stop": ["ab"] * 10_000 + [""]}, "(60004 characters) holds an empty string"),
     ]:
         with pytest.raises(SpeculantError, match=re.escape(message)):
             plain.generate(["x"], SamplingParams(**kwargs))
