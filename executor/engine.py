@@ -1041,9 +1041,9 @@ class Engine:
                     request.accepted_per_position = [0] * (T - 1)
             newest = request.output_ids[-1]
             request.next_input = [newest] + row[T:-1]
-        if not plan.rests:  # the drafter's K/V of the chunks are written too
-            for chunk in plan.chunks:
-                self.scheduler.cache_prefilled(chunk.request)
+        for chunk in plan.chunks:  # pages whose drafter K/V are written too go to the cache
+            chunk.request.drafter_gap |= plan.rests
+            self.scheduler.cache_prefilled(chunk.request)
 
     def _decode(self, plan: StepPlan) -> None:
         launched = self._launch(plan)

@@ -185,6 +185,9 @@ class Request:
     accepted_per_position: list[int] = field(default_factory=list)
     num_computed: int = 0  # context positions in the KV cache (prefilled so far, this residency)
     num_cached: int = 0  # of them, positions taken from the prefix cache at admission
+    # a chunk of this residency ran while the drafter rested (its drafter K/V unwritten): its
+    # pages are not offered to the prefix cache
+    drafter_gap: bool = False
     num_preemptions: int = 0
     stop_text: StopStrings | None = None  # the output text, watched for params.stop
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it

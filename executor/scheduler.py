@@ -168,6 +168,7 @@ class Scheduler:
         self.kv.free(request.row)
         request.row = -1
         request.num_computed = request.num_cached = 0
+        request.drafter_gap = False
         request.next_input = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -179,9 +180,9 @@ class Scheduler:
 
     def cache_prefilled(self, request: Request) -> None:
         """Register in the prefix cache the pages of `request`'s context its prefill has
-        computed so far (after an extend step that ran the drafter too)."""
+        computed so far, unless a chunk of them ran while the drafter rested."""
         kv = self.kv
-        if kv.prefix is not None and request.row >= 0:
+        if kv.prefix is not None and request.row >= 0 and not request.drafter_gap:
             kv.prefix.register(kv.pages_of_row[request.row], request.context, request.num_computed)
 
     def reserve_ahead(self, requests: list[Request], steps: int) -> bool:

@@ -303,9 +303,9 @@ def test_cached_pages_are_never_written(algo, draft):
     from test_adaptive import ForcedChooser
 
     rng = random.Random(5)
-    head = [rng.randrange(3, 500) for _ in range(24)]
+    head = [rng.randrange(3, 500) for _ in range(48)]  # prompts of several 32-token chunks
     batch = [
-        head[: rng.randrange(8, 25)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 9))]
+        head[: rng.randrange(8, 49)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 9))]
         for _ in range(12)
     ]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
