@@ -11,7 +11,8 @@ its second-to-last token, and always computes at least its last one (whose logit
 Dict lookups compare whole keys, so equal hashes of different tokens never match.
 
 A page is registered after the extend step that completes it has run, the target's and the
-drafter's K/V both written (a step that rests the drafter registers nothing), and only pages of
+drafter's K/V both written (a request one of whose chunks ran while the drafter rested registers
+nothing: `Request.drafter_gap`), and only pages of
 the context a request prefills: pages that decode steps fill are never shared. Pages no request
 holds stay cached, in least-recently-freed order, and are taken back (and forgotten) only when
 the pool has no never-cached free page left (`FreePages`). A shared page is only read: a request
