@@ -100,6 +100,18 @@ def assert_pool_whole(engine: Engine) -> None:
     assert len(kv.free_pages) == kv.num_pages - 1 and not kv.holders and not kv.pages_of_row
 
 
+def equal_with_and_without_the_cache(batch: list, params: SamplingParams, **options) -> Engine:
+    """Two runs of an engine with the cache (cold, then warm) equal one without it; the engine."""
+    expected = run(Engine(speculant.bundled("target"), **options), batch, params)
+    cached = Engine(speculant.bundled("target"), enable_prefix_caching=True, **options)
+    for _ in range(2):
+        outs = run(cached, batch, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+        assert_pool_whole(cached)
+    assert cached.stats()["prefix_cache_hit_tokens"] > 0
+    return cached
+
+
 DRAFTERS = [(None, None), ("eagle3", "eagle3"), ("dflash", "dflash"), ("draft-model", "draft_lm")]
 
 
@@ -142,13 +154,7 @@ def test_other_modes_equal_without_the_cache(options):
     draft = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_lm"}[options["algo"]]
     common = dict(device="cpu", max_num_seqs=3, draft=speculant.bundled(draft), **options)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    expected = run(Engine(speculant.bundled("target"), **common), batch, params)
-    cached = Engine(speculant.bundled("target"), enable_prefix_caching=True, **common)
-    for _ in range(2):
-        outs = run(cached, batch, params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-        assert_pool_whole(cached)
-    assert cached.stats()["prefix_cache_hit_tokens"] > 0
+    equal_with_and_without_the_cache(batch, params, **common)
 
 
 def test_a_preempted_request_takes_its_own_pages_back():
@@ -391,13 +397,7 @@ def test_prefix_caching_on_cuda(algo, draft):
     common = dict(device="cuda", dtype="float32", max_num_seqs=4, **spec)
     batch = prompts(random.Random(3))
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    expected = run(Engine(speculant.bundled("target"), **common), batch, params)
-    cached = Engine(speculant.bundled("target"), enable_prefix_caching=True, **common)
-    for _ in range(2):
-        outs = run(cached, batch, params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-        assert_pool_whole(cached)
-    assert cached.stats()["prefix_cache_hit_tokens"] > 0
+    cached = equal_with_and_without_the_cache(batch, params, **common)
     head = list(range(40, 72))
     x, y = head + [5, 6, 7], head[:16] + [300] + head[17:] + [5, 6, 7]
     run(cached, [y], params)
