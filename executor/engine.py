@@ -308,8 +308,7 @@ class Engine:
         the weights as they were: a host copy taken first is put back, and the graphs are
         captured again either way."""
         self._check_same_architecture(path)
-        if self.kv.prefix is not None:  # K/V of the old weights (also if the load fails: safe)
-            self.kv.prefix.clear()
+        self.kv.forget_cached()  # K/V of the old weights (also if the load fails: safe)
         backup = {
             name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
         }

@@ -144,6 +144,13 @@ class PagedKVCache:
             self.pending.append((row, len(held), page))
             held.append(page)
 
+    def forget_cached(self) -> None:
+        """Forget every cached page (the weights changed: no cached K/V is right any more);
+        the free ones become plain free pages."""
+        if self.prefix is not None:
+            self.prefix.clear()
+            self.free_pages.uncache()
+
     def commit(self) -> None:
         """Write the block-table entries `grow` added since the last commit (one copy)."""
         if not self.pending:

@@ -46,6 +46,11 @@ class FreePages:
             return self.plain.pop(), False
         return self.cached.popitem(last=False)[0], True
 
+    def uncache(self) -> None:
+        """Every cached free page becomes a plain one (the cache forgot them)."""
+        self.plain.extend(self.cached)
+        self.cached.clear()
+
     def give(self, page: int, cached: bool = False) -> None:
         if cached:
             self.cached[page] = None

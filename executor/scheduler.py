@@ -196,12 +196,13 @@ class Scheduler:
         return True
 
     def abort_all(self) -> list[Request]:
-        """Drop every waiting and running request, freeing the running ones' pages and rows
+        """Drop every waiting and running request, freeing the pages and rows they hold
         (a run that stopped part way: the engine starts the next one empty). Returns them."""
         dropped = [*self.running, *self.waiting]
-        for request in self.running:
-            self.kv.free(request.row)
-            request.row = -1
+        for request in dropped:  # a waiting one holds a row when stopped mid-admission
+            if request.row >= 0:
+                self.kv.free(request.row)
+                request.row = -1
         self.running.clear()
         self.waiting.clear()
         return dropped

@@ -186,7 +186,8 @@ def test_load_weights_forgets_the_cache(llama_dir, tiny_tokenizer_dir, tmp_path)
     run(engine, batch, params)
     assert engine.kv.prefix.key_of
     engine.load_weights(str(other))
-    assert not engine.kv.prefix.key_of
+    assert not engine.kv.prefix.key_of and not engine.kv.free_pages.cached
+    check_pool(engine.kv)
     after = run(engine, batch, params)
     fresh = run(Engine(str(other), device="cpu", max_num_seqs=2), batch, params)
     assert [o.token_ids for o in after] == [o.token_ids for o in fresh]
@@ -414,3 +415,30 @@ def test_prefix_caching_on_cuda(algo, draft):
         for page_a, page_b in zip(mine, theirs, strict=True):
             torch.testing.assert_close(a[page_a * 16 : page_a * 16 + 16],
                                        b[page_b * 16 : page_b * 16 + 16])  # fmt: skip
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_an_interrupt_during_admission_leaves_the_pool_whole(caching):
+    """Ctrl-C while a waiting request is being admitted (its row taken, cached pages attached,
+    not yet running): the run stops, the pool is whole, the next run gives the same output."""
+    engine = Engine(speculant.bundled("target"), device="cpu", max_num_seqs=2, page_size=4,
+                    enable_prefix_caching=caching)  # fmt: skip
+    batch = [[5, 6, 7, 8] * 5 + [i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    expected = [o.token_ids for o in run(engine, batch, params)]
+    chunk, calls = engine.scheduler._chunk, []
+
+    def interrupted(request, budget):
+        calls.append(request.row)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return chunk(request, budget)
+
+    engine.scheduler._chunk = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, batch, params)
+    engine.scheduler._chunk = chunk
+    assert calls[0] >= 0  # it held a row when stopped
+    assert_pool_whole(engine)
+    assert [o.token_ids for o in run(engine, batch, params)] == expected
+    assert_pool_whole(engine)
