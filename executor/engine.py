@@ -48,6 +48,7 @@ from speculant.executor.request import (
     SamplingParams,
     is_bool,
     is_integer,
+    shown,
 )
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler
@@ -487,7 +488,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise PromptError(
                 index,
-                f"has stop strings {list(params.stop)!r} but {self.config.target!r} has no "
+                f"has stop strings {shown(list(params.stop))} but {self.config.target!r} has no "
                 "tokenizer.json to read the output as text; add one, or stop on token ids "
                 "(stop_token_ids)",
             )
@@ -973,7 +974,8 @@ class Engine:
     def _can_run_ahead(self, launched: LaunchedStep) -> bool:
         """Nothing waits for admission or prefill, no request can reach its length limit in the
         step in flight nor in the one launched ahead (their tokens), and the pool gives every
-        request the pages of both steps: only a stop token can then end one early."""
+        request the pages of both steps: only a stop token or string can then end one early (a
+        request that ended in the step in flight is skipped when the one ahead is read)."""
         # tokens the two steps can emit: the one in flight its verified drafts + 1, the one
         # ahead k + 1 only if the one in flight drafted (adaptive plain steps: 1 + 1)
         ahead = self.tokens_per_req if launched.shape.draft else 1

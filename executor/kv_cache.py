@@ -166,7 +166,9 @@ class PagedKVCache:
         """Return a request's pages and row; the row is zeroed like the sentinel."""
         pages = self.pages_of_row.pop(row)
         self.pending = [entry for entry in self.pending if entry[0] != row]
-        for page in pages:
+        # cached pages go out least recently freed first: free a row's last pages first, so that
+        # a chain is cut from its end (its start still matches), as vLLM frees blocks
+        for page in reversed(pages) if self.prefix is not None else pages:
             left = self.holders.pop(page, 1) - 1
             if left > 1:
                 self.holders[page] = left

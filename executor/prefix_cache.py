@@ -1,25 +1,29 @@
-"""Prefix caching (`--enable-prefix-caching`, vLLM's automatic prefix caching): whole KV pages of
-a prefilled context are kept, after their request ends too, and given to a later request (or the
+"""Prefix caching (`--enable-prefix-caching`, vLLM's automatic prefix caching): whole KV pages of a
+prefilled context are kept, after their request ends too, and given to a later request (or the
 same one resumed after a preemption) whose context starts with the same tokens, so that it
 prefills only the rest.
 
-A page is known by its key: the key of the page before it (hashed), its `page_size` tokens, and
-the token after it. The token after is part of the key because an EAGLE-3 head's K/V at a
-position is computed from the next token's embedding: with it the page's drafter entries are
-exactly those the new request would compute. A context therefore shares pages ending at most at
-its second-to-last token, and always computes at least its last one (whose logits the step needs).
-Dict lookups compare whole keys, so equal hashes of different tokens never match.
+A page is known by its key: a digest (BLAKE2b, 128 bits) of the key of the page before it, its
+`page_size` tokens, and the token after it. The token after is part of the key because an
+EAGLE-3 head's K/V at a position is computed from the next token's embedding: with it the page's
+drafter entries are exactly those the new request would compute. A context therefore shares
+pages ending at most at its second-to-last token, and always computes at least its last one
+(whose logits the step needs). Dict lookups compare whole keys, so a page's own tokens are
+compared exactly, and the pages before it through a cryptographic digest (Python's tuple hash
+can be made to collide on purpose); the same on every rank.
 
 A page is registered after the extend step that completes it has run, the target's and the
 drafter's K/V both written (a request one of whose chunks ran while the drafter rested registers
-nothing: `Request.drafter_gap`), and only pages of
-the context a request prefills: pages that decode steps fill are never shared. Pages no request
-holds stay cached, in least-recently-freed order, and are taken back (and forgotten) only when
-the pool has no never-cached free page left (`FreePages`). A shared page is only read: a request
-writes at positions past the ones it took from the cache."""
+nothing: `Request.drafter_gap`), and only pages of the context a request prefills: pages that
+decode steps fill are never shared. Pages no request holds stay cached, in least-recently-freed
+order, and are taken back (and forgotten) only when the pool has no never-cached free page left
+(`FreePages`). A shared page is only read: a request writes at positions past the ones it took
+from the cache."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import chain
@@ -75,12 +79,15 @@ class PrefixCache:
 
     def _keys(self, context: Sequence[int], end: int) -> Iterator[tuple]:
         """Keys of the context's pages that end at or before `end` and before its last token."""
-        ps, parent = self.page_size, 0
+        ps, parent = self.page_size, b""
         last = min(end, len(context) - 1)
         for stop in range(ps, last + 1, ps):
-            key = (parent, tuple(context[stop - ps : stop]), context[stop])
+            tokens = context[stop - ps : stop + 1]  # the page and the token after it
+            key = (parent, tuple(tokens[:-1]), tokens[-1])
             yield key
-            parent = hash(key)
+            digest = hashlib.blake2b(parent, digest_size=16)
+            digest.update(array("q", tokens).tobytes())
+            parent = digest.digest()
 
     def match(self, context: Sequence[int]) -> list[int]:
         """The cached pages that hold the longest cached start of `context`, in order."""

@@ -135,7 +135,8 @@ def stop_problem(stop: object) -> str | None:
         if "\ufffd" in text:
             return (
                 f"holds {shown(text)} with U+FFFD, the character a decode writes for bytes that "
-                "are not yet (or never) a whole character: it cannot be matched reliably"
+                "are not yet (or never) a whole character, so it cannot be matched reliably; "
+                "remove that character"
             )
     return None
 

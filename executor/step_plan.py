@@ -32,7 +32,7 @@ class Chunk:
     tokens: list[int]
     last: bool
     successor: int | None  # the known token after the chunk (None: sample it)
-    first: bool = True  # the first chunk of this residency (after any pages from the cache)
+    first: bool  # the first chunk of this residency (after any pages from the prefix cache)
 
 
 @dataclass

@@ -1,19 +1,20 @@
-"""Stop strings (`SamplingParams.stop`, vLLM's semantics): one request's output text, grown a
-token at a time as the scheduler appends tokens, watched for the first stop string.
+"""Stop strings (`SamplingParams.stop`, vLLM's semantics): one request's output text, grown a token
+at a time as the scheduler appends tokens, watched for the first stop string.
 
-The text is the one `Engine` returns (the tokenizer's `decode` of the output ids), grown
-incrementally: each token decodes a window of the last tokens twice (before and after it) and
-keeps what the new token added, holding back a trailing U+FFFD (a character whose UTF-8 bytes
-are split over tokens) until a later token completes it; the whole characters before it are
-searched at once, so a stop string ends the request at the token that completes it even when
-that token also starts a split character. A stop string is searched for only
-where new text could complete it (the last `len(stop) - 1` characters before the new text,
-and the new text), so each token costs two short decodes, not one of the whole output.
+The text is the tokenizer's `decode` of the output ids, grown incrementally as vLLM grows it
+(for the usual decoders the same as one decode of them all; a request ended by a stop string
+returns this text, cut): each token decodes a window of the last tokens twice (before and after
+it) and keeps what the new token added, holding back a trailing U+FFFD (a character whose UTF-8
+bytes are split over tokens) until a later token completes it; the whole characters before it
+are searched at once, so a stop string ends the request at the token that completes it even when
+that token also starts a split character. A stop string is searched for only where new text
+could complete it (the last `len(stop) - 1` characters before the new text, and the new text),
+so each token costs two short decodes, not one of the whole output.
 
-When a token's text completes a stop string the request ends there ("stop"): the token stays
-in the output ids (as in vLLM), any later token of the same verify step is dropped, and the
-text is cut before the stop string (or after it, with `include_stop_str_in_output`). Text
-before the output (the prompt) is not searched, as in vLLM."""
+When a token's text completes a stop string the request ends there ("stop"): the token stays in
+the output ids (as in vLLM), any later token of the same verify step is dropped, and the text is
+cut before the stop string (or after it, with `include_stop_str_in_output`). Text before the
+output (the prompt) is not searched, as in vLLM."""
 
 from __future__ import annotations
 

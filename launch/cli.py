@@ -503,8 +503,6 @@ _SAMPLING_RULES = {
 
 def sampling_problem(key: str, value: Any) -> str | None:
     """What a valid `key` looks like, if `value` is not one; None when it is fine."""
-    if key == "stop":  # None: the flag not given
-        return None if value is None else stop_problem(value)
     kind, ok, expected = _SAMPLING_RULES[key]
     if key == "seed" and value is None:
         return None
@@ -670,7 +668,7 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     check_threads(args.threads)
     if args.stop is not None and (problem := stop_problem(args.stop)):
         raise SpeculantError(f"--stop {problem}")
-    for key in SAMPLING_KEYS[:-1]:  # stop: above
+    for key in _SAMPLING_RULES:  # stop: above
         if expected := sampling_problem(key, getattr(args, key)):
             flag = "--" + key.replace("_", "-")
             raise SpeculantError(f"{flag} {getattr(args, key)} is invalid; use {expected}")

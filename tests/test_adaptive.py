@@ -409,8 +409,15 @@ def test_seeded_switching_is_reproducible_and_batch_invariant_per_pattern(prompt
 
 def seeded_params(n: int, **options) -> list[SamplingParams]:
     return [
-        SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, top_k=40, seed=7 + 3 * i,
-                       ignore_eos=True, **options)  # fmt: skip
+        SamplingParams(
+            max_new_tokens=30,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=40,
+            seed=7 + 3 * i,
+            ignore_eos=True,
+            **options,
+        )  # fmt: skip
         for i in range(n)
     ]
 
@@ -857,7 +864,7 @@ def test_a_resumed_context_starts_warm_and_ends_a_rest_gone_past_its_length():
     engine = SimpleNamespace(chooser=chooser, _resting=True, _drafts_cheaply=lambda plan: False)
     plan = RealEngine._choose_shape(engine, StepPlan(decode=[row(0)]))
     assert plan.rests  # every request cold: the rest goes on
-    resumed = Chunk(row(1), 0, [5, 6], True, None)  # request 1's context starts again
+    resumed = Chunk(row(1), 0, [5, 6], True, None, True)  # request 1's context starts again
     plan = RealEngine._choose_shape(engine, StepPlan(decode=[row(0)], chunks=[resumed]))
     assert not plan.rests and 1 not in chooser.cold
 

@@ -418,7 +418,7 @@ def scheduled(mode: int, tokens: int, rows: int, tokens_per_req: int) -> StepPla
     chunks of tokens / rows tokens each, or nothing."""
     if mode == DECODE:
         return StepPlan(decode=[object()] * rows, tokens_per_req=tokens_per_req)
-    chunks = [Chunk(object(), 0, [0] * (tokens // rows), True, None) for _ in range(rows)]
+    chunks = [Chunk(object(), 0, [0] * (tokens // rows), True, None, True) for _ in range(rows)]
     return StepPlan(chunks=chunks if mode == EXTEND else [], tokens_per_req=tokens_per_req)
 
 

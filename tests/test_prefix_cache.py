@@ -23,6 +23,7 @@ import torch
 
 import speculant
 from speculant import Engine, SamplingParams
+from speculant.executor.kv_cache import PagedKVCache
 from speculant.executor.prefix_cache import FreePages, PrefixCache
 from speculant.launch import cli
 
@@ -48,7 +49,7 @@ def test_match_and_register():
     assert cache.match(a[:8] + [99] + a[9:]) == [11]  # page 2 itself differs
     assert cache.match([0] + a[1:]) == []
     other = PrefixCache(PS)  # equal hashes of other tokens never match: keys compare whole
-    other.page_of[(0, (5, 6, 7, 8), 9)] = 40
+    other.page_of[(b"", (5, 6, 7, 8), 9)] = 40
     assert other.match([1, 2, 3, 4, 9]) == []
     cache.register([21, 22], a, computed=len(a))  # the same content in other pages: kept as is
     assert cache.match(a) == [11, 12, 13] and 21 not in cache.key_of
@@ -56,6 +57,21 @@ def test_match_and_register():
     assert cache.match(a) == [11]
     cache.clear()
     assert cache.match(a) == [] and not cache.key_of
+
+
+def test_a_chain_is_given_back_from_its_end():
+    """Under pressure the cached pages of a freed row go out last page first, so the start of
+    its context still matches (evicting its first page would strand the rest)."""
+    kv = PagedKVCache(1, 5, PS, 1, 2, torch.float32, "cpu", 2, 8, prefix_caching=True)
+    context = list(range(100, 117))  # 17 tokens: 4 whole pages before the last token
+    row = kv.allocate_row()
+    assert kv.grow(row, 16)  # the 4 pages (the last token need not be computed here)
+    kv.prefix.register(kv.pages_of_row[row], context, 16)
+    chain = list(kv.pages_of_row[row])
+    kv.free(row)
+    other = kv.allocate_row()
+    assert kv.grow(other, 1) and kv.pages_of_row[other] == [chain[-1]]
+    assert kv.prefix.match(context) == chain[:3]
 
 
 def test_free_pages_take_plain_pages_first_then_the_least_recently_freed():
