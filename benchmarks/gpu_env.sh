@@ -10,3 +10,19 @@ if [ "${1:-}" = deepep ]; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:/tmp/spk
 fi
+
+# The machine and the time, into $OUT/gpu.txt (every call records them first).
+machine_header() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+        | tee "$OUT/gpu.txt"
+    date -u | tee -a "$OUT/gpu.txt"
+}
+
+# A 64-request job of the realistic mix, thrown away: a fresh machine compiles the Triton
+# kernels here, not in the first measured run.
+warm_up_job() {
+    mkdir -p "$OUT/warm"
+    (cd benchmarks && timeout 90 python3 workload.py --out "$OUT/warm" --requests 64 \
+        --configs default --timeout 80 2>&1 | tail -2)
+    rm -rf "$OUT/warm"
+}

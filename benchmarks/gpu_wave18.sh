@@ -6,12 +6,8 @@
 # sampling, decode / verify steps, batch jobs. Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
-mkdir -p "$OUT/warm"
-(cd benchmarks && timeout 90 python3 workload.py --out "$OUT/warm" --requests 64 \
-    --configs default --timeout 80 2>&1 | tail -2)
-rm -rf "$OUT/warm"
+machine_header
+warm_up_job
 (cd benchmarks && timeout 260 python3 workload.py --out "$OUT" --requests 1000 \
     --configs default --tree "$PWD/../.old_tree" --baseline-configs default \
     --timeout 100 2>&1 | tee "$OUT/workload.log" | tail -8)

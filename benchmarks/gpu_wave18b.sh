@@ -7,12 +7,9 @@
 # graph replays. Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
-mkdir -p "$OUT/warm" "$OUT/shared" "$OUT/plain"
-(cd benchmarks && timeout 90 python3 workload.py --out "$OUT/warm" --requests 64 \
-    --configs default --timeout 80 2>&1 | tail -2)
-rm -rf "$OUT/warm"
+machine_header
+warm_up_job
+mkdir -p "$OUT/shared" "$OUT/plain"
 (cd benchmarks && timeout 280 python3 workload.py --out "$OUT/shared" --requests 1000 \
     --shared-prefix 1024 --configs default,prefix --timeout 135 2>&1 \
     | tee "$OUT/shared/workload.log" | tail -5)

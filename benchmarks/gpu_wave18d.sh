@@ -4,8 +4,7 @@
 # graphs) on the final tree.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
+machine_header
 timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adaptive.py \
     tests/test_piecewise.py tests/test_draft_vocab.py tests/test_prefix_cache.py 2>&1 \
     | tail -12 | tee "$OUT/pytest_gpu.log"
