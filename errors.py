@@ -1,5 +1,19 @@
 """User-facing errors: one line that names the offending value and the fix."""
 
+from typing import Any
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A value as an error line names it: repr(value), its middle left out when long (a
+    5000-digit number or a list of 10,000 strings stays one short line)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(text) if isinstance(value, str) else text
+    head, tail = text[: limit // 2], text[-8:]
+    if isinstance(value, str):
+        head, tail = repr(head), repr(tail)
+    return f"{head}...{tail} ({len(text)} characters)"
+
 
 class SpeculantError(ValueError):
     """A mistake the user can fix (bad path, wrong checkpoint, sizes that do not fit)."""

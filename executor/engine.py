@@ -19,7 +19,7 @@ from tqdm import tqdm
 from speculant.comm.all_reduce import build_one_shot
 from speculant.comm.groups import ParallelContext, resolve_context
 from speculant.config import ModelConfig, ParallelConfig
-from speculant.errors import PromptError, SpeculantError
+from speculant.errors import PromptError, SpeculantError, shown
 from speculant.executor.attention import PoolAttention, resolve_attention_backend
 from speculant.executor.build import (
     DEFAULT_MAX_MODEL_LEN,
@@ -48,7 +48,6 @@ from speculant.executor.request import (
     SamplingParams,
     is_bool,
     is_integer,
-    shown,
 )
 from speculant.executor.sampling import FULL, GREEDY, batch_variant
 from speculant.executor.scheduler import Scheduler

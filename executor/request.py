@@ -10,7 +10,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from speculant.errors import SpeculantError
+from speculant.errors import SpeculantError, shown
 from speculant.executor.stop_strings import StopStrings
 
 # Temperatures below this sample greedily: logits / T overflows float32 long before T reaches 0
@@ -103,14 +103,6 @@ class SamplingParams:
             stop = () if self.stop is None else self.stop
             changes["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         return dataclasses.replace(self, **changes) if changes else self
-
-
-def shown(value: object, limit: int = 60) -> str:
-    """repr(value), its middle left out when long (an error line stays short)."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 
 def stop_problem(stop: object) -> str | None:

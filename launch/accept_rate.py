@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from speculant import ASSETS, bundled
 from speculant.config import MAX_DIST_TIMEOUT_S
-from speculant.errors import SpeculantError
+from speculant.errors import SpeculantError, shown
 from speculant.executor.request import (
     FLOAT32_MAX,
     GREEDY_TEMPERATURE,
@@ -560,7 +560,6 @@ def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     cannot be read (too deeply nested, a number of too many digits) is refused naming the flag
     and the file, as a --prompts line is (launch/cli.py), not a traceback or a bare message."""
     from speculant.launch.cli import _json_int, _NumberTooLong
-    from speculant.launch.cli import _shown as _shown_text
 
     fix = _rewrite_fix(flag)
     try:
@@ -575,7 +574,7 @@ def _read_baseline(path: str, flag: str = "--baseline") -> dict:
     except _NumberTooLong as exc:
         limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
         raise SpeculantError(
-            f"{flag} {path!r}: the number {_shown_text(str(exc))} has more than {limit} digits, "
+            f"{flag} {path!r}: the number {shown(str(exc))} has more than {limit} digits, "
             f"more than can be read; a report's numbers are far smaller: {fix}"
         ) from None
     except RecursionError:

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
-from speculant.errors import PromptError, SpeculantError
+from speculant.errors import PromptError, SpeculantError, shown
 from speculant.executor.chat import Chat, messages_problem
 from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN, stop_problem
 from speculant.launch import accept_rate
@@ -99,19 +99,10 @@ GENERATE_EXAMPLES = """examples:
 """
 
 
-def _shown(text: str, limit: int = 40) -> str:
-    """`text` quoted, its middle left out when long (a 5000-digit number stays one line)."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[: limit // 2]!r}...{text[-8:]!r} ({len(text)} characters)"
-
-
 def _digits_problem(text: str) -> None:
     """Refuse a whole number of more digits than Python converts (4300), saying so."""
     if text.strip().lstrip("+-").isdigit():
-        raise argparse.ArgumentTypeError(
-            f"{_shown(text)} has too many digits; use a smaller number"
-        )
+        raise argparse.ArgumentTypeError(f"{shown(text)} has too many digits; use a smaller number")
 
 
 def _positive_int(text: str) -> int:
@@ -121,7 +112,7 @@ def _positive_int(text: str) -> int:
         _digits_problem(text)
         value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a positive integer")
     return value
 
 
@@ -132,7 +123,7 @@ def _nonnegative_int(text: str) -> int:
         _digits_problem(text)
         value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer >= 0")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer >= 0")
     return value
 
 
@@ -142,7 +133,7 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         _digits_problem(text)
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
 
 
 def _int_up_to(high: int, unit: str) -> Callable[[str], int]:
@@ -152,7 +143,7 @@ def _int_up_to(high: int, unit: str) -> Callable[[str], int]:
         value = _positive_int(text)
         if value > high:
             raise argparse.ArgumentTypeError(
-                f"{_shown(text)} is too large; use an integer in 1..{high} ({unit})"
+                f"{shown(text)} is too large; use an integer in 1..{high} ({unit})"
             )
         return value
 
@@ -588,7 +579,7 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     except _NumberTooLong as exc:
         limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
         raise SpeculantError(
-            f"{where}: the number {_shown(str(exc))} has more than {limit} digits, more than "
+            f"{where}: the number {shown(str(exc))} has more than {limit} digits, more than "
             "can be read; token ids and sampling values are far smaller: fix that number"
         ) from None
     except RecursionError:
