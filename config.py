@@ -693,6 +693,9 @@ class EngineConfig:
     # one rank: launch the next decode step before reading back the current one (when the
     # batch cannot change in between); token-equal to synchronous steps on the CPU and an H200
     overlap: bool = True
+    # the most alternatives a request may ask log-probabilities for (SamplingParams.logprobs);
+    # None: no step computes any (the graphs are captured without them)
+    max_logprobs: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

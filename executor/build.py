@@ -35,7 +35,7 @@ from speculant.drafter.tokenizer_vocab import check_draft_tokenizer
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
-from speculant.executor.request import is_bool, is_integer, is_number
+from speculant.executor.request import MAX_LOGPROBS, is_bool, is_integer, is_number
 from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
 from speculant.models.loader import (
@@ -106,7 +106,7 @@ INTEGER_OPTIONS = {
     "page_size": (1, False), "max_num_seqs": (1, True), "max_num_batched_tokens": (1, True),
     "max_model_len": (2, True), "num_pages": (1, True), "max_capture_size": (1, True),
     "tp": (1, False), "dp": (1, False), "moe_max_tokens_per_rank": (1, True),
-    "num_draft_tokens": (None, True), "catch_up_depth": (None, True),
+    "num_draft_tokens": (None, True), "catch_up_depth": (None, True), "max_logprobs": (0, True),
 }  # fmt: skip
 SIZE_LIST_OPTIONS = ("capture_sizes", "piecewise_sizes")  # lists of sizes (piecewise: [] = none)
 BOOL_OPTIONS = (
@@ -144,6 +144,10 @@ def check_options(options: dict) -> None:
         elif not is_integer(value) or value < least:
             default = " (None: the default)" if nullable else ""
             raise SpeculantError(f"{name}={value!r} must be an integer >= {least}{default}")
+    if (options.get("max_logprobs") or 0) > MAX_LOGPROBS:
+        raise SpeculantError(
+            f"max_logprobs={options['max_logprobs']!r} must be in 0..{MAX_LOGPROBS} (None: off)"
+        )
     if options.get("page_size", 0) > MAX_PAGE_SIZE:  # as the CLI's --page-size
         raise SpeculantError(
             f"page_size={options['page_size']!r} must be in 1..{MAX_PAGE_SIZE} (tokens a KV page)"
@@ -221,7 +225,7 @@ def engine_config(target: str, **options) -> EngineConfig:
             values = {n.removeprefix("moe_"): v for n, v in values.items()}
         sections[section] = cls(**values)
     unknown = set(options) - {
-        "device", "dtype", "load_format", "seed", "attention_backend", "overlap"
+        "device", "dtype", "load_format", "seed", "attention_backend", "overlap", "max_logprobs"
     }  # fmt: skip
     if unknown:
         raise TypeError(f"unknown Engine option(s): {sorted(unknown)}")

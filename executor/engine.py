@@ -40,12 +40,19 @@ from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, r
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
-from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
+from speculant.executor.model_runner import (
+    ModelRunner,
+    SeqInput,
+    StepOutput,
+    logprob_columns,
+    unpack_logprobs,
+)
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import (
     Request,
     RequestOutput,
     SamplingParams,
+    TokenLogprobs,
     is_bool,
     is_integer,
 )
@@ -148,6 +155,11 @@ class Engine:
             self.max_num_seqs, cache.max_num_seqs = rows, rows * cfg.parallel.dp
         check_capture_sizes(cfg)
         self.tokens_per_req = cfg.spec.num_draft_tokens + 1
+        # every step computes log-probabilities of its tokens and the n most likely (baked
+        # into the graphs); None: none, and a request asking for them is refused
+        self.num_logprobs = None
+        if cfg.max_logprobs is not None:
+            self.num_logprobs = min(cfg.max_logprobs, mc.vocab_size)
         self.max_num_batched_tokens = cache.max_num_batched_tokens or max(
             DEFAULT_BATCHED_TOKENS[on_gpu], self.max_num_seqs * self.tokens_per_req
         )
@@ -193,6 +205,7 @@ class Engine:
         # one rank only: several ranks agree on every step's batch before it runs
         self.overlap = cfg.overlap and self.pctx.world_size == 1
         self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
+        self.runner.num_logprobs = self.num_logprobs  # likewise
         if cfg.spec.sampled_verify == "match":  # likewise
             self.runner.match_samples = True
             if self.drafter is not None:
@@ -379,6 +392,7 @@ class Engine:
             self.model, scratch, 1, self.config.spec.num_draft_tokens, self.drafter,
             self.attention_backend,
         )  # fmt: skip
+        runner.num_logprobs = self.num_logprobs  # their memory too
         rows = min(self.max_num_seqs, budget // T)
         span = max(1, min(budget, self.max_model_len - 2 * T))
         steps = [
@@ -476,6 +490,16 @@ class Engine:
                 f"context (max_model_len={self.max_model_len}: at most "
                 f"{self.max_model_len - 1} prompt tokens); shorten it or raise --max-model-len",
             )
+        if params.logprobs is not None and (
+            self.config.max_logprobs is None or params.logprobs > self.config.max_logprobs
+        ):
+            built = self.config.max_logprobs
+            raise SpeculantError(
+                f"logprobs={params.logprobs} asks for more alternatives than this engine "
+                f"computes (max_logprobs={built}); build it with "
+                f"Engine(max_logprobs={params.logprobs}) (--max-logprobs {params.logprobs}): "
+                "its steps compute them only when told at start"
+            )
         stop = set(params.stop_token_ids)
         if stop and max(stop) >= vocab:  # the model never emits it: the stop would do nothing
             raise SpeculantError(
@@ -507,6 +531,7 @@ class Engine:
             stop_text=StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
             if params.stop
             else None,
+            logprobs=None if params.logprobs is None else [],
         )
 
     @functools.cached_property
@@ -722,6 +747,9 @@ class Engine:
             if steps
             else [],
         }
+        logprobs, cumulative = request.logprobs, None
+        if logprobs is not None:
+            cumulative = sum(step[t] for step, t in zip(logprobs, ids, strict=True))
         return RequestOutput(
             request.index,
             request.prompt_ids,
@@ -730,6 +758,8 @@ class Engine:
             request.finish_reason,
             stats,
             request.stop_reason,
+            logprobs,
+            cumulative,
         )
 
     def _generate_distributed(
@@ -1035,8 +1065,9 @@ class Engine:
             request.num_computed = chunk.start + len(chunk.tokens)
             if not chunk.last:
                 continue
+            logprobs, row = self._logprobs_of(request, row, T)
             if chunk.successor is None:  # a new request's first token
-                request.append(row[:1])
+                request.append(row[:1], logprobs)
                 if not request.accepted_per_position:
                     request.accepted_per_position = [0] * (T - 1)
             newest = request.output_ids[-1]
@@ -1095,11 +1126,13 @@ class Engine:
     ) -> None:
         """One verify row's result (`width` token slots, then the drafts proposed, then
         accept_len) applied to its request; `verified`: the drafts it checked (0: a plain
-        step, which counts as no verify step)."""
+        step, which counts as no verify step). With log-probabilities the row starts with
+        their columns."""
         request.decode_seconds += seconds
+        logprobs, row = self._logprobs_of(request, row, width)
         emitted = row[: row[-1]]
         before = len(request.output_ids)
-        request.append(emitted)
+        request.append(emitted, logprobs)
         if verified:
             # acceptance counts what the request keeps: not drafts accepted past its length
             # limit or after a stop token (the z-lab reference's definition)
@@ -1108,6 +1141,19 @@ class Engine:
         else:
             request.num_plain_steps += 1
         request.next_input = [emitted[-1]] + row[width:-1]
+
+    def _logprobs_of(
+        self, request: Request, row: list[int], width: int
+    ) -> tuple[TokenLogprobs | None, list[int]]:
+        """A read-back row (of `width` token slots) split into its log-probability columns,
+        read only for a request that keeps them, and the rest."""
+        columns = logprob_columns(width, self.num_logprobs)
+        if not columns:
+            return None, row
+        kept = None
+        if request.logprobs is not None:
+            kept = unpack_logprobs(row, width, self.num_logprobs)
+        return kept, row[columns:]
 
     def stats(self) -> dict:
         """Scheduler figures of the run so far (steps, preemptions, mean decode batch)."""

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import array
 import itertools
 from dataclasses import dataclass
 
@@ -15,7 +16,8 @@ from speculant.executor.catch_up import CatchUpBuffers
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.input_buffers import InputBuffers
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.sampling import GREEDY, sample
+from speculant.executor.request import TokenLogprobs
+from speculant.executor.sampling import GREEDY, sample, token_logprobs
 from speculant.executor.speculation import DraftShape
 from speculant.executor.verify import verify
 
@@ -27,20 +29,51 @@ class StepOutput:
     tokens: torch.Tensor  # [bs, T] emitted tokens, -1 after the last
     accept_len: torch.Tensor  # [bs] tokens emitted per row (accepted drafts + 1)
     drafts: torch.Tensor  # [bs, k] the next step's draft tokens
-    packed: torch.Tensor | None = None  # [bs, T + k + 1]: tokens, drafts, accept_len
+    # [bs, L]: tokens, drafts, accept_len, after the log-probabilities (when computed: L - the
+    # other columns, `pack_logprobs`)
+    packed: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None  # [bs, T (1 + 2 n)] `pack_logprobs` of the tokens
 
     @classmethod
-    def of(cls, tokens, accept_len, drafts) -> StepOutput:
+    def of(cls, tokens, accept_len, drafts, logprobs=None) -> StepOutput:
         """With the packed copy made on the device (inside the graph when captured), so the
         host reads a step's results with one transfer (input_buffers.Readback)."""
-        return cls(tokens, accept_len, drafts, torch.cat([tokens, drafts, accept_len[:, None]], 1))
+        parts = [tokens, drafts, accept_len[:, None]]
+        if logprobs is not None:
+            parts.insert(0, logprobs)
+        return cls(tokens, accept_len, drafts, torch.cat(parts, 1), logprobs)
 
     def narrow(self, bs: int) -> StepOutput:
         packed = None if self.packed is None else self.packed[:bs]
-        return StepOutput(self.tokens[:bs], self.accept_len[:bs], self.drafts[:bs], packed)
+        logprobs = None if self.logprobs is None else self.logprobs[:bs]
+        tokens, accept_len, drafts = self.tokens[:bs], self.accept_len[:bs], self.drafts[:bs]
+        return StepOutput(tokens, accept_len, drafts, packed, logprobs)
 
-    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.tokens, self.accept_len, self.drafts
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.tokens, self.accept_len, self.drafts, self.logprobs
+
+
+def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> torch.Tensor:
+    """The log-probabilities of `tokens` [bs, T] at logits [bs, T, V] and the `num_top` most
+    likely there (executor/sampling.token_logprobs), as int64 columns [bs, T (1 + 2 num_top)]
+    that travel in a step's packed read-back: per position the chosen value and the top values
+    (float32 bits), then per position the top ids. `unpack_logprobs` reads a row back."""
+    chosen, values, ids = token_logprobs(logits, tokens, num_top)
+    floats = torch.cat([chosen.unsqueeze(-1), values], dim=-1).reshape(tokens.shape[0], -1)
+    bits = floats.contiguous().view(torch.int32).to(torch.int64)
+    return torch.cat([bits, ids.reshape(tokens.shape[0], -1)], dim=1)
+
+
+def logprob_columns(width: int, num_top: int | None) -> int:
+    """Columns `pack_logprobs` gives a row of `width` positions (0 when none are computed)."""
+    return 0 if num_top is None else width * (1 + 2 * num_top)
+
+
+def unpack_logprobs(row: list[int], width: int, num_top: int) -> TokenLogprobs:
+    """A host row's `pack_logprobs` columns (its first `logprob_columns(width, num_top)`)."""
+    floats = width * (1 + num_top)
+    values = array.array("f", array.array("i", row[:floats]).tobytes()).tolist()
+    return TokenLogprobs(values, row[floats : floats + width * num_top], num_top)
 
 
 class ModelRunner:
@@ -60,6 +93,8 @@ class ModelRunner:
         self.k = num_draft_tokens
         self.writes_next_inputs = False  # set by the engine with overlap on, before capture
         self.match_samples = False  # sampled verify by `match` (executor/verify.py), likewise
+        # alternatives whose log-probabilities every step computes (None: none), likewise
+        self.num_logprobs: int | None = None
         self.tokens_per_req = num_draft_tokens + 1
         if drafter is not None:
             model.aux_layer_ids = drafter.aux_layer_ids
@@ -97,7 +132,7 @@ class ModelRunner:
         `drafter_rests`: a plain step in which the drafter does nothing, not even record for
         its catch-up (adaptive speculation's rest): the step a plain engine runs."""
         shape = shape or self.full_shape()
-        inputs, accept_len = self.verify_step(bs, variant, tokens_per_rank, shape.verify)
+        inputs, accept_len, logprobs = self.verify_step(bs, variant, tokens_per_rank, shape.verify)
         if drafter_rests:
             drafts = inputs.next_tokens.new_empty((bs, 0))
         else:
@@ -108,7 +143,7 @@ class ModelRunner:
             last = inputs.next_tokens.gather(1, (accept_len - 1).unsqueeze(1))
             next_ids = torch.cat([last, drafts.to(last.dtype)], dim=1)
             self.buffers.input_ids[:bs, : 1 + shape.draft].copy_(next_ids)
-        return StepOutput.of(inputs.next_tokens, accept_len, drafts)
+        return StepOutput.of(inputs.next_tokens, accept_len, drafts, logprobs)
 
     def verify_step(
         self,
@@ -116,10 +151,10 @@ class ModelRunner:
         variant: str,
         tokens_per_rank: list[int] | None = None,
         num_verify: int | None = None,
-    ) -> tuple[DraftInputs, torch.Tensor]:
+    ) -> tuple[DraftInputs, torch.Tensor, torch.Tensor | None]:
         """The target half of the step: forward over T = num_verify + 1 tokens per row (default
-        k + 1), verify, grow the valid cache lengths. Returns what the drafter needs and
-        accept_len [bs]."""
+        k + 1), verify, grow the valid cache lengths. Returns what the drafter needs, accept_len
+        [bs] and, when `num_logprobs` is set, the emitted tokens' `pack_logprobs`."""
         buf, kv = self.buffers, self.kv
         num_verify = self.k if num_verify is None else num_verify
         T = num_verify + 1
@@ -147,11 +182,14 @@ class ModelRunner:
             logits, buf.input_ids[:bs, 1:T], q, batch.sampling, positions, variant,
             self.match_samples,
         )  # fmt: skip
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = pack_logprobs(logits, tokens, self.num_logprobs)
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
         last_flat = flat_index(bs, T, accept_len - 1)
         inputs = DraftInputs(batch, hidden, aux, tokens, last_flat, self.attn.kv_slots)
-        return inputs, accept_len
+        return inputs, accept_len, logprobs
 
     def _propose(self, inputs: DraftInputs, variant: str, num_drafts: int) -> torch.Tensor:
         """The drafter's next `num_drafts` tokens per row ([bs, 0] without a drafter); records
@@ -267,6 +305,10 @@ class ModelRunner:
         last = torch.tensor(last_flat, dtype=torch.int64, device=device)
         accept_len = torch.zeros(len(seqs), dtype=torch.int64, device=device)
         emitted = torch.full((len(seqs), self.tokens_per_req), -1, dtype=torch.int64, device=device)
+        logprobs = None  # per sequence the `pack_logprobs` of its k + 1 emitted slots
+        if self.num_logprobs is not None:
+            width = logprob_columns(self.tokens_per_req, self.num_logprobs)
+            logprobs = torch.zeros((len(seqs), width), dtype=torch.int64, device=device)
         if num_verify:
             v_rows, v_info = rows[:num_verify], sampling.take(slice(0, num_verify))
             v_pos = pos_t[: num_verify * T].view(num_verify, T)
@@ -279,6 +321,10 @@ class ModelRunner:
                 self.match_samples,
             )  # fmt: skip
             emitted[:num_verify, :T] = tokens
+            if logprobs is not None:
+                v_logits = logits[: num_verify * T].view(num_verify, T, -1)
+                v_logprobs = pack_logprobs(v_logits, tokens, self.num_logprobs)
+                logprobs[:num_verify] = _widen(v_logprobs, T, self.tokens_per_req)
             accept_len[:num_verify] = v_accept
             next_tokens[: num_verify * T] = tokens.reshape(-1)
             last[:num_verify] += v_accept - T  # the last accepted input, not the last input
@@ -288,6 +334,10 @@ class ModelRunner:
             s_pos = pos_t[last[index]] + 1
             s_tokens = sample(logits[num_verify * T :], sampling.take(index), s_pos, variant)
             emitted[index, 0] = s_tokens
+            if logprobs is not None:
+                s_logits = logits[num_verify * T :].unsqueeze(1)
+                s_logprobs = pack_logprobs(s_logits, s_tokens.unsqueeze(1), self.num_logprobs)
+                logprobs[index] = _widen(s_logprobs, 1, self.tokens_per_req)
             accept_len[index] = 1
             next_tokens[last[index]] = s_tokens
         if num_verify < len(seqs):  # chunks: their whole context is now cached
@@ -299,7 +349,7 @@ class ModelRunner:
             drafts = self.drafter.no_drafts(batch).tokens
         else:
             drafts = self._propose(inputs, variant, shape.draft)
-        return ExtendOutput(emitted, accept_len, drafts)
+        return ExtendOutput(emitted, accept_len, drafts, logprobs)
 
     def prefill(
         self,
@@ -341,7 +391,26 @@ class ExtendOutput:
     tokens: torch.Tensor  # [bs, k + 1]
     accept_len: torch.Tensor  # [bs]
     drafts: torch.Tensor  # [bs, k]
+    logprobs: torch.Tensor | None = None  # [bs, (k + 1) (1 + 2 n)]: `pack_logprobs` (or None)
 
     def to_host(self) -> list[list[int]]:
-        """One read-back: per sequence tokens (T), drafts (k), accept_len."""
-        return torch.cat([self.tokens, self.drafts, self.accept_len[:, None]], 1).tolist()
+        """One read-back: per sequence its log-probability columns (when computed), tokens
+        (T), drafts (k), accept_len."""
+        parts = [self.tokens, self.drafts, self.accept_len[:, None]]
+        if self.logprobs is not None:
+            parts.insert(0, self.logprobs)
+        return torch.cat(parts, 1).tolist()
+
+
+def _widen(packed: torch.Tensor, width: int, full: int) -> torch.Tensor:
+    """`pack_logprobs` columns of `width` positions laid out as those of `full` positions (the
+    positions past `width` zero), so that every row of an extend step reads alike."""
+    if width == full:
+        return packed
+    n = (packed.shape[1] // width - 1) // 2
+    floats, ids = packed[:, : width * (1 + n)], packed[:, width * (1 + n) :]
+    rows = packed.shape[0]
+    out = packed.new_zeros((rows, full * (1 + 2 * n)))
+    out[:, : width * (1 + n)] = floats
+    out[:, full * (1 + n) : full * (1 + n) + width * n] = ids
+    return out

@@ -18,6 +18,7 @@ from speculant.executor.stop_strings import StopStrings
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k travel to the device as int64
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperatures and top_p travel as float32
+MAX_LOGPROBS = 1024  # alternatives per token a request may ask for (each step sorts them out)
 
 
 def is_integer(value: object) -> bool:
@@ -52,6 +53,11 @@ class SamplingParams:
     # keeps the text of a stop token or EOS that ended it)
     stop: tuple[str, ...] | str | None = ()
     include_stop_str_in_output: bool = False
+    # per output token its log-probability under the target (log_softmax of the raw logits,
+    # before temperature, top-k and top-p: vLLM's default "raw_logprobs") and those of the
+    # `logprobs` most likely tokens there; None: none kept. The engine computes them only when
+    # built with max_logprobs (Engine(max_logprobs=N), --max-logprobs N) at least this large
+    logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
         """Raise on a value that cannot be right, naming it; else the params a request runs
@@ -95,6 +101,13 @@ class SamplingParams:
             raise SpeculantError(
                 f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be True or "
                 "False"
+            )
+        if self.logprobs is not None and not (
+            is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise SpeculantError(
+                f"logprobs={self.logprobs!r} must be None or an integer in 0..{MAX_LOGPROBS} (the "
+                "alternatives kept per token; 0: the chosen token's log-probability alone)"
             )
         changes = {}
         if 0 < self.temperature < GREEDY_TEMPERATURE:
@@ -145,16 +158,43 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)
     # the stop string or stop token id that ended it; None for EOS and "length" (as vLLM)
     stop_reason: str | int | None = None
+    # with SamplingParams.logprobs: per output token {token id: log-probability}, the chosen
+    # token first, then the `logprobs` most likely in order (vLLM's layout; the chosen one is
+    # not repeated when it is among them), and their sum over the chosen tokens
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
     def to_json(self) -> dict:
-        return {
+        line = {
             "index": self.index,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
-            **self.stats,
         }
+        if self.logprobs is not None:  # JSON keys are strings: pairs keep the ids integers
+            line["logprobs"] = [[[t, lp] for t, lp in step.items()] for step in self.logprobs]
+            line["cumulative_logprob"] = self.cumulative_logprob
+        return {**line, **self.stats}
+
+
+@dataclass
+class TokenLogprobs:
+    """One step's log-probabilities for one row, as read back (model_runner.pack_logprobs):
+    per position the chosen token's value then the n most likely's, and per position those n
+    ids, most likely first."""
+
+    values: list[float]  # [positions * (1 + n)]
+    ids: list[int]  # [positions * n]
+    n: int  # alternatives computed per position (the engine's max_logprobs)
+
+    def entry(self, position: int, token: int, keep: int) -> dict[int, float]:
+        """{chosen token: its log-probability, then the `keep` most likely: theirs}."""
+        base = position * (1 + self.n)
+        out = {token: self.values[base]}
+        for j in range(min(keep, self.n)):
+            out.setdefault(self.ids[position * self.n + j], self.values[base + 1 + j])
+        return out
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists
@@ -184,6 +224,8 @@ class Request:
     num_preemptions: int = 0
     stop_text: StopStrings | None = None  # the output text, watched for params.stop
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
+    # with params.logprobs: one entry per output token (RequestOutput.logprobs)
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def context(self) -> list[int]:
@@ -208,11 +250,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def append(self, tokens: list[int]) -> None:
+    def append(self, tokens: list[int], logprobs: TokenLogprobs | None = None) -> None:
         """Add emitted tokens, stopping at a stop token, a stop string or the length limit (in
-        that order, as vLLM checks them); tokens after the one that ended it are dropped."""
-        for token in tokens:
+        that order, as vLLM checks them); tokens after the one that ended it are dropped.
+        `logprobs`: the step's log-probabilities of these tokens' positions, kept (for as many
+        alternatives as the request asked) when the request keeps logprobs."""
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs.entry(i, token, self.params.logprobs))
             if token in self.stop_ids:
                 self.finish_reason = "stop"
                 if token in self.params.stop_token_ids:  # EOS itself is no stop reason

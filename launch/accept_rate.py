@@ -64,6 +64,12 @@ PER_LINE_FLAGS = {
     "top_k": None,  # accept-rate samples from the full distribution
     "top_p": None,
     "stop": None,  # every prompt runs its whole --max-new-tokens
+    "logprobs": None,  # the report measures acceptance
+}
+# Why a per-line setting without a flag is refused.
+NO_FLAG_WHY = {
+    "stop": "every prompt runs its whole --max-new-tokens, past any stop",
+    "logprobs": "it reports acceptance, not log-probabilities",
 }
 
 
@@ -654,7 +660,8 @@ def _line_number(path: str, index: int) -> str:
 
 def check_no_per_line_settings(specs: list, path: str) -> None:
     """accept-rate runs every prompt with its flags; a --prompts line that sets its own
-    max_new_tokens, temperature, seed, top_k, top_p or stop is refused, not silently ignored."""
+    max_new_tokens, temperature, seed, top_k, top_p, stop or logprobs is refused, not silently
+    ignored."""
     for index, spec in enumerate(specs):
         if not spec.overrides:
             continue
@@ -665,11 +672,7 @@ def check_no_per_line_settings(specs: list, path: str) -> None:
                 f"{where}: accept-rate takes {key} from its flag {flag} for every prompt, not "
                 f"from a --prompts line; remove {key!r} from the line (and pass {flag})"
             )
-        why = (
-            "every prompt runs its whole --max-new-tokens, past any stop"
-            if key == "stop"
-            else "every prompt samples from the full distribution"
-        )
+        why = NO_FLAG_WHY.get(key, "every prompt samples from the full distribution")
         raise SpeculantError(
             f"{where}: accept-rate takes no {key} ({why}); remove {key!r} from the line"
         )

@@ -53,7 +53,13 @@ from typing import Any, NoReturn, TextIO
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
 from speculant.errors import PromptError, SpeculantError, shown
 from speculant.executor.chat import Chat, messages_problem
-from speculant.executor.request import FLOAT32_MAX, INT64_MAX, INT64_MIN, stop_problem
+from speculant.executor.request import (
+    FLOAT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    stop_problem,
+)
 from speculant.launch import accept_rate
 from speculant.launch.paths import (
     check_outside_checkpoints,
@@ -67,7 +73,7 @@ from speculant.launch.paths import (
 from speculant.launch.threads import check_threads, set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defaults
@@ -124,6 +130,17 @@ def _nonnegative_int(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer >= 0")
+    return value
+
+
+def _logprobs_count(text: str) -> int:
+    """An argparse type: alternatives per token, 0..MAX_LOGPROBS."""
+    value = _nonnegative_int(text)
+    if value > MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)} is too large; use an integer in 0..{MAX_LOGPROBS} (alternatives a "
+            "token)"
+        )
     return value
 
 
@@ -271,6 +288,22 @@ def build_parser(
         "--include-stop-str-in-output",
         action="store_true",
         help="keep the stop string (or the stop token's text) at the end of the output text",
+    )
+    samp.add_argument(
+        "--logprobs",
+        type=_logprobs_count,
+        metavar="N",
+        help="write each output token's log-probability under the target and those of the N "
+        "most likely tokens at its position (0: the token's alone); a --prompts line's "
+        '"logprobs" wins',
+    )
+    samp.add_argument(
+        "--max-logprobs",
+        type=_logprobs_count,
+        metavar="N",
+        help="the most alternatives any request may ask for (the steps compute that many); "
+        'default: the largest --logprobs or --prompts "logprobs" asks, none when no request '
+        "asks (needed under torchrun, where only rank 0 reads the prompts)",
     )
 
     eng = gen.add_argument_group("engine")
@@ -489,13 +522,14 @@ _SAMPLING_RULES = {
     "top_k": (int, lambda v: 0 <= v <= INT64_MAX, f"an integer in 0..{INT64_MAX} (0 = off)"),
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "seed": (int, lambda v: INT64_MIN <= v <= INT64_MAX, f"an integer in {INT64_MIN}..{INT64_MAX}"),
+    "logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in 0..{MAX_LOGPROBS}"),
 }
 
 
 def sampling_problem(key: str, value: Any) -> str | None:
     """What a valid `key` looks like, if `value` is not one; None when it is fine."""
     kind, ok, expected = _SAMPLING_RULES[key]
-    if key == "seed" and value is None:
+    if key in ("seed", "logprobs") and value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
         return expected
@@ -629,7 +663,34 @@ def reads_inputs() -> bool:
 
 
 def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
-    """All checks that need no model; returns the requests to run ([] on ranks other than 0)."""
+    """All checks that need no model; returns the requests to run ([] on ranks other than 0).
+    Sets --max-logprobs to what the requests ask when it is not given (and passes it to the
+    ranks a local launch starts)."""
+    specs = _prepare_specs(args)
+    asked = [("--logprobs", args.logprobs)]
+    asked += [(s.where, s.overrides.get("logprobs", args.logprobs)) for s in specs]
+    asked = [(where, n) for where, n in asked if n is not None]
+    if not asked:
+        return specs
+    where, needed = max(asked, key=lambda item: item[1])
+    given = args.max_logprobs
+    if given is not None and given >= needed:
+        return specs
+    if given is not None or "RANK" in os.environ:
+        # a value given is the user's limit; a rank of a torchrun job cannot raise it alone
+        # (the other ranks do not read the prompts, and every rank must compute the same)
+        limit = "is not given" if given is None else f"is {given}"
+        raise SpeculantError(
+            f"{where}: logprobs={needed} is more than --max-logprobs allows (it {limit}); pass "
+            f"--max-logprobs {needed}"
+        )
+    args.max_logprobs = needed
+    args.argv = [*getattr(args, "argv", []), "--max-logprobs", str(needed)]  # local ranks
+    return specs
+
+
+def _prepare_specs(args: argparse.Namespace) -> list[PromptSpec]:
+    """`_prepare`'s checks and the requests they read."""
     if args.demo_model and args.target:
         raise SpeculantError("pass either --target DIR or --demo-model, not both")
     bundled_run = args.bundled_run = not args.demo_model and not args.target
@@ -809,6 +870,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         piecewise_sizes=args.piecewise_sizes,
         piecewise_capture=args.piecewise_capture,
         overlap=args.overlap,
+        max_logprobs=args.max_logprobs,
         attention_backend=args.attention_backend,
         tp=args.tp,
         dp=args.dp,
@@ -931,6 +993,7 @@ def generate_in_rank(
         top_p=args.top_p,
         stop=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,
+        logprobs=args.logprobs,
     )  # --seed is the engine's (_engine_kwargs): request i samples with a seed made of it and i
     params = [SamplingParams(**{**base, **s.overrides}, ignore_eos=args.ignore_eos) for s in specs]
     start = time.perf_counter()
