@@ -1129,7 +1129,9 @@ class Engine:
         step, which counts as no verify step). With log-probabilities the row starts with
         their columns."""
         request.decode_seconds += seconds
-        logprobs, row = self._logprobs_of(request, row, width)
+        logprobs = None
+        if self.num_logprobs is not None:  # (a test per row, not a call: the host's hot path)
+            logprobs, row = self._logprobs_of(request, row, width)
         emitted = row[: row[-1]]
         before = len(request.output_ids)
         request.append(emitted, logprobs)
