@@ -62,6 +62,10 @@ CONFIGS = {  # name: extra CLI flags
     "tight_prefix": ["--num-pages", "4096", "--enable-prefix-caching"],
     "eagle3_prefix": ["--algo", "eagle3", "--num-draft-tokens", "3", "--enable-prefix-caching"],
     "sync": ["--no-overlap"],
+    # every output token's log-probability (and those of the 5 most likely): what it costs
+    "logprobs0": ["--logprobs", "0"],
+    "logprobs5": ["--logprobs", "5"],
+    "eagle3_logprobs5": ["--algo", "eagle3", "--num-draft-tokens", "3", "--logprobs", "5"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
 }
