@@ -178,7 +178,9 @@ class Drafter(ABC):
         greedy = self.to_target_ids(logits.argmax(-1))
         if variant == GREEDY:
             return greedy, None
-        q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        q = filtered_probs(
+            logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+        )
         u = uniform(sampling.seed, positions, self.draft_stream)
         drawn = self.to_target_ids(sample_from(q, u))
         kept = None if self.match_samples else self.probs_to_target(q)

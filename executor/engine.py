@@ -1030,6 +1030,7 @@ class Engine:
             col([r.params.top_k for r in requests], torch.int64),
             col([r.params.top_p for r in requests], torch.float32),
             col([r.seed for r in requests], torch.int64),
+            col([r.params.min_p for r in requests], torch.float32),
         )
 
     def _extend(self, plan: StepPlan) -> None:
@@ -1097,6 +1098,7 @@ class Engine:
                 [r.seed for r in requests],
                 padded_bs,
                 self.kv.sentinel_row,
+                [r.params.min_p for r in requests],
             )
         variant = batch_variant([r.params.temperature for r in requests])
         start = time.perf_counter()

@@ -25,6 +25,7 @@ class SamplingInfo:
     top_k: torch.Tensor  # int64; 0 means off
     top_p: torch.Tensor  # float32; 1 means off
     seed: torch.Tensor  # int64
+    min_p: torch.Tensor | None = None  # float32; 0 (or None for every row) means off
 
     @property
     def is_greedy(self) -> torch.Tensor:
@@ -33,8 +34,9 @@ class SamplingInfo:
     def take(self, index) -> SamplingInfo:
         """The rows `index` (a slice or an index tensor) of every field."""
         return SamplingInfo(
-            self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index]
-        )
+            self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
+            None if self.min_p is None else self.min_p[index],
+        )  # fmt: skip
 
 
 @dataclass

@@ -20,14 +20,15 @@ class InputBuffers:
         self.max_bs, self.tokens_per_req = max_bs, tokens_per_req
         n = max_bs
         self._ints = torch.zeros((3 + tokens_per_req) * n, dtype=torch.int64, device=device)
-        self._floats = torch.zeros(2 * n, dtype=torch.float32, device=device)
+        self._floats = torch.zeros(3 * n, dtype=torch.float32, device=device)
         self.req_pool_indices = self._ints[:n]
         self.top_k = self._ints[n : 2 * n]
         self.seed = self._ints[2 * n : 3 * n]
         self.input_ids = self._ints[3 * n :].view(n, tokens_per_req)
         self.temperature = self._floats[:n]
-        self.top_p = self._floats[n:]
+        self.top_p = self._floats[n : 2 * n]
         self.top_p.fill_(1.0)
+        self.min_p = self._floats[2 * n :]
         # host copies of the two packs, kept between steps: a step rewrites only the rows it
         # and the step before it used. Converting a list of every row each step cost a bs-1
         # step 35 / 121 us at 64 / 256 rows of one token, 51 / 217 us at 8 tokens a row (a
@@ -35,7 +36,7 @@ class InputBuffers:
         self._host_ints = torch.zeros_like(self._ints, device="cpu")
         self._host_floats = torch.zeros_like(self._floats, device="cpu")
         self._ints_np, self._floats_np = self._host_ints.numpy(), self._host_floats.numpy()
-        self._floats_np[n:] = 1.0
+        self._floats_np[n : 2 * n] = 1.0
         self._used = 0  # rows the last fill wrote (its padded size)
 
     def fill(
@@ -48,6 +49,7 @@ class InputBuffers:
         seed: list[int],
         padded_bs: int,
         sentinel_row: int,
+        min_p: list[float] | None = None,
     ) -> None:
         """Write live rows, then padded rows pointing at the sentinel row (greedy, token 0); rows
         past padded_bs are zeroed (no step of this size reads them), as if the whole packs were
@@ -76,13 +78,18 @@ class InputBuffers:
         floats[live:end] = 0.0
         floats[n : n + live] = top_p
         floats[n + live : n + end] = 1.0
+        floats[2 * n : 2 * n + live] = 0.0 if min_p is None else min_p  # none given: off
+        floats[2 * n + live : 2 * n + end] = 0.0
         self._used = padded_bs
         # from pageable memory: non-blocking copies from pinned staging measured no faster here
         self._ints.copy_(self._host_ints)
         self._floats.copy_(self._host_floats)
 
     def sampling(self, bs: int) -> SamplingInfo:
-        return SamplingInfo(self.temperature[:bs], self.top_k[:bs], self.top_p[:bs], self.seed[:bs])
+        return SamplingInfo(
+            self.temperature[:bs], self.top_k[:bs], self.top_p[:bs], self.seed[:bs],
+            self.min_p[:bs],
+        )  # fmt: skip
 
 
 @dataclass

@@ -45,6 +45,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # keep only tokens at least min_p times as likely as the most likely (0: off; vLLM's min_p,
+    # applied before top-k and top-p as vLLM applies it)
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -78,6 +81,8 @@ class SamplingParams:
             )
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise SpeculantError(f"top_p={self.top_p!r} must be in (0, 1] (1 turns it off)")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SpeculantError(f"min_p={self.min_p!r} must be in [0, 1] (0 turns it off)")
         if self.seed is not None and not (
             is_integer(self.seed) and INT64_MIN <= self.seed <= INT64_MAX
         ):

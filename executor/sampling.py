@@ -73,11 +73,17 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Te
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(logits / T) restricted to the top-k tokens, then to the top-p nucleus of that
-    set (its mass renormalised first, as vLLM and transformers apply them), and renormalised.
-    logits [..., V]; parameters broadcast over the leading dims ([bs] or [bs, 1]).
+    """softmax(logits / T) restricted to the tokens at least min_p times as likely as the most
+    likely one (vLLM's min-p, applied first as vLLM does), then to the top-k tokens, then to the
+    top-p nucleus of that set (its mass renormalised first, as vLLM and transformers apply
+    them), and renormalised. logits [..., V]; parameters broadcast over the leading dims ([bs]
+    or [bs, 1]); min_p None: off for every row.
     Rows with T below GREEDY_TEMPERATURE get a one-hot at the argmax (logits / T would overflow
     float32); the most likely token always survives top-p, however small top_p is."""
     greedy = temperature < GREEDY_TEMPERATURE
@@ -85,6 +91,8 @@ def filtered_probs(
     probs = torch.softmax(logits.float() / temp.unsqueeze(-1), dim=-1)
     one_hot = torch.zeros_like(probs).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+    if min_p is not None:  # 0 keeps every token (p >= 0); the most likely always survives
+        probs = probs * (probs >= min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True))
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
@@ -115,7 +123,7 @@ def sample(
     greedy = argmax(logits)
     if variant == GREEDY:
         return greedy
-    probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p)
+    probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p, info.min_p)
     drawn = sample_from(probs, uniform(info.seed, positions, STREAM_SAMPLE))
     return torch.where(info.is_greedy, greedy, drawn)
 

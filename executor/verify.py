@@ -45,8 +45,9 @@ def verify(
     candidates = target_argmax
     if variant != GREEDY:
         out_pos = positions + 1  # the position of the token each input predicts
+        min_p = None if info.min_p is None else info.min_p[:, None]
         p = filtered_probs(
-            logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None]
+            logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None], min_p
         )
         u_sample = uniform(info.seed[:, None], out_pos, STREAM_SAMPLE)
         if match:  # what plain sampling draws at each position decides, not the drafts

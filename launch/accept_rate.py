@@ -63,6 +63,7 @@ PER_LINE_FLAGS = {
     "seed": "--seed",
     "top_k": None,  # accept-rate samples from the full distribution
     "top_p": None,
+    "min_p": None,
     "stop": None,  # every prompt runs its whole --max-new-tokens
     "logprobs": None,  # the report measures acceptance
 }
@@ -660,8 +661,8 @@ def _line_number(path: str, index: int) -> str:
 
 def check_no_per_line_settings(specs: list, path: str) -> None:
     """accept-rate runs every prompt with its flags; a --prompts line that sets its own
-    max_new_tokens, temperature, seed, top_k, top_p, stop or logprobs is refused, not silently
-    ignored."""
+    max_new_tokens, temperature, seed, top_k, top_p, min_p, stop or logprobs is refused, not
+    silently ignored."""
     for index, spec in enumerate(specs):
         if not spec.overrides:
             continue

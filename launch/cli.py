@@ -73,7 +73,9 @@ from speculant.launch.paths import (
 from speculant.launch.threads import check_threads, set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs")
+SAMPLING_KEYS = (
+    "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "logprobs",
+)  # fmt: skip
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defaults
@@ -268,6 +270,14 @@ def build_parser(
     samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     samp.add_argument("--top-k", type=_int, default=0, metavar="K", help="0 = off")
     samp.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus, in (0, 1]")
+    samp.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="keep only tokens at least P times as likely as the most likely, in [0, 1] (0 = off;"
+        " applied before top-k and top-p, as vLLM does)",
+    )
     samp.add_argument(
         "--seed",
         type=_int,
@@ -521,6 +531,7 @@ _SAMPLING_RULES = {
     ),
     "top_k": (int, lambda v: 0 <= v <= INT64_MAX, f"an integer in 0..{INT64_MAX} (0 = off)"),
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "min_p": ((int, float), lambda v: 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
     "seed": (int, lambda v: INT64_MIN <= v <= INT64_MAX, f"an integer in {INT64_MIN}..{INT64_MAX}"),
     "logprobs": (int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in 0..{MAX_LOGPROBS}"),
 }
@@ -991,6 +1002,7 @@ def generate_in_rank(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         stop=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,
         logprobs=args.logprobs,

@@ -10,10 +10,11 @@ import torch
 from speculant.executor.input_buffers import InputBuffers
 
 
-def reference(buffers: InputBuffers, rows, input_ids, temperature, top_k, top_p, seed,
-              padded_bs, sentinel_row) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def reference(buffers: InputBuffers, rows, input_ids, temperature, top_k, top_p, seed, padded_bs,
+              sentinel_row, min_p=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The two packs written afresh, field by field over every row: live rows, padded rows on
-    the sentinel row (greedy, token 0), the rest zero (top_p one)."""
+    the sentinel row (greedy, token 0), the rest zero (top_p one; min_p zero, also where none
+    is given)."""
     n, T, live = buffers.max_bs, buffers.tokens_per_req, len(rows)
     pad, rest = padded_bs - live, n - padded_bs
     ints = [*rows, *[sentinel_row] * pad, *[0] * rest]
@@ -23,6 +24,7 @@ def reference(buffers: InputBuffers, rows, input_ids, temperature, top_k, top_p,
         ints += ids[:T] + [0] * (T - len(ids))
     ints += [0] * (T * (pad + rest))
     floats = [*temperature, *[0.0] * (pad + rest), *top_p, *[1.0] * (pad + rest)]
+    floats += [*(min_p or [0.0] * live), *[0.0] * (pad + rest)]
     return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
 
 
@@ -42,7 +44,8 @@ def test_every_fill_leaves_the_reference_layout(tokens_per_req):
         top_k = [rng.choice([0, 20]) for _ in range(live)]
         top_p = [rng.choice([1.0, 0.9]) for _ in range(live)]
         seed = [rng.randrange(1 << 30) for _ in range(live)]
-        args = (rows, ids, temperature, top_k, top_p, seed, padded, sentinel)
+        min_p = rng.choice([None, [rng.choice([0.0, 0.05, 0.5]) for _ in range(live)]])
+        args = (rows, ids, temperature, top_k, top_p, seed, padded, sentinel, min_p)
         buffers.fill(*args)
         ints, floats = reference(buffers, *args)
         assert torch.equal(buffers._ints, ints)
