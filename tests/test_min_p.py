@@ -204,3 +204,17 @@ def test_min_p_refusals_and_the_cli(tmp_path, capsys):
     assert cli.main(["accept-rate", "--device", "cpu", "--prompts", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{bad}:1: accept-rate takes no min_p" in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_min_p_on_cuda_graphs_equals_eager(drafter):
+    """On CUDA in float32, seeded sampled requests with min-p: graph replays (min-p read from
+    the step's static inputs) give the eager steps' tokens."""
+    spec = {} if drafter is None else DRAFTERS[drafter]
+    params = [SamplingParams(max_new_tokens=32, temperature=1.2, min_p=0.1 * (s % 3), seed=s,
+                             ignore_eos=True) for s in range(8)]  # fmt: skip
+    options = dict(device="cuda", dtype="float32", max_num_seqs=8, **spec)
+    graphs = Engine(TARGET, **options).generate(PROMPTS * 2, params)
+    eager = Engine(TARGET, **options, enforce_eager=True).generate(PROMPTS * 2, params)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
