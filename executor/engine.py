@@ -588,7 +588,8 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or a `Chat`: a conversation the target's
-        chat template renders, executor/chat.py); outputs come back in input order and
+        chat template renders, executor/chat.py); outputs come back in input order (a prompt
+        whose params ask for n completions gives n outputs in a row, `sample_index` 0..n-1) and
         are also passed to `on_output` as each request finishes. Every prompt is checked before
         any generation starts. With several ranks, every rank calls this; rank 0's prompts are
         spread over the DP ranks and rank 0 returns all outputs (see executor/dp.py)."""
@@ -615,7 +616,8 @@ class Engine:
             self._generating = False
 
     def make_requests(self, prompts, sampling_params=None) -> list[Request]:
-        """Checked requests (index = position in `prompts`) for one or one-per-prompt params."""
+        """Checked requests for one or one-per-prompt params: each prompt's n completions in
+        turn (`prompt_index` = its position in `prompts`, `index` unique in the call)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if hasattr(prompts, "tolist"):  # a 2-D tensor or array: one row per prompt
@@ -648,16 +650,43 @@ class Engine:
                 f"{len(sampling_params)} sampling params for {len(prompts)} "
                 "prompts; give one, or one per prompt"
             )
-        requests = [
+        firsts = [
             self._make_request(i, p, sp)
             for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
         ]
-        for request in requests:  # before any generation: never after earlier requests ran
+        for request in firsts:  # before any generation: never after earlier requests ran
             try:
                 self.scheduler.check_fits(request)
             except SpeculantError as exc:
                 raise PromptError(request.index, f": {exc}") from None
+        if all(r.params.n == 1 for r in firsts):
+            return firsts
+        requests = []  # each prompt's n completions in turn, indices unique in the call
+        for first in firsts:
+            for j in range(first.params.n):
+                requests.append(self._completion(first, j, len(requests)))
         return requests
+
+    def _completion(self, first: Request, j: int, index: int) -> Request:
+        """Completion j of `first`'s prompt as request `index`: its seed derived from the first
+        one's (j = 0 is the first itself, its seed unchanged), so sampled completions are
+        independent draws and a seeded call repeats exactly."""
+        seed = first.seed if j == 0 else int(_mix64(first.seed, j) % (2**63 - 1))
+        params = first.params
+        return Request(
+            index=index,
+            prompt_ids=first.prompt_ids,  # never changed: shared by the completions
+            params=params,
+            seed=seed,
+            max_new_tokens=first.max_new_tokens,
+            stop_ids=first.stop_ids,
+            stop_text=StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            if params.stop
+            else None,
+            logprobs=None if params.logprobs is None else [],
+            prompt_index=first.index,
+            sample_index=j,
+        )
 
     def run(
         self,
@@ -677,14 +706,15 @@ class Engine:
             self.scheduler.add(request)
         self._cycle = None  # the time since an earlier run's last step is no step's
         self._cycles_before.clear()
-        results: dict[int, RequestOutput] = {}
+        results: dict[int, RequestOutput] = {}  # by request index (unique in the call)
         total = len(requests) if progress is None else progress.total
         bar = tqdm(total=total, disable=not use_tqdm, desc="requests", unit="req")
         try:
             while self.scheduler.has_unfinished() or self.pctx.dp_size > 1:
-                finished = [self._output(request) for request in self.step()]
-                for out in finished:
-                    results[out.index] = out
+                done = self.step()
+                finished = [self._output(request) for request in done]
+                for request, out in zip(done, finished, strict=True):
+                    results[request.index] = out
                     if on_output is not None:
                         on_output(out)
                 if progress is None:
@@ -751,7 +781,7 @@ class Engine:
         if logprobs is not None:
             cumulative = sum(step[t] for step, t in zip(logprobs, ids, strict=True))
         return RequestOutput(
-            request.index,
+            request.prompt_index,
             request.prompt_ids,
             request.output_ids,
             text,
@@ -760,6 +790,8 @@ class Engine:
             request.stop_reason,
             logprobs,
             cumulative,
+            request.sample_index,
+            request.params.n,
         )
 
     def _generate_distributed(
@@ -790,13 +822,13 @@ class Engine:
         progress = None  # one counter per DP rank: its TP rank 0 adds
         if key is not None and store is not None and pctx.dp_size > 1 and pctx.tp_rank == 0:
             progress = JobProgress(store, key, len(requests), reads=pctx.rank == 0)
-        emitted: set[int] = set()
+        emitted: set[tuple[int, int]] = set()
 
         def stream_to_rank0(finished: list[RequestOutput]) -> None:
             parts = pctx.gather_object(finished if pctx.tp_rank == 0 else None)
             for out in (out for part in parts or [] if part for out in part):
-                if out.index not in emitted:
-                    emitted.add(out.index)
+                if out.key not in emitted:
+                    emitted.add(out.key)
                     on_output(out)
 
         local = self.run(
@@ -808,13 +840,13 @@ class Engine:
         gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
         if gathered is None:
             return local
-        outputs = sorted((out for part in gathered if part for out in part), key=lambda o: o.index)
-        indices = [out.index for out in outputs]
-        if indices != list(range(len(requests))):
-            raise RuntimeError(f"DP ranks returned outputs {indices} for {len(requests)} requests")
+        outputs = sorted((out for part in gathered if part for out in part), key=lambda o: o.key)
+        keys = [out.key for out in outputs]
+        if keys != [(r.prompt_index, r.sample_index) for r in requests]:
+            raise RuntimeError(f"DP ranks returned outputs {keys} for {len(requests)} requests")
         if on_output is not None:  # streamed already; this catches nothing unless a step was missed
             for out in outputs:
-                if out.index not in emitted:
+                if out.key not in emitted:
                     on_output(out)
         return outputs
 
@@ -1189,6 +1221,14 @@ class Engine:
                 else {}
             ),
         }
+
+
+def _mix64(seed: int, j: int) -> int:
+    """A 64-bit hash of (seed, j) (splitmix64's finaliser): completion j's seed."""
+    x = (seed * 0x9E3779B97F4A7C15 + j * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
 
 
 def _checked_params(i: int, params: SamplingParams) -> SamplingParams:

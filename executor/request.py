@@ -19,6 +19,7 @@ GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k travel to the device as int64
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperatures and top_p travel as float32
 MAX_LOGPROBS = 1024  # alternatives per token a request may ask for (each step sorts them out)
+MAX_N = 4096  # completions one prompt may ask for
 
 
 def is_integer(value: object) -> bool:
@@ -42,6 +43,9 @@ class SamplingParams:
     top_k 0 and top_p 1 are off."""
 
     max_new_tokens: int = 64
+    # completions of the prompt (vLLM's n): each its own request (own seed: independent samples
+    # when sampled), outputs n per prompt, RequestOutput.sample_index 0..n-1
+    n: int = 1
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -69,6 +73,10 @@ class SamplingParams:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise SpeculantError(
                 f"max_new_tokens={self.max_new_tokens!r} must be an integer of at least 1"
+            )
+        if not is_integer(self.n) or not 1 <= self.n <= MAX_N:
+            raise SpeculantError(
+                f"n={self.n!r} must be an integer in 1..{MAX_N} (completions of the prompt)"
             )
         if not is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise SpeculantError(
@@ -168,10 +176,18 @@ class RequestOutput:
     # not repeated when it is among them), and their sum over the chosen tokens
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    sample_index: int = 0  # which of the prompt's n completions (SamplingParams.n)
+    n: int = 1  # the prompt's completions
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(index, sample_index): one completion's place among a call's outputs."""
+        return self.index, self.sample_index
 
     def to_json(self) -> dict:
         line = {
             "index": self.index,
+            **({"sample_index": self.sample_index} if self.n > 1 else {}),
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
@@ -204,9 +220,9 @@ class TokenLogprobs:
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists
 class Request:
-    """Scheduler-side state of one request."""
+    """Scheduler-side state of one request (one completion of a prompt)."""
 
-    index: int
+    index: int  # unique in a generate call (its place among the completions of every prompt)
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
@@ -231,6 +247,12 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
     # with params.logprobs: one entry per output token (RequestOutput.logprobs)
     logprobs: list[dict[int, float]] | None = None
+    prompt_index: int = -1  # the prompt's place in the call (-1: index)
+    sample_index: int = 0  # which of its params.n completions
+
+    def __post_init__(self) -> None:
+        if self.prompt_index < 0:
+            self.prompt_index = self.index
 
     @property
     def context(self) -> list[int]:

@@ -66,11 +66,13 @@ PER_LINE_FLAGS = {
     "min_p": None,
     "stop": None,  # every prompt runs its whole --max-new-tokens
     "logprobs": None,  # the report measures acceptance
+    "n": None,  # every prompt runs once
 }
 # Why a per-line setting without a flag is refused.
 NO_FLAG_WHY = {
     "stop": "every prompt runs its whole --max-new-tokens, past any stop",
     "logprobs": "it reports acceptance, not log-probabilities",
+    "n": "it runs every prompt once; repeat a line to run it again",
 }
 
 
@@ -661,7 +663,7 @@ def _line_number(path: str, index: int) -> str:
 
 def check_no_per_line_settings(specs: list, path: str) -> None:
     """accept-rate runs every prompt with its flags; a --prompts line that sets its own
-    max_new_tokens, temperature, seed, top_k, top_p, min_p, stop or logprobs is refused, not
+    max_new_tokens, n, temperature, seed, top_k, top_p, min_p, stop or logprobs is refused, not
     silently ignored."""
     for index, spec in enumerate(specs):
         if not spec.overrides:

@@ -58,6 +58,7 @@ from speculant.executor.request import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,
+    MAX_N,
     stop_problem,
 )
 from speculant.launch import accept_rate
@@ -74,7 +75,7 @@ from speculant.launch.threads import check_threads, set_cpu_threads
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = (
-    "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "logprobs",
+    "max_new_tokens", "n", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "logprobs",
 )  # fmt: skip
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
@@ -266,6 +267,14 @@ def build_parser(
     samp = gen.add_argument_group("sampling (a --prompts line may override each)")
     samp.add_argument(
         "--max-new-tokens", type=_int, default=64, metavar="N", help="tokens to generate at most"
+    )
+    samp.add_argument(
+        "--n",
+        type=_int,
+        default=1,
+        metavar="N",
+        help="completions of each prompt (vLLM's n; each with its own seed, so sampled ones are "
+        "independent); written as N lines (sample_index 0..N-1) or printed as [i:j]",
     )
     samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     samp.add_argument("--top-k", type=_int, default=0, metavar="K", help="0 = off")
@@ -524,6 +533,7 @@ def prompt_named(exc: PromptError, specs: Sequence[PromptSpec]) -> SpeculantErro
 # Values travel to the device as float32 and int64: finite numbers, integers that fit int64.
 _SAMPLING_RULES = {
     "max_new_tokens": (int, lambda v: v > 0, "a positive integer"),
+    "n": (int, lambda v: 1 <= v <= MAX_N, f"an integer in 1..{MAX_N}"),
     "temperature": (
         (int, float),
         lambda v: 0 <= v <= FLOAT32_MAX,
@@ -942,14 +952,14 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         else:
             finished.append(out)
             if spool is not None:  # the launcher prints it if this rank cannot
-                spool.add(out.index, completion_line(out, specs))
+                spool.add(out.key, completion_line(out, specs))
 
     with output_lock(args.output if reads_inputs() else None):  # held until the file is done
         try:
             outputs, seconds = generate_in_rank(args, specs, on_output=on_output)
         except BaseException:  # Ctrl-C, SIGTERM, a peer rank gone: what finished is printed
             if finished:
-                done = sorted(finished, key=lambda o: o.index)
+                done = sorted(finished, key=lambda o: o.key)
                 try:
                     print_completions(done, stdout, specs, on_printed=on_printed)
                 except SpeculantError as exc:  # stdout full: said, and the stop still ends it
@@ -999,6 +1009,7 @@ def generate_in_rank(
         fault_point(pctx.rank)
     base = dict(
         max_new_tokens=args.max_new_tokens,
+        n=args.n,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -1040,7 +1051,7 @@ def report_outputs(
     stderr: TextIO,
     write_file: bool = True,
     specs: list[PromptSpec] | None = None,
-    on_printed: Callable[[int], None] | None = None,
+    on_printed: Callable[[tuple[int, int]], None] | None = None,
 ) -> None:
     """Rank 0's (or the Ray driver's) report: the --output file (when `write_file`; a single
     process wrote it as requests finished), or else one `[index] prompt+completion` per request
@@ -1064,7 +1075,7 @@ def print_completions(
     outputs: list,
     stdout: TextIO,
     specs: list[PromptSpec] | None,
-    on_printed: Callable[[int], None] | None = None,
+    on_printed: Callable[[tuple[int, int]], None] | None = None,
 ) -> None:
     """One `[index] prompt+completion` line per output (the text prompt from `specs`). With
     `on_printed` (rank 0 of a spawn job: its launcher's spool, launch/spawn.py), each line is
@@ -1074,16 +1085,19 @@ def print_completions(
             print(completion_line(out, specs), file=stdout)
             if on_printed is not None:
                 stdout.flush()
-                on_printed(out.index)
+                on_printed(out.key)
         stdout.flush()  # a write that fails fails here, not at exit
 
 
 def completion_line(out: Any, specs: list[PromptSpec] | None) -> str:
-    """`[index] prompt+completion` (the text prompt from `specs`), or `[index] [token ids]`."""
+    """`[index] prompt+completion` (the text prompt from `specs`), or `[index] [token ids]`;
+    `[index:j]` for completion j of a prompt that asked for several (n)."""
     shown = out.text if out.text is not None else out.token_ids
     prompt = specs[out.index].prompt if specs else None
     if isinstance(prompt, str) and out.text is not None:
         shown = prompt + out.text
+    if out.n > 1:  # one of the prompt's n completions
+        return f"[{out.index}:{out.sample_index}] {shown}"
     return f"[{out.index}] {shown}"
 
 

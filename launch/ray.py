@@ -363,7 +363,7 @@ class _Finished:
         if self.kept:
             from speculant.launch.cli import print_completions
 
-            print_completions(sorted(self.kept, key=lambda out: out.index), stdout, specs)
+            print_completions(sorted(self.kept, key=lambda out: out.key), stdout, specs)
             stdout.flush()
 
 

@@ -356,9 +356,10 @@ class CompletionSpool:
     """The completions rank 0 of a `launch_cli` job (without --output) has finished, kept by
     the launcher so that none is lost with rank 0: an unnamed file (nothing is left behind,
     however the launcher ends) whose descriptor rank 0 inherits, with one flushed JSON line per
-    completion as it finishes, {"index": i, "line": "[i] ..."} (the line rank 0 prints), and
-    {"printed": i} once rank 0 has printed it. After the ranks have ended, the launcher prints
-    the lines not marked printed (`print_unprinted`): none after a run that rank 0 finished."""
+    completion as it finishes, {"index": [i, j], "line": "[i] ..."} (the line rank 0 prints;
+    j: which of prompt i's completions), and {"printed": [i, j]} once rank 0 has printed it.
+    After the ranks have ended, the launcher prints the lines not marked printed
+    (`print_unprinted`): none after a run that rank 0 finished."""
 
     def __init__(self, stdout: TextIO) -> None:
         self.stdout, self.shown = stdout, set()  # shown: the indices this printed
@@ -367,18 +368,18 @@ class CompletionSpool:
         info = os.fstat(fd)
         self.fd, self.env = fd, {SPOOL_ENV: f"{fd}:{info.st_dev}:{info.st_ino}"}
 
-    def unprinted(self) -> list[tuple[int, str]]:
-        """(index, line) of each completion neither rank 0 nor this printed, by index."""
+    def unprinted(self) -> list[tuple[tuple[int, int], str]]:
+        """(key, line) of each completion neither rank 0 nor this printed, by key."""
         data = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
-        lines: dict[int, str] = {}
-        printed: set[int] = set()
+        lines: dict[tuple[int, int], str] = {}
+        printed: set[tuple[int, int]] = set()
         for raw in data.split(b"\n")[:-1]:  # the last piece: b"" or a record cut short
             try:
                 record = json.loads(raw)
                 if "printed" in record:
-                    printed.add(int(record["printed"]))
+                    printed.add(_spool_key(record["printed"]))
                 else:
-                    lines.setdefault(int(record["index"]), str(record["line"]))
+                    lines.setdefault(_spool_key(record["index"]), str(record["line"]))
             except (ValueError, KeyError, TypeError):
                 continue
         done = printed | self.shown
@@ -406,11 +407,11 @@ class RankSpool:
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
 
-    def add(self, index: int, line: str) -> None:
-        self._write({"index": index, "line": line})
+    def add(self, key: tuple[int, int], line: str) -> None:
+        self._write({"index": list(key), "line": line})
 
-    def printed(self, index: int) -> None:
-        self._write({"printed": index})
+    def printed(self, key: tuple[int, int]) -> None:
+        self._write({"printed": list(key)})
 
     def _write(self, record: dict) -> None:
         if self.fd is None:
@@ -423,6 +424,12 @@ class RankSpool:
             with contextlib.suppress(OSError):
                 os.ftruncate(self.fd, 0)
             self.fd = None
+
+
+def _spool_key(value: object) -> tuple[int, int]:
+    """A spool record's [index, sample index]."""
+    index, sample = value  # a ValueError / TypeError for anything else: the record is skipped
+    return int(index), int(sample)
 
 
 def rank_spool() -> RankSpool | None:

@@ -189,15 +189,16 @@ def test_the_spool_prints_what_rank0_did_not_as_rank0_would(monkeypatch):
     monkeypatch.setenv(SPOOL_ENV, spool.env[SPOOL_ENV])
     rank = rank_spool()
     assert rank is not None and SPOOL_ENV not in os.environ  # not passed on to its children
-    lines = {2: "[2] caf\u00e9 \ud800 x", 0: "[0] a\nb", 1: "[1] [5, 6]", 3: "[3] z"}
-    for index in (2, 0, 1, 3):
-        rank.add(index, lines[index])
-    rank.printed(1)
-    os.write(spool.fd, b'{"index": 4, "line": "[4] cut')  # the record rank 0 was killed in
+    lines = {(2, 0): "[2] caf\u00e9 \ud800 x", (0, 0): "[0] a\nb", (1, 0): "[1] [5, 6]",
+             (3, 1): "[3:1] z", (3, 0): "[3:0] y"}  # fmt: skip
+    for key in ((2, 0), (0, 0), (1, 0), (3, 1), (3, 0)):
+        rank.add(key, lines[key])
+    rank.printed((1, 0))
+    os.write(spool.fd, b'{"index": [4, 0], "line": "[4] cut')  # the record rank 0 was killed in
     spool.print_unprinted()
     spool.print_unprinted()  # once: what it printed is not printed again
-    for index in (0, 2, 3):
-        print(lines[index], file=rank_out)
+    for key in ((0, 0), (2, 0), (3, 0), (3, 1)):  # by prompt, then completion
+        print(lines[key], file=rank_out)
     launcher_out.flush()
     rank_out.flush()
     assert launcher_out.buffer.getvalue() == rank_out.buffer.getvalue()

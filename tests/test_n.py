@@ -1,0 +1,162 @@
+"""Several completions of one prompt (`SamplingParams.n`, `--n`, a --prompts line's "n"; vLLM's
+n): each is its own request with its own seed (completion 0 keeps the prompt's, so n = 1 runs
+are unchanged), outputs come n per prompt in a row (`sample_index` 0..n-1).
+
+Checked: completion 0 equals the n = 1 run; sampled completions differ from each other and a
+seeded call repeats exactly; greedy completions all equal plain greedy decoding, speculative or
+not; `match` verification keeps plain sampling's completions for every drafter; a pool that
+preempts, prefix caching and stop strings per completion; the CLI (lines, printing, `--dp 2`)
+and the refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import speculant
+from speculant import Engine, SamplingParams, SpeculantError
+from speculant.launch import cli
+
+TARGET = speculant.bundled("target")
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:"]
+DRAFTERS = {
+    "eagle3": {"algo": "eagle3", "draft": speculant.bundled("eagle3")},
+    "dflash": {"algo": "dflash", "draft": speculant.bundled("dflash")},
+    "draft-model": {"algo": "draft-model", "draft": speculant.bundled("draft_lm")},
+}
+
+
+def sampled(n: int, seed: int | None = None, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=20, n=n, temperature=1.0, seed=seed, ignore_eos=True,
+                          **kwargs)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return Engine(TARGET, device="cpu", num_draft_tokens=0)
+
+
+def test_completions_come_n_per_prompt(plain):
+    params = [sampled(3), sampled(1, seed=7), sampled(4, seed=9)]
+    outputs = plain.generate(PROMPTS, params)
+    assert [o.key for o in outputs] == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2),
+                                        (2, 3)]  # fmt: skip
+    assert [o.n for o in outputs] == [3, 3, 3, 1, 4, 4, 4, 4]
+    assert [o.to_json().get("sample_index") for o in outputs] == [0, 1, 2, None, 0, 1, 2, 3]
+    singles = plain.generate(PROMPTS, [sampled(1), sampled(1, seed=7), sampled(1, seed=9)])
+    for single in singles:  # completion 0 is the n = 1 run: the same seed
+        first = next(o for o in outputs if o.key == (single.index, 0))
+        assert first.token_ids == single.token_ids
+    for index in (0, 2):  # independent draws: no two completions of a prompt alike
+        completions = [tuple(o.token_ids) for o in outputs if o.index == index]
+        assert len(set(completions)) == len(completions)
+        assert all(o.prompt_token_ids == outputs[0 if index == 0 else 4].prompt_token_ids
+                   for o in outputs if o.index == index)  # fmt: skip
+    again = plain.generate(PROMPTS, params)  # a seeded call repeats exactly
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+    seen = []
+    plain.generate(PROMPTS[:1], sampled(3), on_output=seen.append)
+    assert sorted(o.key for o in seen) == [(0, 0), (0, 1), (0, 2)]
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash", "draft-model"])
+def test_speculative_completions_equal_plain(plain, drafter):
+    """Greedy completions are all plain greedy decoding's; with `match`, every sampled
+    completion is plain sampling's with the same (derived) seed."""
+    greedy = SamplingParams(max_new_tokens=20, n=3, ignore_eos=True)
+    engine = Engine(TARGET, device="cpu", sampled_verify="match", **DRAFTERS[drafter])
+    base = plain.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    outputs = engine.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outputs] == [b.token_ids for b in base for _ in range(3)]
+    params = [sampled(3, seed=s) for s in range(len(PROMPTS))]
+    ours = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+
+
+def test_completions_under_preemption_prefix_caching_and_stops(plain):
+    """A pool too small for every completion at once (preemption), prefix caching (the
+    completions share the prompt's pages) and stop strings, each completion its own."""
+    params = [sampled(4, seed=s, stop=["\n"]) for s in range(len(PROMPTS))]
+    expected = plain.generate(PROMPTS, params)
+    assert any(o.finish_reason == "stop" for o in expected)
+    for out in expected:
+        assert "\n" not in out.text and (out.finish_reason == "stop") == (out.stop_reason == "\n")
+    long = [SamplingParams(max_new_tokens=48, n=6, ignore_eos=True)]
+    tight = Engine(TARGET, device="cpu", max_num_seqs=6, page_size=4, num_pages=40,
+                   **DRAFTERS["eagle3"])  # fmt: skip
+    outs = tight.generate(PROMPTS, long * len(PROMPTS))
+    base = plain.generate(PROMPTS, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(6)]
+    assert tight.stats()["preemptions"] > 0
+    cached = Engine(TARGET, device="cpu", num_draft_tokens=0, enable_prefix_caching=True,
+                    max_num_seqs=2)  # fmt: skip
+    head = "# a shared head of several pages\n" * 4
+    outs = cached.generate([head + p for p in PROMPTS], [sampled(3, seed=1)] * len(PROMPTS))
+    alone = plain.generate([head + p for p in PROMPTS], [sampled(3, seed=1)] * len(PROMPTS))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert cached.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_n_refusals(plain):
+    for value in (0, 1.5, True, "2", 10**4):
+        with pytest.raises(SpeculantError, match=re.escape(f"n={value!r} must be an integer in")):
+            plain.generate(["x"], SamplingParams(n=value))
+
+
+def test_cli_n_lines_printing_and_dp(plain, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": PROMPTS[0], "n": 3, "temperature": 1.0, "seed": 4}) + "\n"
+        + json.dumps({"prompt": PROMPTS[1]}) + "\n"
+    )  # fmt: skip
+    base = ["generate", "--device", "cpu", "--max-new-tokens", "12", "--ignore-eos",
+            "--prompts", str(prompts), "--n", "2"]  # fmt: skip
+    assert cli.main([*base, "--num-draft-tokens", "0", "--output", str(tmp_path / "one")]) == 0
+    lines = [json.loads(x) for x in open(tmp_path / "one")]
+    keys = sorted((o["index"], o["sample_index"]) for o in lines)
+    assert keys == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    expected = plain.generate(PROMPTS[:2], [
+        SamplingParams(max_new_tokens=12, ignore_eos=True, n=3, temperature=1.0, seed=4),
+        SamplingParams(max_new_tokens=12, ignore_eos=True, n=2),
+    ])  # fmt: skip
+    by_key = {(o["index"], o["sample_index"]): o["token_ids"] for o in lines}
+    assert [by_key[o.key] for o in expected] == [o.token_ids for o in expected]
+    capsys.readouterr()
+    assert cli.main([*base, "--num-draft-tokens", "0"]) == 0
+    printed = capsys.readouterr().out
+    starts = [line.split("]")[0] + "]" for line in printed.splitlines() if line.startswith("[")]
+    assert starts == ["[0:0]", "[0:1]", "[0:2]", "[1:0]", "[1:1]"]
+    two = subprocess.run(
+        [sys.executable, "-m", "speculant", *base, "--dp", "2", "--algo", "eagle3",
+         "--output", str(tmp_path / "dp"), "--dist-timeout", "60"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-2000:]
+    dp = {
+        (o["index"], o["sample_index"]): o["token_ids"]
+        for o in map(json.loads, open(tmp_path / "dp"))
+    }
+    assert dp[(1, 0)] == dp[(1, 1)] == by_key[(1, 0)]  # greedy: plain decoding's
+    assert sorted(dp) == keys
+    capsys.readouterr()
+    bad = tmp_path / "bad.jsonl"
+    for args, line, message in [
+        (["--n", "0"], None, "--n 0 is invalid; use an integer in 1..4096"),
+        ([], {"prompt": "x", "n": 2.5}, f"{bad}:1: n=2.5 is invalid; use an integer in 1..4096"),
+    ]:
+        if line is not None:
+            bad.write_text(json.dumps(line) + "\n")
+            args = ["--prompts", str(bad)]
+        else:
+            args = ["--prompt", "x", *args]
+        assert cli.main(["generate", "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("speculant: error: ") and message in err[0], err
+    bad.write_text(json.dumps({"prompt": "x", "n": 2}) + "\n")
+    assert cli.main(["accept-rate", "--device", "cpu", "--prompts", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{bad}:1: accept-rate takes no n" in err, err
