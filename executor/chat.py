@@ -176,7 +176,10 @@ def _template_in(value: Any, file: Path) -> str | None:
         raise SpeculantError(
             f"{str(file)!r} names chat templates {sorted(map(str, named))} but none 'default'"
         )
-    raise SpeculantError(f"{str(file)!r}: chat_template is a {type(value).__name__}, not text")
+    raise SpeculantError(
+        f"{str(file)!r}: chat_template is a {type(value).__name__}, not text; write the template "
+        "there as a string (or a list of {\"name\", \"template\"} objects with a 'default')"
+    )
 
 
 def load_chat_template(path: str | Path) -> tuple[str, dict[str, str]] | None:
@@ -250,3 +253,10 @@ def render_chat(template: str, specials: dict[str, str], chat: Chat) -> str:
         )
     except jinja2.exceptions.TemplateError as exc:
         raise SpeculantError(f"the chat template refused the conversation: {exc}") from None
+    except RecursionError:
+        raise SpeculantError("the chat template recursed without end on the conversation") from None
+    except Exception as exc:  # the template's own mistake at render time (1 // 0, "a" + 1)
+        raise SpeculantError(
+            f"the chat template failed on the conversation ({type(exc).__name__}: {exc}); fix "
+            "the template (chat_template.jinja or tokenizer_config.json's chat_template)"
+        ) from None

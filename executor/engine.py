@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -284,6 +285,7 @@ class Engine:
         """Release every CUDA graph (decode and piecewise) and their memory pools; steps then run
         eagerly (padded as before) until `capture_graphs`. Every rank calls it. Returns the GPU
         memory reserved before and after, in bytes (0 on the CPU)."""
+        self._not_while_generating("clear_graphs")
         on_gpu = self.device.startswith("cuda")
         if on_gpu:
             torch.cuda.synchronize(self.device)
@@ -306,6 +308,7 @@ class Engine:
 
     def capture_graphs(self) -> None:
         """Capture the decode and piecewise graphs again (after `clear_graphs`)."""
+        self._not_while_generating("capture_graphs")
         self.graphs.use_graphs = self._decode_graphs
         self.graphs.capture()
         self.piecewise.capture()
@@ -320,6 +323,18 @@ class Engine:
         weight changes. One that fails part way (a tensor missing or of the wrong shape) leaves
         the weights as they were: a host copy taken first is put back, and the graphs are
         captured again either way."""
+        self._not_while_generating("load_weights")
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise SpeculantError(
+                f"load_weights({path!r}): give the path of a checkpoint directory (a str or a "
+                "Path)"
+            )
+        if not os.path.isdir(path):
+            raise SpeculantError(
+                f"load_weights({path!r}): not a directory; give a HF checkpoint directory"
+            )
         self._check_same_architecture(path)
         self.kv.forget_cached()  # K/V of the old weights (also if the load fails: safe)
         backup = {
@@ -340,6 +355,15 @@ class Engine:
     # what a checkpoint may change in load_weights: the weights' stored dtype (cast to the
     # engine's), the eos ids (the engine keeps its own), the raw dict
     _LOADABLE_CONFIG_FIELDS = ("torch_dtype", "eos_token_ids", "hf")
+
+    def _not_while_generating(self, what: str) -> None:
+        """Refuse a call that changes the model or its graphs while `generate` runs (from its
+        on_output): the requests in flight would mix two models' K/V."""
+        if self._generating:
+            raise SpeculantError(
+                f"Engine.{what} was called while generate runs on this engine (from its "
+                f"on_output?); call it once generate has returned"
+            )
 
     def _check_same_architecture(self, path: str) -> None:
         theirs = ModelConfig.from_dir(path)
@@ -657,8 +681,8 @@ class Engine:
         for request in firsts:  # before any generation: never after earlier requests ran
             try:
                 self.scheduler.check_fits(request)
-            except SpeculantError as exc:
-                raise PromptError(request.index, f": {exc}") from None
+            except SpeculantError as exc:  # "prompt i needs ...", "FILE:LINE: the prompt needs"
+                raise PromptError(request.index, str(exc)) from None
         if all(r.params.n == 1 for r in firsts):
             return firsts
         requests = []  # each prompt's n completions in turn, indices unique in the call

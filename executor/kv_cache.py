@@ -80,15 +80,15 @@ class PagedKVCache:
         num = self.pages_for(num_tokens)
         if num > self.max_pages_per_req:
             raise SpeculantError(
-                f"{num_tokens} tokens exceed the {self.max_tokens_per_req} "
-                "positions a request can hold; raise --max-model-len"
+                f"needs {num_tokens} positions, more than the {self.max_tokens_per_req} a "
+                "request can hold; raise --max-model-len (max_model_len)"
             )
         if num > self.usable_pages:
             raise SpeculantError(
-                f"a request needs {num} KV pages of {self.page_size} tokens ({num_tokens} "
-                f"positions) but the pool holds {self.usable_pages} usable page(s) (page 0 is "
-                f"reserved); use --num-pages {num + 1} or more (or raise "
-                "--kv-cache-memory-fraction), or lower --max-new-tokens"
+                f"needs {num} KV pages of {self.page_size} tokens ({num_tokens} positions) but "
+                f"the pool holds {self.usable_pages} usable page(s) (page 0 is reserved); use "
+                f"--num-pages {num + 1} or more (num_pages; or raise --kv-cache-memory-fraction),"
+                " or lower --max-new-tokens"
             )
 
     def allocate_row(self) -> int:
@@ -215,7 +215,7 @@ def choose_num_pages(
     if requested is not None:
         if requested > budget:
             raise SpeculantError(
-                f"--num-pages {requested} needs {requested * page_bytes / 2**30:.1f} GiB of KV "
+                f"--num-pages {requested} needs {requested * page_bytes / 2**30:,.1f} GiB of KV "
                 f"cache, more than {limit} ({budget} pages); lower --num-pages or raise "
                 "--kv-cache-memory-fraction"
             )

@@ -53,7 +53,8 @@ def paged_attention(
     tokens_per_req: int,
 ) -> torch.Tensor:
     """Paged attention in float32: gathers each row's kv_len keys in position order and masks
-    keys after each query's position (q [bs * T, heads, d] -> [bs * T, heads, d])."""
+    keys after each query's position (q [bs * T, heads, d] -> [bs * T, heads, d]); slots past
+    a row's newest position read as zeros."""
     bs, T = req_pool_indices.shape[0], tokens_per_req
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k_pool.shape[1]
@@ -62,9 +63,13 @@ def paged_attention(
     offsets = torch.arange(page_size, device=q.device)
     slots = (pages.unsqueeze(-1) * page_size + offsets).view(bs, -1)
     keys, values = k_pool[slots].float(), v_pool[slots].float()  # [bs, L, kv_heads, d]
+    key_pos = torch.arange(slots.shape[1], device=q.device)
+    # slots past each row's newest position are never read (as the kernel loads none): zeroed,
+    # so a non-finite value left there cannot reach the output (0 x NaN is NaN)
+    stale = (key_pos > positions.view(bs, T).amax(1, keepdim=True))[..., None, None]
+    keys, values = keys.masked_fill_(stale, 0), values.masked_fill_(stale, 0)
     queries = q.float().view(bs, T, kv_heads, group, d)
     scores = torch.einsum("btkgd,blkd->bkgtl", queries, keys) / math.sqrt(d)
-    key_pos = torch.arange(slots.shape[1], device=q.device)
     visible = key_pos <= positions.view(bs, T, 1)  # [bs, T, L]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = torch.einsum("bkgtl,blkd->btkgd", scores.softmax(-1), values)

@@ -1119,9 +1119,21 @@ def bundled_drafter_line(args: argparse.Namespace, outputs: list) -> str | None:
     )
 
 
+def started_by_torchrun() -> bool:
+    """This process is a worker torchrun's agent started with `speculant ...` itself (`-m
+    speculant`, the console script) rather than through `-m speculant.launch.torchrun`: no
+    speculant launcher (spawn, torchrun's module, a Ray actor) set up its rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "SPECULANT_RANK_DEVICE" not in os.environ
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
     from speculant.launch.spawn import close_progress_bars, stop_on_sigterm, stopped_line
+
+    if started_by_torchrun():  # one rank of the job, set up as the torchrun module sets it up
+        from speculant.launch import torchrun  # (ends with its agent, one line a failure)
+
+        torchrun.main(argv)  # never returns
 
     # Ctrl-C and SIGTERM stop the run (exit 130, 143). Until the try below is entered they are
     # only recorded (as they were while this module imported: EARLY_STOPS); then raised.

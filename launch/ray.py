@@ -315,6 +315,10 @@ def failure_line(ray: Any, errors: list, stuck: list[int], grace_s: float) -> tu
     return line, user
 
 
+class OutputQueueLost(Exception):
+    """The queue actor between rank 0 and the driver died: no more outputs can arrive."""
+
+
 class _Finished:
     """Rank 0's outputs as requests finish: its actor puts each on a Ray queue that the driver
     drains every poll and once more at the end, writing them to --output, or, without
@@ -323,12 +327,21 @@ class _Finished:
     def __init__(self, path: str | None):
         from ray.util.queue import Queue
 
-        self.path, self.file, self.kept = path, None, []
+        self.path, self.file, self.kept, self.written = path, None, [], 0
         # no CPU: the placement group holds every CPU the ranks need
         self.queue = Queue(actor_options={"num_cpus": 0})
 
     def drain(self) -> None:
-        batch = self.queue.get_nowait_batch(self.queue.qsize())
+        try:
+            batch = self.queue.get_nowait_batch(self.queue.qsize())
+        except Exception as exc:  # its actor died (killed, Ray's out-of-memory killer)
+            where = f"are in {self.path}" if self.path else "are printed above"
+            raise OutputQueueLost(
+                f"the Ray actor that carries rank 0's finished outputs to this driver died "
+                f"({type(exc).__name__}: {_first_line(exc)}); the run cannot deliver more "
+                f"outputs, the {len(self.kept) if self.path is None else self.written} "
+                f"finished before it {where}"
+            ) from None
         if not batch:
             return
         if self.path is None:
@@ -338,6 +351,7 @@ class _Finished:
             self.file = self.file or open_output(self.path)
             self.file.writelines(json.dumps(out.to_json()) + "\n" for out in batch)
             self.file.flush()
+        self.written += len(batch)
 
     def close(self) -> None:
         """Drain the rest and close the file (a write error raises, naming --output); the
@@ -445,6 +459,8 @@ def _drive(args, address, job, empty, stdout, stderr, stop_on_sigterm, grace_s) 
         if args.command == "generate":
             finished = _Finished(args.output)
         result, ending = _run_ranks(args, job, empty, ray, run, finished, grace_s)
+    except OutputQueueLost as exc:  # the ranks are stopped; what arrived is kept
+        result, ending = None, (f"speculant: error: {exc}", 1)
     except BaseException:  # Ctrl-C, SIGTERM: the finished completions are printed all the same
         _teardown(ray, run, finished, connected_here)
         if finished is not None:

@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -298,10 +299,15 @@ def _roll_call(exc: BaseException) -> str | None:
     prefix = f"speculant/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     collective = _is_collective_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:  # nothing listens (the store died with a failed join): no client, whose connect
+        socket.create_connection((host, port), timeout=ROLL_CALL_S).close()  # retries print
+    except OSError:  # C++ warnings and stack frames on the terminal for seconds
+        return None
     try:
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            host,
+            port,
             is_master=False,
             timeout=timedelta(seconds=ROLL_CALL_S),
         )
@@ -482,14 +488,19 @@ def _enter_rank(rank: int, world_size: int, port: int, device: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
+STOP_CODES = (130, 143)  # a rank stopped by Ctrl-C or SIGTERM (stopped_line's codes)
+
+
 def _exit(code: int, device: str) -> None:
     """End a rank: flushed, and without process-group destructors on GPUs (they have hung
-    after NCCL graph capture) or after a store call or join was given up on (tearing down what
-    it made aborts: comm.store_call.calls_abandoned); CPU ranks exit normally otherwise, so
-    multiprocessing cleans up."""
+    after NCCL graph capture), after a store call or join was given up on (tearing down what
+    it made aborts: comm.store_call.calls_abandoned) or after a stop (Ctrl-C, SIGTERM: one that
+    came while gloo was building the groups, or while a peer was in a collective with this
+    rank, left C++ objects whose destruction aborted the rank with SIGABRT); CPU ranks exit
+    normally otherwise, so multiprocessing cleans up."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if device.startswith("cuda") or calls_abandoned():
+    if device.startswith("cuda") or calls_abandoned() or code in STOP_CODES:
         os._exit(code)
     # a gloo group left open (a rank function that did not close its context) keeps threads
     # whose destruction at interpreter exit can abort the rank ("terminate called without an
@@ -821,6 +832,15 @@ def check_output_free(path: str | None) -> None:
             pass
 
 
+def remove_if_empty(path: str) -> None:
+    """Remove the empty regular file a rank 0 created for --output and could not remove itself
+    (killed before any request finished): a run leaves no empty output behind."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode) and info.st_size == 0:
+            os.unlink(path)
+
+
 INPUT_FLAGS = ("--prompts", "--baseline")  # the input files a job's rank 0 reads
 
 
@@ -880,6 +900,7 @@ def launch_cli(
     (`rank_inputs`), so a launcher killed by SIGKILL leaves nothing behind."""
     check_devices(device, world_size)
     check_output_free(output)
+    output_existed = output is not None and os.path.lexists(output)
     port = free_port()
     ranks: list[_Rank] = []
     copies: list[IO[bytes]] = []
@@ -931,6 +952,8 @@ def launch_cli(
             copy.close()
         if spool is not None:
             spool.close()
+        if output is not None and not output_existed:  # every rank has ended by now
+            remove_if_empty(output)
     if failure is None:
         return 0
     codes = [r.process.exitcode for r in ranks]

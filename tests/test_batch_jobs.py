@@ -205,7 +205,7 @@ def test_request_that_can_never_fit_is_refused_before_generation(llama_dir):
     engine = Engine(str(llama_dir), device="cpu", max_num_seqs=2, num_pages=3, page_size=4)
     ran = []
     engine.step = lambda: ran.append(1) or []
-    with pytest.raises(SpeculantError, match=r"prompt 1: .*--num-pages \d+ or more"):
+    with pytest.raises(SpeculantError, match=r"prompt 1 needs .*--num-pages \d+ or more"):
         engine.generate([[5, 6], [7] * 20], SamplingParams(max_new_tokens=4))
     assert not ran  # found before any step ran
 

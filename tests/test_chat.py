@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -175,6 +176,39 @@ def test_chat_refusals(llama_dir, tmp_path):
         engine.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, image]}])
     with pytest.raises(SpeculantError, match="message 0's content holds a lone surrogate"):
         engine.chat([{"role": "user", "content": "a\ud800b"}])  # was the tokenizer's exception
+
+
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        ("{% for m in messages %}{{ m.content + 1 }}{% endfor %}", "failed on the conversation "
+         "(TypeError: "),
+        ("{{ 1 // 0 }}", "failed on the conversation (ZeroDivisionError: "),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed without end"),
+    ],
+)  # fmt: skip
+def test_a_template_that_fails_while_rendering_is_a_prompt_error(
+    llama_dir, tmp_path, capsys, template, needle
+):
+    """A template whose own code raises at render time (not jinja's TemplateError): one error
+    naming the prompt, as a refusal by raise_exception is (was: a traceback, exit 1)."""
+    folder = with_template(llama_dir, tmp_path / "t", "jinja", template)
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=64)
+    with pytest.raises(
+        SpeculantError,
+        match=re.escape(
+            f"prompt 0 is a chat that could not be rendered: the chat template {needle}"
+        ),
+    ):
+        engine.chat(CONVERSATIONS[0])  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    capsys.readouterr()
+    assert cli.main(["generate", "--device", "cpu", "--target", str(folder), "--prompts",
+                     str(prompts), "--max-model-len", "64"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"speculant: error: {prompts}:1: the prompt is a "
+                                               "chat that could not be rendered"), err  # fmt: skip
 
 
 def test_cli_messages_lines(llama_dir, tmp_path, capsys):

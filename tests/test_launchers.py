@@ -227,6 +227,71 @@ def test_torchrun_fails_when_a_rank_dies(flags):
     assert marked_processes(mark) == []
 
 
+SLOW_STEPS = """import importlib.abc, importlib.util, sys, time
+class _SlowSteps(importlib.abc.MetaPathFinder):  # every Engine.step of this process sleeps 1 s
+    def find_spec(self, name, path, target=None):
+        if name != "speculant.executor.engine":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+        def patched(module):
+            exec_module(module)
+            step = module.Engine.step
+            def slow(self):
+                time.sleep(1.0)
+                return step(self)
+            module.Engine.step = slow
+        spec.loader.exec_module = patched
+        return spec
+sys.meta_path.insert(0, _SlowSteps())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks for stray ranks in /proc")
+def test_torchrun_of_the_speculant_command_runs_ranks_as_the_module_does(flags, expected, tmp_path):
+    """`torchrun ... -m speculant generate` (the command itself, not the launch module) runs
+    each rank as `-m speculant.launch.torchrun` does: output equal to one process, and ranks
+    that end with their agent (they were left running, still writing --output, when it was
+    killed)."""
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "speculant", "generate", *flags, "--dp", "2",
+                "--output", str(out)]  # fmt: skip
+
+    proc = run(command(tmp_path / "out.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_tokens(tmp_path / "out.jsonl") == expected
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_STEPS)
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "SPECULANT_TEST_MARK": mark, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    out = tmp_path / "killed.jsonl"
+    agent = subprocess.Popen(command(out), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len([p for p in marked_processes(mark) if p != agent.pid]) < 2:  # both ranks
+            assert time.monotonic() < deadline and agent.poll() is None
+            time.sleep(0.2)
+        time.sleep(8)  # loaded, stepping (a step takes a second)
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+        deadline = time.monotonic() + 8
+        while marked_processes(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marked_processes(mark) == [], "ranks outlived their torchrun agent"
+    finally:
+        for pid in marked_processes(mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def accept_args(llama_dir, eagle_dir, tmp_path_factory) -> list[str]:
     # accept-rate refuses per-line settings: its prompts are prompts_file's without them
@@ -526,6 +591,45 @@ class TestRayDriver:
         assert all(len(line["token_ids"]) == 4 for line in kept[:2])
         self.assert_nothing_left(ray)
 
+    def test_ray_driver_names_a_lost_output_queue(self, ray, llama_dir, tmp_path, capsys):
+        """The queue actor that carries rank 0's outputs to the driver is killed mid-run (Ray's
+        out-of-memory killer did so): one line naming it and what was kept (was: a traceback),
+        exit 1, the outputs that arrived before it in the file, nothing left running."""
+        import threading
+
+        from speculant.launch.ray import main
+
+        rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
+        rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = tmp_path / "out.jsonl"
+        args = ["generate", "--device", "cpu", "--target", str(llama_dir), "--dp", "2",
+                "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
+                "--max-num-seqs", "2", "--dist-timeout", "20"]  # fmt: skip
+        result = {}
+        driver = threading.Thread(target=lambda: result.update(code=main(args)), daemon=True)
+        driver.start()
+        deadline = time.monotonic() + KILL_BOUND_S
+        while not written(out).count("\n") >= 2:
+            assert driver.is_alive() and time.monotonic() < deadline, "short outputs not streamed"
+            time.sleep(0.05)
+        queues = actor_processes(title=b"ray::_QueueActor")
+        assert len(queues) == 1, queues
+        os.kill(queues[0], signal.SIGKILL)
+        driver.join(timeout=KILL_BOUND_S)
+        assert not driver.is_alive()
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert result["code"] == 1, err
+        assert last.startswith("speculant: error: the Ray actor that carries rank 0's finished "
+                               "outputs to this driver died (")  # fmt: skip
+        assert f"the 2 finished before it are in {out}" in last, last
+        assert "Traceback" not in err, err
+        kept = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(line["index"] for line in kept) == [0, 1]
+        self.assert_nothing_left(ray)
+
     def test_ray_driver_refuses_a_placement_the_cluster_cannot_hold(self, ray, flags, capsys):
         """--tp 4 --dp 2 on the 4-CPU cluster: 8 bundles can never be placed; one line at once
         (not after --dist-timeout) naming what the cluster has and how to give it more."""
@@ -810,10 +914,10 @@ def test_ray_local_cluster_holds_every_cpu_rank(flags, expected, tmp_path):
     assert read_tokens(out) == expected
 
 
-def actor_processes(root: int | None = None) -> list[int]:
-    """Live launcher actor processes (process title `ray::RankWorker...`) descending from `root`
-    (default: this process, whose local cluster runs them): other Ray clusters on the machine
-    do not count."""
+def actor_processes(root: int | None = None, title: bytes = b"ray::RankWorker") -> list[int]:
+    """Live launcher actor processes (process title `ray::RankWorker...`, or `title`)
+    descending from `root` (default: this process, whose local cluster runs them): other Ray
+    clusters on the machine do not count."""
     root = os.getpid() if root is None else root
     parents, actors = {}, []
     for entry in Path("/proc").iterdir():
@@ -822,7 +926,7 @@ def actor_processes(root: int | None = None) -> list[int]:
                 parents[int(entry.name)] = int(
                     (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
                 )
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                if (entry / "cmdline").read_bytes().startswith(title):
                     actors.append(int(entry.name))
             except (OSError, IndexError, ValueError):
                 continue

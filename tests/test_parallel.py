@@ -702,6 +702,34 @@ def test_cli_fails_on_a_dead_or_stuck_rank(llama_dir, how):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank processes in /proc")
+def test_a_stuck_rank0_killed_by_the_launcher_leaves_no_empty_output(llama_dir, tmp_path):
+    """Rank 0 stopped (SIGSTOP) before any request finished: the launcher kills it and fails
+    the run naming it; the --output file rank 0 had created (and could not remove, killed) is
+    removed, as one process leaves none when nothing finished."""
+    out = tmp_path / "out.jsonl"
+    proc = cli("--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
+               "--max-num-seqs", 1, "--dp", 2, "--dist-timeout", 5, "--output", out)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    start = time.monotonic()
+    victim = rank_pid(proc.pid, 0)
+    while not any("KV cache" in line for line in lines):  # rank 0 has built its engine
+        assert proc.poll() is None and time.monotonic() - start < 60, "".join(lines)
+        time.sleep(0.02)
+    assert out.exists()  # rank 0 holds its lock on it
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert code == 1 and "rank 0" in err.strip().splitlines()[-1], err
+    assert not out.exists(), out.read_text()
+
+
 # ------------------------------------------------------------------ one-shot TP all-reduce
 
 
