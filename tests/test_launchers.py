@@ -252,13 +252,13 @@ sys.meta_path.insert(0, _SlowSteps())
 def test_torchrun_of_the_speculant_command_runs_ranks_as_the_module_does(flags, expected, tmp_path):
     """`torchrun ... -m speculant generate` (the command itself, not the launch module) runs
     each rank as `-m speculant.launch.torchrun` does: output equal to one process, and ranks
-    that end with their agent (they were left running, still writing --output, when it was
-    killed)."""
+    that end with their agent (under --tp they were left running, still writing --output, when
+    it was killed; under --dp they failed with tracebacks once the agent's store was gone)."""
 
-    def command(out: Path) -> list[str]:
+    def command(out: Path, *more: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "speculant", "generate", *flags, "--dp", "2",
-                "--output", str(out)]  # fmt: skip
+                "--nproc-per-node", "2", "-m", "speculant", "generate", *flags, "--tp", "2",
+                "--output", str(out), *more]  # fmt: skip
 
     proc = run(command(tmp_path / "out.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -270,7 +270,8 @@ def test_torchrun_of_the_speculant_command_runs_ranks_as_the_module_does(flags, 
     env = {**os.environ, "SPECULANT_TEST_MARK": mark, "PYTHONPATH": os.pathsep.join(
         p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
     out = tmp_path / "killed.jsonl"
-    agent = subprocess.Popen(command(out), env=env, stdout=subprocess.DEVNULL,
+    long = ("--max-new-tokens", "100")  # 100 steps of a second: far from done when killed
+    agent = subprocess.Popen(command(out, *long), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90

@@ -709,7 +709,7 @@ def test_a_stuck_rank0_killed_by_the_launcher_leaves_no_empty_output(llama_dir, 
     removed, as one process leaves none when nothing finished."""
     out = tmp_path / "out.jsonl"
     proc = cli("--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
-               "--max-num-seqs", 1, "--dp", 2, "--dist-timeout", 5, "--output", out)  # fmt: skip
+               "--max-num-seqs", 2, "--dp", 2, "--dist-timeout", 5, "--output", out)  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()

@@ -417,3 +417,18 @@ def test_a_stopped_rank_is_named_as_the_cause(job, tmp_path):
     assert last.startswith("speculant: error: rank 1 stopped answering (its process was "), err
     assert "rank 0 exited with status 1 waiting for it" in last, err
     wait_until(lambda: not marked(started.mark), "every rank to end", timeout=20)
+
+
+@pytest.mark.parametrize("code, hard", [(143, True), (130, True), (0, False), (1, False)])
+def test_a_stopped_cpu_rank_skips_interpreter_teardown(monkeypatch, code, hard):
+    """A CPU rank that ends after a stop (Ctrl-C 130, SIGTERM 143) leaves with os._exit: a stop
+    that came while gloo built its groups, or while a peer sat in a collective with it, left C++
+    objects whose destruction at interpreter exit aborted the rank (SIGABRT, "terminate called
+    without an active exception"; a helper audit). Other CPU exits stay normal."""
+    from speculant.launch import spawn
+
+    calls = []
+    monkeypatch.setattr(spawn.os, "_exit", lambda c: calls.append(("hard", c)))
+    monkeypatch.setattr(spawn.sys, "exit", lambda c: calls.append(("normal", c)))
+    spawn._exit(code, "cpu")
+    assert calls[0] == ("hard" if hard else "normal", code)
