@@ -22,6 +22,7 @@ from speculant.comm.store_call import interruptible_call
 from speculant.errors import SpeculantError
 
 DEFAULT_TIMEOUT_S = 300.0
+JOIN_BOUND_FACTOR, JOIN_BOUND_MARGIN_S = 1.5, 15.0  # a join given up on past timeout x 1.5 + 15
 MIN_NCCL_FOR_GRAPHS = (2, 9, 6)  # collectives inside CUDA graphs
 
 
@@ -121,7 +122,17 @@ class ParallelContext:
                     timeout=timeout,
                 )
 
-            interruptible_call(join, "speculant-join")
+            # gloo's join has waited 45-60 s past a 20 s timeout for a peer that died while
+            # joining (a helper audit): given up on past a bound, as a failed join
+            bound = JOIN_BOUND_FACTOR * timeout_s + JOIN_BOUND_MARGIN_S
+            try:
+                interruptible_call(join, "speculant-join", bound_s=bound)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"the ranks did not all join within {bound:.0f} s (--dist-timeout "
+                    f"{timeout_s:g} s and a margin): a rank died or stopped while joining, or "
+                    f"cannot reach {master_addr}:{master_port}"
+                ) from None
         elif dist.get_world_size() != world_size:
             check_world(dist.get_world_size(), tp, dp)
         pctx = cls(

@@ -12,6 +12,7 @@ stop is raised as anywhere else."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,15 +60,21 @@ def bounded_call(call: Callable[[], Any], timeout_s: float, name: str) -> tuple[
     return True, _value(result)
 
 
-def interruptible_call(call: Callable[[], Any], name: str, poll_s: float = 0.2) -> Any:
+def interruptible_call(
+    call: Callable[[], Any], name: str, poll_s: float = 0.2, bound_s: float | None = None
+) -> Any:
     """call(), run in a daemon thread so that a signal handler raises in the (main) caller while
-    it waits; the thread is left to itself then (the process is on its way out)."""
+    it waits; the thread is left to itself then (the process is on its way out). With
+    `bound_s`, a call still running after that long is given up on too: TimeoutError."""
     if threading.current_thread() is not threading.main_thread():
         return call()  # signals are handled in the main thread only: nothing to gain
     thread, result = _started(call, name)
+    deadline = None if bound_s is None else time.monotonic() + bound_s
     try:
         while thread.is_alive():
             thread.join(poll_s)  # a stop's handler runs between these joins
+            if deadline is not None and thread.is_alive() and time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not return within {bound_s:.0f} s")
     except BaseException:
         _ABANDONED.append(name)
         raise

@@ -432,3 +432,21 @@ def test_a_stopped_cpu_rank_skips_interpreter_teardown(monkeypatch, code, hard):
     monkeypatch.setattr(spawn.sys, "exit", lambda c: calls.append(("normal", c)))
     spawn._exit(code, "cpu")
     assert calls[0] == ("hard" if hard else "normal", code)
+
+
+def test_a_join_that_outlasts_its_bound_is_given_up_on(monkeypatch):
+    """interruptible_call with a bound: a call still running past it raises TimeoutError at
+    once (the process-group join waited 45-60 s past a 20 s --dist-timeout for a peer that died
+    while joining) and counts as abandoned (the rank then ends with os._exit)."""
+    import threading
+
+    from speculant.comm import store_call
+
+    monkeypatch.setattr(store_call, "_ABANDONED", [])
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="test-join did not return within 0 s"):
+        store_call.interruptible_call(lambda: release.wait(30), "test-join", bound_s=0.4)
+    assert time.monotonic() - start < 3 and store_call.calls_abandoned()
+    release.set()
+    assert store_call.interruptible_call(lambda: 7, "quick", bound_s=5) == 7
