@@ -108,6 +108,7 @@ INTEGER_OPTIONS = {
     "tp": (1, False), "dp": (1, False), "moe_max_tokens_per_rank": (1, True),
     "num_draft_tokens": (None, True), "catch_up_depth": (None, True), "max_logprobs": (0, True),
 }  # fmt: skip
+NONE_MEANS = {"max_logprobs": " (None: off)"}  # where None is no default value
 SIZE_LIST_OPTIONS = ("capture_sizes", "piecewise_sizes")  # lists of sizes (piecewise: [] = none)
 BOOL_OPTIONS = (
     "enforce_eager", "eager_padding", "disable_graph_padding", "piecewise", "overlap",
@@ -142,7 +143,7 @@ def check_options(options: dict) -> None:
             if not is_integer(value):  # check_spec checks the range
                 raise SpeculantError(f"{name}={value!r} must be an integer")
         elif not is_integer(value) or value < least:
-            default = " (None: the default)" if nullable else ""
+            default = NONE_MEANS.get(name, " (None: the default)") if nullable else ""
             raise SpeculantError(f"{name}={value!r} must be an integer >= {least}{default}")
     if (options.get("max_logprobs") or 0) > MAX_LOGPROBS:
         raise SpeculantError(

@@ -518,17 +518,19 @@ class Engine:
             self.config.max_logprobs is None or params.logprobs > self.config.max_logprobs
         ):
             built = self.config.max_logprobs
-            raise SpeculantError(
-                f"logprobs={params.logprobs} asks for more alternatives than this engine "
+            raise PromptError(
+                index,
+                f"asks for logprobs={params.logprobs}, more alternatives than this engine "
                 f"computes (max_logprobs={built}); build it with "
                 f"Engine(max_logprobs={params.logprobs}) (--max-logprobs {params.logprobs}): "
-                "its steps compute them only when told at start"
+                "its steps compute them only when told at start",
             )
         stop = set(params.stop_token_ids)
         if stop and max(stop) >= vocab:  # the model never emits it: the stop would do nothing
-            raise SpeculantError(
-                f"stop_token_ids holds {max(stop)}, outside the vocabulary [0, {vocab}) of "
-                f"{self.config.target!r}; give token ids the model can emit"
+            raise PromptError(
+                index,
+                f"has stop_token_ids holding {max(stop)}, outside the vocabulary [0, {vocab}) "
+                f"of {self.config.target!r}; give token ids the model can emit",
             )
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)

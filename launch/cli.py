@@ -685,28 +685,38 @@ def reads_inputs() -> bool:
 
 def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
     """All checks that need no model; returns the requests to run ([] on ranks other than 0).
-    Sets --max-logprobs to what the requests ask when it is not given (and passes it to the
-    ranks a local launch starts)."""
+    Sets --max-logprobs, when not given, to --logprobs (every rank sees that flag) and raises it
+    to what the --prompts lines ask (passed on to the ranks a local launch starts)."""
     specs = _prepare_specs(args)
-    asked = [("--logprobs", args.logprobs)]
-    asked += [(s.where, s.overrides.get("logprobs", args.logprobs)) for s in specs]
-    asked = [(where, n) for where, n in asked if n is not None]
-    if not asked:
-        return specs
-    where, needed = max(asked, key=lambda item: item[1])
     given = args.max_logprobs
-    if given is not None and given >= needed:
-        return specs
-    if given is not None or "RANK" in os.environ:
-        # a value given is the user's limit; a rank of a torchrun job cannot raise it alone
-        # (the other ranks do not read the prompts, and every rank must compute the same)
-        limit = "is not given" if given is None else f"is {given}"
+    if given is None:
+        args.max_logprobs = args.logprobs
+    elif args.logprobs is not None and args.logprobs > given:
         raise SpeculantError(
-            f"{where}: logprobs={needed} is more than --max-logprobs allows (it {limit}); pass "
-            f"--max-logprobs {needed}"
+            f"--logprobs {args.logprobs} is more than --max-logprobs {given} allows; raise "
+            f"--max-logprobs to {args.logprobs} or leave it out"
         )
-    args.max_logprobs = needed
-    args.argv = [*getattr(args, "argv", []), "--max-logprobs", str(needed)]  # local ranks
+    asked = [(s.where, s.overrides.get("logprobs", args.logprobs)) for s in specs]
+    asked = [(where, n) for where, n in asked if n is not None]
+    if asked:
+        where, needed = max(asked, key=lambda item: item[1])
+        if args.max_logprobs is None or args.max_logprobs < needed:
+            if given is not None or "RANK" in os.environ:
+                # a value given is the user's limit; a rank of a torchrun job cannot raise it
+                # alone (the other ranks do not read the prompts, and all must compute alike)
+                limit = "is not given" if given is None else f"is {given}"
+                raise SpeculantError(
+                    f"{where}: logprobs={needed} is more than --max-logprobs allows (it "
+                    f"{limit}); pass --max-logprobs {needed}"
+                )
+            args.max_logprobs = needed
+            args.argv = [*getattr(args, "argv", []), "--max-logprobs", str(needed)]  # local ranks
+        if not args.output:
+            where = "--logprobs" if args.logprobs is not None else asked[0][0]
+            raise SpeculantError(
+                f"{where}: log-probabilities are written in --output lines, and none is given "
+                "(printed completions show their text alone); pass --output FILE.jsonl"
+            )
     return specs
 
 
@@ -994,7 +1004,8 @@ def generate_in_rank(
         print(f"demo model (random weights, gibberish output): {args.target}", file=sys.stderr)
     kwargs = _engine_kwargs(args)
     if args.max_num_seqs is None and args.tp * args.dp == 1:
-        args.max_num_seqs = default_max_num_seqs(len(specs), args.capture_sizes, args.device)
+        requests = sum(s.overrides.get("n", args.n) for s in specs)  # each completion is one
+        args.max_num_seqs = default_max_num_seqs(requests, args.capture_sizes, args.device)
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.device == "cpu":
         set_cpu_threads(args.threads, [args.target, args.draft], args.tp * args.dp)

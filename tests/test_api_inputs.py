@@ -99,5 +99,5 @@ def test_a_prompt_error_survives_pickling():
 
 def test_a_stop_token_the_model_cannot_emit_is_refused(engine):
     """A stop id past the vocabulary would never match: refused, not silently kept."""
-    with pytest.raises(SpeculantError, match=r"stop_token_ids holds 4101, outside the vocab"):
+    with pytest.raises(SpeculantError, match=r"prompt 0 has stop_token_ids holding 4101, outside"):
         engine.generate([[5, 6]], SamplingParams(stop_token_ids=[3, 4101]))

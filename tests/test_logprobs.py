@@ -214,12 +214,12 @@ def test_widened_rows_read_back_alike():
 def test_logprobs_refusals(qwen2_dir):
     engine = Engine(TARGET, device="cpu", num_draft_tokens=0)
     with pytest.raises(SpeculantError, match=re.escape(
-        "logprobs=2 asks for more alternatives than this engine computes (max_logprobs=None); "
-        "build it with Engine(max_logprobs=2) (--max-logprobs 2)"
+        "prompt 0 asks for logprobs=2, more alternatives than this engine computes "
+        "(max_logprobs=None); build it with Engine(max_logprobs=2) (--max-logprobs 2)"
     )):  # fmt: skip
         engine.generate(["x"], SamplingParams(logprobs=2))
     small = Engine(TARGET, device="cpu", num_draft_tokens=0, max_logprobs=1)
-    with pytest.raises(SpeculantError, match="max_logprobs=1"):
+    with pytest.raises(SpeculantError, match="prompt 1 asks for logprobs=2, .*max_logprobs=1"):
         small.generate(["x", "y"], [SamplingParams(logprobs=1), SamplingParams(logprobs=2)])
     for value in (-1, 1.5, True, "2", 10**6):
         with pytest.raises(SpeculantError, match=re.escape(f"logprobs={value!r} must be None or")):
@@ -286,8 +286,11 @@ def test_cli_logprobs_flags_lines_and_dp(plain_outputs, tmp_path, capsys):
         (["--logprobs", "-1"], None, "argument --logprobs: '-1' is not an integer >= 0"),
         (["--logprobs", "4000"], None, "'4000' is too large; use an integer in 0..1024"),
         (["--logprobs", "3", "--max-logprobs", "2"], None,
-         "--logprobs: logprobs=3 is more than --max-logprobs allows (it is 2); pass "
-         "--max-logprobs 3"),
+         "--logprobs 3 is more than --max-logprobs 2 allows; raise --max-logprobs to 3"),
+        (["--logprobs", "1"], None, "--logprobs: log-probabilities are written in --output "
+         "lines, and none is given (printed completions show their text alone); pass --output"),
+        ([], {"prompt": "x", "logprobs": 0}, f"{bad}:1: log-probabilities are written in "
+         "--output lines"),
         (["--max-logprobs", "1"], {"prompt": "x", "logprobs": 2},
          f"{bad}:1: logprobs=2 is more than --max-logprobs allows"),
         ([], {"prompt": "x", "logprobs": -2}, f"{bad}:1: logprobs=-2 is invalid; use an integer"),
@@ -311,20 +314,32 @@ def test_cli_logprobs_flags_lines_and_dp(plain_outputs, tmp_path, capsys):
 
 def test_torchrun_rank_asks_for_the_limit(tmp_path, monkeypatch, capsys):
     """Under torchrun only rank 0 reads the prompts, so a line asking more than the flags
-    allow cannot raise every rank's limit: it is refused, naming the flag."""
+    allow cannot raise every rank's limit: it is refused, naming the flag; --logprobs itself,
+    which every rank sees, sets the limit (an audit: it was refused too)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x", "logprobs": 2}) + "\n")
+    out = ["--output", str(tmp_path / "out.jsonl")]
+
+    def prepared(*flags):
+        args = cli.build_parser().parse_args(
+            ["generate", "--device", "cpu", "--prompts", str(prompts), *out, *flags]
+        )
+        args.argv = ["generate"]
+        cli._prepare(args)
+        return args
+
     monkeypatch.setenv("RANK", "0")
-    args = cli.build_parser().parse_args(["generate", "--device", "cpu", "--prompts", str(prompts)])
     with pytest.raises(SpeculantError, match=re.escape(
         f"{prompts}:1: logprobs=2 is more than --max-logprobs allows (it is not given); pass "
         "--max-logprobs 2"
     )):  # fmt: skip
-        cli._prepare(args)
+        prepared()
+    assert prepared("--logprobs", "2").max_logprobs == 2
+    monkeypatch.setenv("RANK", "1")  # reads no prompts: the flag alone decides, as on rank 0
+    assert prepared("--logprobs", "2").max_logprobs == 2
+    assert prepared().max_logprobs is None
     monkeypatch.delenv("RANK")
-    args = cli.build_parser().parse_args(["generate", "--device", "cpu", "--prompts", str(prompts)])
-    args.argv = ["generate"]
-    cli._prepare(args)
+    args = prepared()
     assert args.max_logprobs == 2 and args.argv[-2:] == ["--max-logprobs", "2"]
 
 

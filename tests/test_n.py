@@ -107,7 +107,7 @@ def test_n_refusals(plain):
             plain.generate(["x"], SamplingParams(n=value))
 
 
-def test_cli_n_lines_printing_and_dp(plain, tmp_path, capsys):
+def test_cli_n_lines_printing_and_dp(plain, tmp_path, capsys, caplog):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         json.dumps({"prompt": PROMPTS[0], "n": 3, "temperature": 1.0, "seed": 4}) + "\n"
@@ -115,7 +115,11 @@ def test_cli_n_lines_printing_and_dp(plain, tmp_path, capsys):
     )  # fmt: skip
     base = ["generate", "--device", "cpu", "--max-new-tokens", "12", "--ignore-eos",
             "--prompts", str(prompts), "--n", "2"]  # fmt: skip
+    caplog.set_level("INFO", logger="speculant")
     assert cli.main([*base, "--num-draft-tokens", "0", "--output", str(tmp_path / "one")]) == 0
+    # one process sizes its KV cache and rows for its 5 completions, not its 2 prompts (an
+    # audit: the completions of a prompt ran one after another)
+    assert "max_num_seqs=5 " in caplog.text, caplog.text
     lines = [json.loads(x) for x in open(tmp_path / "one")]
     keys = sorted((o["index"], o["sample_index"]) for o in lines)
     assert keys == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
