@@ -480,6 +480,31 @@ def ray_command() -> str:
     return str(beside) if beside.is_file() else shutil.which("ray") or "ray"
 
 
+def driver_after_two_short_outputs(llama_dir: Path, tmp_path: Path, out: Path):
+    """The Ray driver (`--dp 2`, each DP rank a 4-token then a 480-token request) started in a
+    thread, returned once both short outputs are in `out`: (the thread, its {"code": status}
+    when it ends)."""
+    import threading
+
+    from speculant.launch.ray import main
+
+    rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
+    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["generate", "--device", "cpu", "--target", str(llama_dir), "--dp", "2",
+            "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
+            "--max-num-seqs", "2", "--dist-timeout", "20"]  # fmt: skip
+    result: dict = {}
+    driver = threading.Thread(target=lambda: result.update(code=main(args)), daemon=True)
+    driver.start()
+    deadline = time.monotonic() + KILL_BOUND_S
+    while not written(out).count("\n") >= 2:
+        assert driver.is_alive() and time.monotonic() < deadline, "short outputs not streamed"
+        time.sleep(0.05)
+    return driver, result
+
+
 @pytest.mark.needs("ray")
 class TestRayDriver:
     """The driver in this process, on a local cluster of 4 logical CPUs started here (torn down
@@ -562,25 +587,8 @@ class TestRayDriver:
     ):
         """--dp 2, each DP rank a short then a long request: once both short ones are in the
         file, an actor is killed; the driver fails naming a rank and the file keeps them."""
-        import threading
-
-        from speculant.launch.ray import main
-
-        rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
-        rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
-        prompts = tmp_path / "p.jsonl"
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
         out = tmp_path / "out.jsonl"
-        args = ["generate", "--device", "cpu", "--target", str(llama_dir), "--dp", "2",
-                "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
-                "--max-num-seqs", "2", "--dist-timeout", "20"]  # fmt: skip
-        result = {}
-        driver = threading.Thread(target=lambda: result.update(code=main(args)), daemon=True)
-        driver.start()
-        deadline = time.monotonic() + KILL_BOUND_S
-        while not written(out).count("\n") >= 2:
-            assert driver.is_alive() and time.monotonic() < deadline, "short outputs not streamed"
-            time.sleep(0.05)
+        driver, result = driver_after_two_short_outputs(llama_dir, tmp_path, out)
         os.kill(actor_processes()[-1], signal.SIGKILL)
         driver.join(timeout=KILL_BOUND_S)
         assert not driver.is_alive()
@@ -596,25 +604,8 @@ class TestRayDriver:
         """The queue actor that carries rank 0's outputs to the driver is killed mid-run (Ray's
         out-of-memory killer did so): one line naming it and what was kept (was: a traceback),
         exit 1, the outputs that arrived before it in the file, nothing left running."""
-        import threading
-
-        from speculant.launch.ray import main
-
-        rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
-        rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(2)]
-        prompts = tmp_path / "p.jsonl"
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
         out = tmp_path / "out.jsonl"
-        args = ["generate", "--device", "cpu", "--target", str(llama_dir), "--dp", "2",
-                "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
-                "--max-num-seqs", "2", "--dist-timeout", "20"]  # fmt: skip
-        result = {}
-        driver = threading.Thread(target=lambda: result.update(code=main(args)), daemon=True)
-        driver.start()
-        deadline = time.monotonic() + KILL_BOUND_S
-        while not written(out).count("\n") >= 2:
-            assert driver.is_alive() and time.monotonic() < deadline, "short outputs not streamed"
-            time.sleep(0.05)
+        driver, result = driver_after_two_short_outputs(llama_dir, tmp_path, out)
         queues = actor_processes(title=b"ray::_QueueActor")
         assert len(queues) == 1, queues
         os.kill(queues[0], signal.SIGKILL)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers_io import dp2_run, refused_in_one_line
 
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
@@ -267,22 +266,15 @@ def test_cli_logprobs_flags_lines_and_dp(plain_outputs, tmp_path, capsys):
         ]
         written = [v for step in line["logprobs"] for _, v in step]
         assert written == pytest.approx([v for s in out.logprobs for v in s.values()], abs=1e-5)
-    two = subprocess.run(
-        [sys.executable, "-m", "speculant", *base, "--dp", "2", "--algo", "eagle3",
-         "--output", str(tmp_path / "dp"), "--dist-timeout", "60"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert two.returncode == 0, two.stderr[-2000:]
+    dp2_run(base, tmp_path / "dp")
     dp = read(tmp_path / "dp")
     for a, b in zip(dp, one, strict=True):
         if params[a["index"]].temperature == 0:
             assert a["token_ids"] == b["token_ids"]
         assert ("logprobs" in a) == (params[a["index"]].logprobs is not None)
 
-    capsys.readouterr()
-    gen = ["generate", "--device", "cpu", "--prompt", "x"]
     bad = tmp_path / "bad.jsonl"
-    for args, line, message in [
+    refused_in_one_line(capsys, tmp_path, [
         (["--logprobs", "-1"], None, "argument --logprobs: '-1' is not an integer >= 0"),
         (["--logprobs", "4000"], None, "'4000' is too large; use an integer in 0..1024"),
         (["--logprobs", "3", "--max-logprobs", "2"], None,
@@ -295,21 +287,7 @@ def test_cli_logprobs_flags_lines_and_dp(plain_outputs, tmp_path, capsys):
          f"{bad}:1: logprobs=2 is more than --max-logprobs allows"),
         ([], {"prompt": "x", "logprobs": -2}, f"{bad}:1: logprobs=-2 is invalid; use an integer"),
         ([], {"prompt": "x", "logprobs": "3"}, f"{bad}:1: logprobs='3' is invalid"),
-    ]:  # fmt: skip
-        if line is not None:
-            bad.write_text(json.dumps(line) + "\n")
-            args = ["generate", "--device", "cpu", "--prompts", str(bad), *args]
-        try:
-            status = cli.main(gen + args if line is None else args)
-        except SystemExit as exc:  # argparse's own errors
-            status = exc.code
-        assert status == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("speculant: error: ") and message in err[0], err
-    bad.write_text(json.dumps({"prompt": "x", "logprobs": 1}) + "\n")
-    assert cli.main(["accept-rate", "--device", "cpu", "--prompts", str(bad)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{bad}:1: accept-rate takes no logprobs" in err, err
+    ], "logprobs")  # fmt: skip
 
 
 def test_torchrun_rank_asks_for_the_limit(tmp_path, monkeypatch, capsys):

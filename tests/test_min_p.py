@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from helpers_io import refused_in_one_line
 from scipy.stats import chisquare
 
 import speculant
@@ -185,25 +186,12 @@ def test_min_p_refusals_and_the_cli(tmp_path, capsys):
         SamplingParams(max_new_tokens=16, ignore_eos=True, min_p=0.5, temperature=1.2),
     ])  # fmt: skip
     assert [o["token_ids"] for o in lines] == [o.token_ids for o in expected]
-    capsys.readouterr()
     bad = tmp_path / "bad.jsonl"
-    for args, line, message in [
+    refused_in_one_line(capsys, tmp_path, [
         (["--min-p", "2"], None, "--min-p 2.0 is invalid; use a number in [0, 1] (0 = off)"),
         (["--min-p", "nan"], None, "--min-p nan is invalid"),
         ([], {"prompt": "x", "min_p": -1}, f"{bad}:1: min_p=-1 is invalid; use a number in [0, 1]"),
-    ]:
-        if line is not None:
-            bad.write_text(json.dumps(line) + "\n")
-            args = ["--prompts", str(bad)]
-        else:
-            args = ["--prompt", "x", *args]
-        assert cli.main(["generate", "--device", "cpu", *args]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("speculant: error: ") and message in err[0], err
-    bad.write_text(json.dumps({"prompt": "x", "min_p": 0.1}) + "\n")
-    assert cli.main(["accept-rate", "--device", "cpu", "--prompts", str(bad)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{bad}:1: accept-rate takes no min_p" in err, err
+    ], "min_p")  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from helpers_io import dp2_run, refused_in_one_line
 
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
@@ -134,33 +133,15 @@ def test_cli_n_lines_printing_and_dp(plain, tmp_path, capsys, caplog):
     printed = capsys.readouterr().out
     starts = [line.split("]")[0] + "]" for line in printed.splitlines() if line.startswith("[")]
     assert starts == ["[0:0]", "[0:1]", "[0:2]", "[1:0]", "[1:1]"]
-    two = subprocess.run(
-        [sys.executable, "-m", "speculant", *base, "--dp", "2", "--algo", "eagle3",
-         "--output", str(tmp_path / "dp"), "--dist-timeout", "60"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert two.returncode == 0, two.stderr[-2000:]
+    dp2_run(base, tmp_path / "dp")
     dp = {
         (o["index"], o["sample_index"]): o["token_ids"]
         for o in map(json.loads, open(tmp_path / "dp"))
     }
     assert dp[(1, 0)] == dp[(1, 1)] == by_key[(1, 0)]  # greedy: plain decoding's
     assert sorted(dp) == keys
-    capsys.readouterr()
     bad = tmp_path / "bad.jsonl"
-    for args, line, message in [
+    refused_in_one_line(capsys, tmp_path, [
         (["--n", "0"], None, "--n 0 is invalid; use an integer in 1..4096"),
         ([], {"prompt": "x", "n": 2.5}, f"{bad}:1: n=2.5 is invalid; use an integer in 1..4096"),
-    ]:
-        if line is not None:
-            bad.write_text(json.dumps(line) + "\n")
-            args = ["--prompts", str(bad)]
-        else:
-            args = ["--prompt", "x", *args]
-        assert cli.main(["generate", "--device", "cpu", *args]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("speculant: error: ") and message in err[0], err
-    bad.write_text(json.dumps({"prompt": "x", "n": 2}) + "\n")
-    assert cli.main(["accept-rate", "--device", "cpu", "--prompts", str(bad)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{bad}:1: accept-rate takes no n" in err, err
+    ], "n")  # fmt: skip

@@ -652,6 +652,30 @@ def test_cli_tp2_and_dp2_match_one_rank(llama_dir, tmp_path):
     assert sorted(results[""]) == [0, 1, 2]
 
 
+def engines_built(*args: object) -> tuple[subprocess.Popen, list[str], threading.Thread, float]:
+    """`cli(*args)` started, returned once rank 0 has built its engine: the process, its stderr
+    lines so far (a thread keeps reading them), that thread, and the start time."""
+    proc = cli(*args)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    start = time.monotonic()
+    while not any("KV cache" in line for line in lines):  # rank 0 has built its engine
+        assert proc.poll() is None and time.monotonic() - start < 60, "".join(lines)
+        time.sleep(0.02)
+    return proc, lines, reader, start
+
+
+def ended(proc: subprocess.Popen, lines: list[str], reader: threading.Thread) -> tuple[int, str]:
+    """Wait (60 s at most, then kill) for an `engines_built` job: its status and stderr."""
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    return code, "".join(lines)
+
+
 def rank_pid(parent: int, rank: int, timeout: float = 60) -> int:
     """The pid of the child of `parent` whose environment says RANK=rank."""
     deadline = time.monotonic() + timeout
@@ -676,23 +700,13 @@ def test_cli_fails_on_a_dead_or_stuck_rank(llama_dir, how):
     """Once the engines are built, rank 1 is killed (dead) or stopped (stuck: rank 0's next
     collective times out): the run ends with status 1 and a last line naming rank 1, long
     before the 490 tokens would be done (and well within the timeouts)."""
-    proc = cli("--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
-               "--max-num-seqs", 1, "--tp", 2, "--dist-timeout", 5)  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    start = time.monotonic()
+    proc, lines, reader, start = engines_built(
+        "--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
+        "--max-num-seqs", 1, "--tp", 2, "--dist-timeout", 5,
+    )  # fmt: skip
     victim = rank_pid(proc.pid, 1)
-    while not any("KV cache" in line for line in lines):  # rank 0 has built its engine
-        assert proc.poll() is None and time.monotonic() - start < 60, "".join(lines)
-        time.sleep(0.02)
     os.kill(victim, signal.SIGKILL if how == "dead" else signal.SIGSTOP)
-    try:
-        code = proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    reader.join(timeout=10)
-    err = "".join(lines)
+    code, err = ended(proc, lines, reader)
     last = err.strip().splitlines()[-1]
     assert code == 1, err
     assert last.startswith("speculant: error: rank"), err
@@ -708,24 +722,14 @@ def test_a_stuck_rank0_killed_by_the_launcher_leaves_no_empty_output(llama_dir, 
     the run naming it; the --output file rank 0 had created (and could not remove, killed) is
     removed, as one process leaves none when nothing finished."""
     out = tmp_path / "out.jsonl"
-    proc = cli("--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
-               "--max-num-seqs", 2, "--dp", 2, "--dist-timeout", 5, "--output", out)  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    start = time.monotonic()
+    proc, lines, reader, start = engines_built(
+        "--target", llama_dir, "--prompt", "x", "--max-new-tokens", 490, "--ignore-eos",
+        "--max-num-seqs", 2, "--dp", 2, "--dist-timeout", 5, "--output", out,
+    )  # fmt: skip
     victim = rank_pid(proc.pid, 0)
-    while not any("KV cache" in line for line in lines):  # rank 0 has built its engine
-        assert proc.poll() is None and time.monotonic() - start < 60, "".join(lines)
-        time.sleep(0.02)
     assert out.exists()  # rank 0 holds its lock on it
     os.kill(victim, signal.SIGSTOP)
-    try:
-        code = proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    reader.join(timeout=10)
-    err = "".join(lines)
+    code, err = ended(proc, lines, reader)
     assert code == 1 and "rank 0" in err.strip().splitlines()[-1], err
     assert not out.exists(), out.read_text()
 
