@@ -2,8 +2,9 @@
 # One GPU call (written 2026-12-05, wave 19; not yet run: no device was lent that session):
 # log-probabilities and min-p. The GPU tests of both (graph replays and steps run ahead vs
 # eager, in float32), then the realistic job at default flags vs `--logprobs 0` and `--logprobs 5`
-# (what computing them costs), and EAGLE-3 with and without `--logprobs 5`; after a 64-request
-# warm-up. Logs and JSON under $OUT.
+# (what computing them costs), EAGLE-3 with and without `--logprobs 5`, and sampled steps with
+# and without `--min-p 0.05` (the filter runs in every sampled step's graph); after a
+# 64-request warm-up. Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
@@ -11,8 +12,9 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_logprobs.
     tests/test_min_p.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log"
 warm_up_job
 mkdir -p "$OUT/job"
-(cd benchmarks && timeout 330 python3 workload.py --out "$OUT/job" --requests 1000 \
-    --configs default,logprobs0,logprobs5,eagle3,eagle3_logprobs5 --timeout 60 2>&1 \
+(cd benchmarks && timeout 380 python3 workload.py --out "$OUT/job" --requests 1000 \
+    --configs default,logprobs0,logprobs5,eagle3,eagle3_logprobs5,sampled,sampled_minp \
+    --timeout 45 2>&1 \
     | tee "$OUT/job/workload.log" | tail -8)
 rm -f "$OUT"/*/workload_*.jsonl
 exit 0

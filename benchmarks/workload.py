@@ -66,6 +66,9 @@ CONFIGS = {  # name: extra CLI flags
     "logprobs0": ["--logprobs", "0"],
     "logprobs5": ["--logprobs", "5"],
     "eagle3_logprobs5": ["--algo", "eagle3", "--num-draft-tokens", "3", "--logprobs", "5"],
+    # sampled steps (the full sampler variant), and with min-p: what its filter costs
+    "sampled": ["--temperature", "0.8", "--top-p", "0.95"],
+    "sampled_minp": ["--temperature", "0.8", "--top-p", "0.95", "--min-p", "0.05"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
 }

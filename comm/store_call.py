@@ -65,7 +65,8 @@ def interruptible_call(
 ) -> Any:
     """call(), run in a daemon thread so that a signal handler raises in the (main) caller while
     it waits; the thread is left to itself then (the process is on its way out). With
-    `bound_s`, a call still running after that long is given up on too: TimeoutError."""
+    `bound_s`, a call still running after that long is given up on too: TimeoutError. Off the
+    main thread the call runs directly, unbounded (no signal to wait for)."""
     if threading.current_thread() is not threading.main_thread():
         return call()  # signals are handled in the main thread only: nothing to gain
     thread, result = _started(call, name)

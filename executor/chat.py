@@ -178,7 +178,7 @@ def _template_in(value: Any, file: Path) -> str | None:
         )
     raise SpeculantError(
         f"{str(file)!r}: chat_template is a {type(value).__name__}, not text; write the template "
-        "there as a string (or a list of {\"name\", \"template\"} objects with a 'default')"
+        'there as a string (or a list of {"name", "template"} objects with a \'default\')'
     )
 
 

@@ -328,8 +328,7 @@ class Engine:
             path = os.fspath(path)
         if not isinstance(path, str) or not path:
             raise SpeculantError(
-                f"load_weights({path!r}): give the path of a checkpoint directory (a str or a "
-                "Path)"
+                f"load_weights({path!r}): give the path of a checkpoint directory (a str or a Path)"
             )
         if not os.path.isdir(path):
             raise SpeculantError(

@@ -106,12 +106,13 @@ class ReadResults:
 class PendingResults:
     """A step's packed results on their way to the host."""
 
-    host: torch.Tensor  # [bs, T + k + 1]
+    host: torch.Tensor  # [bs, L + T + k + 1]: log-probability columns (L, often 0), then the rest
     copied: torch.cuda.Event | None  # recorded after the copy (None: the copy was synchronous)
 
     def wait(self) -> list[list[int]]:
-        """Per row: tokens (T), drafts (k), accept_len; waits for this copy only, not for
-        steps launched after it."""
+        """Per row: the log-probability columns when computed (model_runner.pack_logprobs),
+        tokens (T), drafts (k), accept_len; waits for this copy only, not for steps launched
+        after it."""
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()

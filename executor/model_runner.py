@@ -29,8 +29,7 @@ class StepOutput:
     tokens: torch.Tensor  # [bs, T] emitted tokens, -1 after the last
     accept_len: torch.Tensor  # [bs] tokens emitted per row (accepted drafts + 1)
     drafts: torch.Tensor  # [bs, k] the next step's draft tokens
-    # [bs, L]: tokens, drafts, accept_len, after the log-probabilities (when computed: L - the
-    # other columns, `pack_logprobs`)
+    # [bs, L]: `pack_logprobs` columns (when computed), then tokens, drafts, accept_len
     packed: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None  # [bs, T (1 + 2 n)] `pack_logprobs` of the tokens
 

@@ -704,7 +704,9 @@ def _prepare(args: argparse.Namespace) -> list[PromptSpec]:
             if given is not None or "RANK" in os.environ:
                 # a value given is the user's limit; a rank of a torchrun job cannot raise it
                 # alone (the other ranks do not read the prompts, and all must compute alike)
-                limit = "is not given" if given is None else f"is {given}"
+                limit = f"is {given}" if given is not None else "is not given"
+                if given is None and args.logprobs is not None:
+                    limit = f"is {args.logprobs}, from --logprobs"
                 raise SpeculantError(
                     f"{where}: logprobs={needed} is more than --max-logprobs allows (it "
                     f"{limit}); pass --max-logprobs {needed}"

@@ -227,8 +227,8 @@ def test_torchrun_fails_when_a_rank_dies(flags):
     assert marked_processes(mark) == []
 
 
-SLOW_STEPS = """import importlib.abc, importlib.util, sys, time
-class _SlowSteps(importlib.abc.MetaPathFinder):  # every Engine.step of this process sleeps 1 s
+SLOW_STEPS = """import importlib.abc, importlib.util, os, sys, time
+class _SlowSteps(importlib.abc.MetaPathFinder):  # every Engine.step sleeps 1 s (and says so)
     def find_spec(self, name, path, target=None):
         if name != "speculant.executor.engine":
             return None
@@ -239,6 +239,7 @@ class _SlowSteps(importlib.abc.MetaPathFinder):  # every Engine.step of this pro
             exec_module(module)
             step = module.Engine.step
             def slow(self):
+                open(os.environ["STEP_MARK"], "a").close()
                 time.sleep(1.0)
                 return step(self)
             module.Engine.step = slow
@@ -266,19 +267,20 @@ def test_torchrun_of_the_speculant_command_runs_ranks_as_the_module_does(flags, 
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_STEPS)
-    mark = uuid.uuid4().hex
-    env = {**os.environ, "SPECULANT_TEST_MARK": mark, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    mark, stepping = uuid.uuid4().hex, tmp_path / "stepping"
+    env = {**os.environ, "SPECULANT_TEST_MARK": mark, "STEP_MARK": str(stepping),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH"))
+                                         if p)}  # fmt: skip
     out = tmp_path / "killed.jsonl"
     long = ("--max-new-tokens", "100")  # 100 steps of a second: far from done when killed
     agent = subprocess.Popen(command(out, *long), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while len([p for p in marked_processes(mark) if p != agent.pid]) < 2:  # both ranks
+        while not stepping.exists():  # the ranks run their first step (a second each)
             assert time.monotonic() < deadline and agent.poll() is None
             time.sleep(0.2)
-        time.sleep(8)  # loaded, stepping (a step takes a second)
+        assert len([p for p in marked_processes(mark) if p != agent.pid]) == 2  # both ranks
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)
         deadline = time.monotonic() + 8

@@ -196,9 +196,10 @@ def test_min_p_refusals_and_the_cli(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("drafter", [None, "eagle3"])
-def test_min_p_on_cuda_graphs_equals_eager(drafter):
+def test_min_p_on_cuda_graphs_equals_eager(drafter, target_logits):
     """On CUDA in float32, seeded sampled requests with min-p: graph replays (min-p read from
-    the step's static inputs) give the eager steps' tokens."""
+    the step's static inputs) give the eager steps' tokens, each inside the filter at its
+    position (transformers' logits on the CPU)."""
     spec = {} if drafter is None else DRAFTERS[drafter]
     params = [SamplingParams(max_new_tokens=32, temperature=1.2, min_p=0.1 * (s % 3), seed=s,
                              ignore_eos=True) for s in range(8)]  # fmt: skip
@@ -206,3 +207,7 @@ def test_min_p_on_cuda_graphs_equals_eager(drafter):
     graphs = Engine(TARGET, **options).generate(PROMPTS * 2, params)
     eager = Engine(TARGET, **options, enforce_eager=True).generate(PROMPTS * 2, params)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    for out, sp in zip(graphs, params, strict=True):
+        probs = torch.softmax(target_logits(out.prompt_token_ids, out.token_ids) / 1.2, dim=-1)
+        chosen = probs.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        assert bool((chosen / probs.max(-1).values >= sp.min_p * (1 - 1e-3)).all())

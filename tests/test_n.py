@@ -91,13 +91,16 @@ def test_completions_under_preemption_prefix_caching_and_stops(plain):
     base = plain.generate(PROMPTS, SamplingParams(max_new_tokens=48, ignore_eos=True))
     assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(6)]
     assert tight.stats()["preemptions"] > 0
+    # one row: the completions run one after another, each later one taking the prompt's
+    # whole pages from the cache
     cached = Engine(TARGET, device="cpu", num_draft_tokens=0, enable_prefix_caching=True,
-                    max_num_seqs=2)  # fmt: skip
-    head = "# a shared head of several pages\n" * 4
-    outs = cached.generate([head + p for p in PROMPTS], [sampled(3, seed=1)] * len(PROMPTS))
-    alone = plain.generate([head + p for p in PROMPTS], [sampled(3, seed=1)] * len(PROMPTS))
+                    max_num_seqs=1, page_size=4)  # fmt: skip
+    prompt = "# a prompt of several pages\n" * 4 + PROMPTS[0]
+    outs = cached.generate([prompt], sampled(3, seed=1))
+    alone = plain.generate([prompt], sampled(3, seed=1))
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
-    assert cached.stats()["prefix_cache_hit_tokens"] > 0
+    whole_pages = (len(outs[0].prompt_token_ids) - 1) // 4 * 4  # pages ending before its last
+    assert cached.stats()["prefix_cache_hit_tokens"] >= 2 * whole_pages > 0
 
 
 def test_n_refusals(plain):
