@@ -41,19 +41,13 @@ from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, r
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
-from speculant.executor.model_runner import (
-    ModelRunner,
-    SeqInput,
-    StepOutput,
-    logprob_columns,
-    unpack_logprobs,
-)
+from speculant.executor.logprobs import TokenLogprobs, logprob_columns, unpack_logprobs
+from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import (
     Request,
     RequestOutput,
     SamplingParams,
-    TokenLogprobs,
     is_bool,
     is_integer,
 )

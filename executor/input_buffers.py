@@ -110,7 +110,7 @@ class PendingResults:
     copied: torch.cuda.Event | None  # recorded after the copy (None: the copy was synchronous)
 
     def wait(self) -> list[list[int]]:
-        """Per row: the log-probability columns when computed (model_runner.pack_logprobs),
+        """Per row: the log-probability columns when computed (executor/logprobs.py),
         tokens (T), drafts (k), accept_len; waits for this copy only, not for steps launched
         after it."""
         if self.copied is not None:

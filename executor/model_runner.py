@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import array
 import itertools
 from dataclasses import dataclass
 
@@ -16,8 +15,8 @@ from speculant.executor.catch_up import CatchUpBuffers
 from speculant.executor.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from speculant.executor.input_buffers import InputBuffers
 from speculant.executor.kv_cache import PagedKVCache
-from speculant.executor.request import TokenLogprobs
-from speculant.executor.sampling import GREEDY, sample, token_logprobs
+from speculant.executor.logprobs import logprob_columns, pack_logprobs, widen
+from speculant.executor.sampling import GREEDY, sample
 from speculant.executor.speculation import DraftShape
 from speculant.executor.verify import verify
 
@@ -50,29 +49,6 @@ class StepOutput:
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self.tokens, self.accept_len, self.drafts, self.logprobs
-
-
-def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> torch.Tensor:
-    """The log-probabilities of `tokens` [bs, T] at logits [bs, T, V] and the `num_top` most
-    likely there (executor/sampling.token_logprobs), as int64 columns [bs, T (1 + 2 num_top)]
-    that travel in a step's packed read-back: per position the chosen value and the top values
-    (float32 bits), then per position the top ids. `unpack_logprobs` reads a row back."""
-    chosen, values, ids = token_logprobs(logits, tokens, num_top)
-    floats = torch.cat([chosen.unsqueeze(-1), values], dim=-1).reshape(tokens.shape[0], -1)
-    bits = floats.contiguous().view(torch.int32).to(torch.int64)
-    return torch.cat([bits, ids.reshape(tokens.shape[0], -1)], dim=1)
-
-
-def logprob_columns(width: int, num_top: int | None) -> int:
-    """Columns `pack_logprobs` gives a row of `width` positions (0 when none are computed)."""
-    return 0 if num_top is None else width * (1 + 2 * num_top)
-
-
-def unpack_logprobs(row: list[int], width: int, num_top: int) -> TokenLogprobs:
-    """A host row's `pack_logprobs` columns (its first `logprob_columns(width, num_top)`)."""
-    floats = width * (1 + num_top)
-    values = array.array("f", array.array("i", row[:floats]).tobytes()).tolist()
-    return TokenLogprobs(values, row[floats : floats + width * num_top], num_top)
 
 
 class ModelRunner:
@@ -323,7 +299,7 @@ class ModelRunner:
             if logprobs is not None:
                 v_logits = logits[: num_verify * T].view(num_verify, T, -1)
                 v_logprobs = pack_logprobs(v_logits, tokens, self.num_logprobs)
-                logprobs[:num_verify] = _widen(v_logprobs, T, self.tokens_per_req)
+                logprobs[:num_verify] = widen(v_logprobs, T, self.tokens_per_req, self.num_logprobs)
             accept_len[:num_verify] = v_accept
             next_tokens[: num_verify * T] = tokens.reshape(-1)
             last[:num_verify] += v_accept - T  # the last accepted input, not the last input
@@ -336,7 +312,7 @@ class ModelRunner:
             if logprobs is not None:
                 s_logits = logits[num_verify * T :].unsqueeze(1)
                 s_logprobs = pack_logprobs(s_logits, s_tokens.unsqueeze(1), self.num_logprobs)
-                logprobs[index] = _widen(s_logprobs, 1, self.tokens_per_req)
+                logprobs[index] = widen(s_logprobs, 1, self.tokens_per_req, self.num_logprobs)
             accept_len[index] = 1
             next_tokens[last[index]] = s_tokens
         if num_verify < len(seqs):  # chunks: their whole context is now cached
@@ -399,17 +375,3 @@ class ExtendOutput:
         if self.logprobs is not None:
             parts.insert(0, self.logprobs)
         return torch.cat(parts, 1).tolist()
-
-
-def _widen(packed: torch.Tensor, width: int, full: int) -> torch.Tensor:
-    """`pack_logprobs` columns of `width` positions laid out as those of `full` positions (the
-    positions past `width` zero), so that every row of an extend step reads alike."""
-    if width == full:
-        return packed
-    n = (packed.shape[1] // width - 1) // 2
-    floats, ids = packed[:, : width * (1 + n)], packed[:, width * (1 + n) :]
-    rows = packed.shape[0]
-    out = packed.new_zeros((rows, full * (1 + 2 * n)))
-    out[:, : width * (1 + n)] = floats
-    out[:, full * (1 + n) : full * (1 + n) + width * n] = ids
-    return out

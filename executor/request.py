@@ -7,11 +7,15 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from speculant.errors import SpeculantError, shown
 from speculant.executor.stop_strings import StopStrings
+
+if TYPE_CHECKING:
+    from speculant.executor.logprobs import TokenLogprobs
 
 # Temperatures below this sample greedily: logits / T overflows float32 long before T reaches 0
 # (a subnormal T turns every logit into inf), and so does vLLM (its _SAMPLING_EPS).
@@ -197,25 +201,6 @@ class RequestOutput:
             line["logprobs"] = [[[t, lp] for t, lp in step.items()] for step in self.logprobs]
             line["cumulative_logprob"] = self.cumulative_logprob
         return {**line, **self.stats}
-
-
-@dataclass
-class TokenLogprobs:
-    """One step's log-probabilities for one row, as read back (model_runner.pack_logprobs):
-    per position the chosen token's value then the n most likely's, and per position those n
-    ids, most likely first."""
-
-    values: list[float]  # [positions * (1 + n)]
-    ids: list[int]  # [positions * n]
-    n: int  # alternatives computed per position (the engine's max_logprobs)
-
-    def entry(self, position: int, token: int, keep: int) -> dict[int, float]:
-        """{chosen token: its log-probability, then the `keep` most likely: theirs}."""
-        base = position * (1 + self.n)
-        out = {token: self.values[base]}
-        for j in range(min(keep, self.n)):
-            out.setdefault(self.ids[position * self.n + j], self.values[base + 1 + j])
-        return out
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists

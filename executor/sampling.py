@@ -126,22 +126,3 @@ def sample(
     probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p, info.min_p)
     drawn = sample_from(probs, uniform(info.seed, positions, STREAM_SAMPLE))
     return torch.where(info.is_greedy, greedy, drawn)
-
-
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities under the raw logits (log_softmax, no temperature, top-k or top-p:
-    vLLM's default `raw_logprobs`): of `tokens` [...] (-1, no token, reads id 0) at logits
-    [..., V], and the `num_top` most likely ids and theirs, most likely first. Returns chosen
-    [...] float32, top values [..., num_top] float32, top ids [..., num_top] int64."""
-    logits = logits.float()
-    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)) - norm
-    if num_top:
-        values, ids = logits.topk(num_top, dim=-1)
-        values = values - norm
-    else:
-        values = logits.new_empty((*logits.shape[:-1], 0))
-        ids = tokens.new_empty((*tokens.shape, 0))
-    return chosen.squeeze(-1), values, ids

@@ -21,7 +21,7 @@ from helpers_io import dp2_run, refused_in_one_line
 
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
-from speculant.executor.model_runner import _widen, pack_logprobs, unpack_logprobs
+from speculant.executor.logprobs import pack_logprobs, unpack_logprobs, widen
 from speculant.launch import cli
 
 TARGET = speculant.bundled("target")
@@ -197,7 +197,7 @@ def test_widened_rows_read_back_alike():
     torch.manual_seed(0)
     logits, tokens = torch.randn(3, 2, 50), torch.randint(0, 50, (3, 2))
     narrow = pack_logprobs(logits, tokens, 4)
-    wide = _widen(narrow, 2, 5)
+    wide = widen(narrow, 2, 5, 4)
     for row, (narrow_row, wide_row) in enumerate(zip(narrow.tolist(), wide.tolist(), strict=True)):
         a, b = unpack_logprobs(narrow_row, 2, 4), unpack_logprobs(wide_row, 5, 4)
         for position in range(2):

@@ -1,0 +1,90 @@
+"""Log-probabilities of emitted tokens (`SamplingParams.logprobs`, vLLM's `raw_logprobs`): what
+a step computes on the device, how the values travel in the step's one packed int64 read-back,
+and how the host reads a row of them back.
+
+Layout of one row of `width` positions with n alternatives each: first, per position, the
+chosen token's log-probability and the n most likely ones' (float32 bits in int64 columns),
+then, per position, those n ids: `width (1 + 2 n)` columns, ahead of the tokens, drafts and
+accept_len (model_runner.StepOutput)."""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+
+import torch
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the raw logits (log_softmax, no temperature, top-k or top-p:
+    vLLM's default `raw_logprobs`): of `tokens` [...] (-1, no token, reads id 0) at logits
+    [..., V], and the `num_top` most likely ids and theirs, most likely first. Returns chosen
+    [...] float32, top values [..., num_top] float32, top ids [..., num_top] int64."""
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)) - norm
+    if num_top:
+        values, ids = logits.topk(num_top, dim=-1)
+        values = values - norm
+    else:
+        values = logits.new_empty((*logits.shape[:-1], 0))
+        ids = tokens.new_empty((*tokens.shape, 0))
+    return chosen.squeeze(-1), values, ids
+
+
+def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> torch.Tensor:
+    """The log-probabilities of `tokens` [bs, T] at logits [bs, T, V] and the `num_top` most
+    likely there (`token_logprobs`), as int64 columns [bs, T (1 + 2 num_top)]
+    that travel in a step's packed read-back: per position the chosen value and the top values
+    (float32 bits), then per position the top ids. `unpack_logprobs` reads a row back."""
+    chosen, values, ids = token_logprobs(logits, tokens, num_top)
+    floats = torch.cat([chosen.unsqueeze(-1), values], dim=-1).reshape(tokens.shape[0], -1)
+    bits = floats.contiguous().view(torch.int32).to(torch.int64)
+    return torch.cat([bits, ids.reshape(tokens.shape[0], -1)], dim=1)
+
+
+def logprob_columns(width: int, num_top: int | None) -> int:
+    """Columns `pack_logprobs` gives a row of `width` positions (0 when none are computed)."""
+    return 0 if num_top is None else width * (1 + 2 * num_top)
+
+
+def unpack_logprobs(row: list[int], width: int, num_top: int) -> TokenLogprobs:
+    """A host row's `pack_logprobs` columns (its first `logprob_columns(width, num_top)`)."""
+    floats = width * (1 + num_top)
+    values = array.array("f", array.array("i", row[:floats]).tobytes()).tolist()
+    return TokenLogprobs(values, row[floats : floats + width * num_top], num_top)
+
+
+def widen(packed: torch.Tensor, width: int, full: int, n: int) -> torch.Tensor:
+    """`pack_logprobs` columns of `width` positions (n alternatives each) laid out as those of
+    `full` positions (the positions past `width` zero), so that every row of an extend step
+    reads alike."""
+    if width == full:
+        return packed
+    floats, ids = packed[:, : width * (1 + n)], packed[:, width * (1 + n) :]
+    rows = packed.shape[0]
+    out = packed.new_zeros((rows, full * (1 + 2 * n)))
+    out[:, : width * (1 + n)] = floats
+    out[:, full * (1 + n) : full * (1 + n) + width * n] = ids
+    return out
+
+
+@dataclass
+class TokenLogprobs:
+    """One step's log-probabilities for one row, as read back (`pack_logprobs`, on the host):
+    per position the chosen token's value then the n most likely's, and per position those n
+    ids, most likely first."""
+
+    values: list[float]  # [positions * (1 + n)]
+    ids: list[int]  # [positions * n]
+    n: int  # alternatives computed per position (the engine's max_logprobs)
+
+    def entry(self, position: int, token: int, keep: int) -> dict[int, float]:
+        """{chosen token: its log-probability, then the `keep` most likely: theirs}."""
+        base = position * (1 + self.n)
+        out = {token: self.values[base]}
+        for j in range(min(keep, self.n)):
+            out.setdefault(self.ids[position * self.n + j], self.values[base + 1 + j])
+        return out
