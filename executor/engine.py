@@ -547,10 +547,7 @@ class Engine:
             seed=int(seed),
             max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(ids)),
             stop_ids=frozenset(stop),
-            stop_text=StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            if params.stop
-            else None,
-            logprobs=None if params.logprobs is None else [],
+            **self._output_state(params),
         )
 
     @functools.cached_property
@@ -686,6 +683,17 @@ class Engine:
                 requests.append(self._completion(first, j, len(requests)))
         return requests
 
+    def _output_state(self, params: SamplingParams) -> dict:
+        """A new request's own watchers of its output: its stop strings' text, its kept
+        log-probabilities (none unless asked)."""
+        stops = params.stop
+        return {
+            "stop_text": StopStrings(self.tokenizer, stops, params.include_stop_str_in_output)
+            if stops
+            else None,
+            "logprobs": None if params.logprobs is None else [],
+        }
+
     def _completion(self, first: Request, j: int, index: int) -> Request:
         """Completion j of `first`'s prompt as request `index`: its seed derived from the first
         one's (j = 0 is the first itself, its seed unchanged), so sampled completions are
@@ -699,10 +707,7 @@ class Engine:
             seed=seed,
             max_new_tokens=first.max_new_tokens,
             stop_ids=first.stop_ids,
-            stop_text=StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            if params.stop
-            else None,
-            logprobs=None if params.logprobs is None else [],
+            **self._output_state(params),
             prompt_index=first.index,
             sample_index=j,
         )
