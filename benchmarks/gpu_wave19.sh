@@ -5,11 +5,17 @@
 # (what computing them costs), EAGLE-3 with and without `--logprobs 5`, and sampled steps with
 # and without `--min-p 0.05` (the filter runs in every sampled step's graph); after a
 # 64-request warm-up. Logs and JSON under $OUT.
+# PHASE=tests or PHASE=job runs one half (each fits one 600 s call); unset, both.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_logprobs.py \
-    tests/test_min_p.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.log"
+PHASE=${PHASE:-all}
+if [ "$PHASE" != job ]; then
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_logprobs.py \
+        tests/test_min_p.py tests/test_stop_strings.py tests/test_prefix_cache.py 2>&1 \
+        | tail -8 | tee "$OUT/pytest_gpu.log"
+fi
+[ "$PHASE" = tests ] && exit 0
 warm_up_job
 mkdir -p "$OUT/job"
 (cd benchmarks && timeout 380 python3 workload.py --out "$OUT/job" --requests 1000 \
