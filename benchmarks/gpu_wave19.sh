@@ -5,7 +5,8 @@
 # (what computing them costs), EAGLE-3 with and without `--logprobs 5`, and sampled steps with
 # and without `--min-p 0.05` (the filter runs in every sampled step's graph); after a
 # 64-request warm-up. Logs and JSON under $OUT.
-# PHASE=tests or PHASE=job runs one half (each fits one 600 s call); unset, both.
+# PHASE=tests or PHASE=job runs one half; CONFIGS=a,b picks the job's configs (four fit one
+# 600 s call); unset, all.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
@@ -19,8 +20,8 @@ fi
 warm_up_job
 mkdir -p "$OUT/job"
 (cd benchmarks && timeout 450 python3 workload.py --out "$OUT/job" --requests 1000 \
-    --configs default,logprobs5,eagle3,eagle3_logprobs5,sampled,sampled_minp \
-    --timeout 45 2>&1 \
+    --configs "${CONFIGS:-default,logprobs5,sampled,sampled_minp,eagle3,eagle3_logprobs5}" \
+    --timeout 90 2>&1 \
     | tee "$OUT/job/workload.log" | tail -8)
 rm -f "$OUT"/*/workload_*.jsonl
 exit 0
