@@ -801,8 +801,13 @@ class Engine:
             if steps
             else [],
         }
-        logprobs, cumulative = request.logprobs, None
-        if logprobs is not None:
+        logprobs, cumulative = None, None
+        if request.logprobs is not None:  # decoded now: a step only kept its rows
+            keep = request.params.logprobs
+            logprobs = [
+                step.entry(i, token, keep)
+                for (step, i), token in zip(request.logprobs, ids, strict=True)
+            ]
             cumulative = sum(step[t] for step, t in zip(logprobs, ids, strict=True))
         return RequestOutput(
             request.prompt_index,

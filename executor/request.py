@@ -230,8 +230,9 @@ class Request:
     num_preemptions: int = 0
     stop_text: StopStrings | None = None  # the output text, watched for params.stop
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
-    # with params.logprobs: one entry per output token (RequestOutput.logprobs)
-    logprobs: list[dict[int, float]] | None = None
+    # with params.logprobs: per output token its step's row as read back and its position
+    # there (RequestOutput.logprobs decodes them when the request ends)
+    logprobs: list[tuple[TokenLogprobs, int]] | None = None
     prompt_index: int = -1  # the prompt's place in the call (-1: index)
     sample_index: int = 0  # which of its params.n completions
 
@@ -270,7 +271,7 @@ class Request:
         for i, token in enumerate(tokens):
             self.output_ids.append(token)
             if self.logprobs is not None:
-                self.logprobs.append(logprobs.entry(i, token, self.params.logprobs))
+                self.logprobs.append((logprobs, i))
             if token in self.stop_ids:
                 self.finish_reason = "stop"
                 if token in self.params.stop_token_ids:  # EOS itself is no stop reason
