@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call (written 2026-12-05, wave 19; not yet run: no device was lent that session):
+# GPU calls of wave 19 (2026-12-05; results/wave19.md):
 # log-probabilities and min-p. The GPU tests of both (graph replays and steps run ahead vs
 # eager, in float32), then the realistic job at default flags vs `--logprobs 5`
 # (what computing them costs), EAGLE-3 with and without `--logprobs 5`, and sampled steps with
