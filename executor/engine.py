@@ -189,6 +189,7 @@ class Engine:
             cfg.spec.num_draft_tokens,
             self.drafter,
             self.attention_backend,
+            self.num_logprobs,
         )
         # adaptive speculation: plain steps record the drafter's inputs, caught up every
         # catch_up_depth steps and before a step that drafts or extends (executor/catch_up.py)
@@ -200,7 +201,6 @@ class Engine:
         # one rank only: several ranks agree on every step's batch before it runs
         self.overlap = cfg.overlap and self.pctx.world_size == 1
         self.runner.writes_next_inputs = self.overlap  # before capture: the graphs bake it in
-        self.runner.num_logprobs = self.num_logprobs  # likewise
         if cfg.spec.sampled_verify == "match":  # likewise
             self.runner.match_samples = True
             if self.drafter is not None:
@@ -407,9 +407,8 @@ class Engine:
         T, budget = self.tokens_per_req, self.max_num_batched_tokens
         runner = ModelRunner(
             self.model, scratch, 1, self.config.spec.num_draft_tokens, self.drafter,
-            self.attention_backend,
+            self.attention_backend, self.num_logprobs,  # their memory too
         )  # fmt: skip
-        runner.num_logprobs = self.num_logprobs  # their memory too
         rows = min(self.max_num_seqs, budget // T)
         span = max(1, min(budget, self.max_model_len - 2 * T))
         steps = [
@@ -1127,7 +1126,9 @@ class Engine:
             request.num_computed = chunk.start + len(chunk.tokens)
             if not chunk.last:
                 continue
-            logprobs, row = self._logprobs_of(request, row, T)
+            logprobs = None
+            if self.num_logprobs is not None:
+                logprobs, row = self._logprobs_of(request, row, T)
             if chunk.successor is None:  # a new request's first token
                 request.append(row[:1], logprobs)
                 if not request.accepted_per_position:
@@ -1210,15 +1211,12 @@ class Engine:
     def _logprobs_of(
         self, request: Request, row: list[int], width: int
     ) -> tuple[TokenLogprobs | None, list[int]]:
-        """A read-back row (of `width` token slots) split into its log-probability columns,
-        read only for a request that keeps them, and the rest."""
-        columns = logprob_columns(width, self.num_logprobs)
-        if not columns:
-            return None, row
+        """A read-back row (of `width` token slots) of an engine computing log-probabilities,
+        split into their columns (kept only for a request that asked) and the rest."""
         kept = None
         if request.logprobs is not None:
             kept = unpack_logprobs(row, width, self.num_logprobs)
-        return kept, row[columns:]
+        return kept, row[logprob_columns(width, self.num_logprobs) :]
 
     def stats(self) -> dict:
         """Scheduler figures of the run so far (steps, preemptions, mean decode batch)."""

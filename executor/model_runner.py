@@ -60,6 +60,7 @@ class ModelRunner:
         num_draft_tokens: int = 0,
         drafter: Drafter | None = None,
         attention_backend: str = "torch",
+        num_logprobs: int | None = None,
     ):
         self.model = model
         self.kv = kv
@@ -68,8 +69,8 @@ class ModelRunner:
         self.k = num_draft_tokens
         self.writes_next_inputs = False  # set by the engine with overlap on, before capture
         self.match_samples = False  # sampled verify by `match` (executor/verify.py), likewise
-        # alternatives whose log-probabilities every step computes (None: none), likewise
-        self.num_logprobs: int | None = None
+        # alternatives whose log-probabilities every step computes (None: none; graphs bake it)
+        self.num_logprobs = num_logprobs
         self.tokens_per_req = num_draft_tokens + 1
         if drafter is not None:
             model.aux_layer_ids = drafter.aux_layer_ids
