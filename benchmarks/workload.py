@@ -69,6 +69,9 @@ CONFIGS = {  # name: extra CLI flags
     # sampled steps (the full sampler variant), and with min-p: what its filter costs
     "sampled": ["--temperature", "0.8", "--top-p", "0.95"],
     "sampled_minp": ["--temperature", "0.8", "--top-p", "0.95", "--min-p", "0.05"],
+    # four completions of every prompt (their prompt pages shared: prefilled once)
+    "n4": ["--n", "4", "--temperature", "0.8"],
+    "n4_prefix": ["--n", "4", "--temperature", "0.8", "--enable-prefix-caching"],
     "tp2": ["--tp", "2"],  # two GPUs (gpu_x2_batch.sh)
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
 }

@@ -95,7 +95,7 @@ class Drafter(ABC):
         num_layers, num_kv_heads, head_dim, dtype = self.pool_layout
         self.kv = kv
         self.k_pools = self.v_pools = []  # the old pools go before the new ones are made
-        shape = (kv.num_pages * kv.page_size, num_kv_heads, head_dim)
+        shape = (kv.num_pages * kv.page_size + 1, num_kv_heads, head_dim)  # as kv's: zero slot
         device = kv.req_to_page.device
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

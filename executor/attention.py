@@ -66,6 +66,10 @@ class PoolAttention:
     backend shares with a drafter on the same block table (None when it makes none)."""
 
     kv_slots: torch.Tensor | None = None
+    # whether its work grows with the batch's `kv_len` (every key position gathered, as the
+    # torch backend does): an eager decode step then passes the positions its rows' pages hold
+    # rather than a graph's whole reach (ModelRunner.verify_step)
+    gathers_kv_len = False
 
     def __init__(
         self,
@@ -88,12 +92,14 @@ class PoolAttention:
 class TorchPagedAttention(PoolAttention):
     """Writes the step's K/V into their slots, gathers each row's pages in position order, and
     runs masked SDPA: a query at position p sees keys at positions <= p. Slots past a row's
-    newest position (stale: a freed row's, rejected drafts') are zeroed in the gather, so that
-    a non-finite value left there (a diverged checkpoint's, an fp16 overflow's) cannot reach the
-    output through the mask (NaN + -inf is NaN; 0 x NaN too) as the Triton kernels never load
-    them. Shapes depend only on (bs, T, kv_len), so the decode step is graph-capturable."""
+    newest position (stale: a freed row's, rejected drafts') are read as zeros (the gather takes
+    the pools' zero slot in their place, `live_slots`), so that a non-finite value left there (a
+    diverged checkpoint's, an fp16 overflow's) cannot reach the output through the mask (NaN +
+    -inf is NaN; 0 x NaN too) as the Triton kernels never load them. Shapes depend only on (bs,
+    T, kv_len), so the decode step is graph-capturable."""
 
     ops = TORCH_OPS
+    gathers_kv_len = True
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Per-step metadata: every row's key slots [bs, kv_len] and the position mask. A drafter
@@ -108,15 +114,16 @@ class TorchPagedAttention(PoolAttention):
             self.visible_per_seq = [
                 key_pos <= batch.positions[a:b].view(1, 1, b - a, 1) for a, b in self.spans
             ]
-            self.stale_per_seq = [  # a sequence's newest position is its last
-                (key_pos > batch.positions[b - 1]).view(1, -1, 1, 1) for _, b in self.spans
+            self.live_per_seq = [  # a sequence's newest position is its last
+                live_slots(self.kv_slots[i : i + 1], key_pos > batch.positions[b - 1], self.k_pools)
+                for i, (_, b) in enumerate(self.spans)
             ]
             self.masks_per_seq = [{} for _ in self.spans]
             return
         query_pos = batch.positions.view(batch.bs, 1, batch.tokens_per_req, 1)
         self.visible = key_pos <= query_pos  # [bs, 1, T, kv_len]
         newest = batch.positions.view(batch.bs, batch.tokens_per_req).amax(1)
-        self.stale = (key_pos > newest[:, None]).view(batch.bs, -1, 1, 1)  # [bs, kv_len, 1, 1]
+        self.live = live_slots(self.kv_slots, key_pos > newest[:, None], self.k_pools)
         self.masks = {}
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -129,18 +136,18 @@ class TorchPagedAttention(PoolAttention):
         if batch.is_varlen:
             out = torch.empty_like(q)
             for i, (a, b) in enumerate(self.spans):
-                slots, stale = self.kv_slots[i : i + 1], self.stale_per_seq[i]
+                slots = self.live_per_seq[i]
                 bias = additive_mask(self.visible_per_seq[i], group, q.dtype, self.masks_per_seq[i])
                 out[a:b] = folded_sdpa(
                     q[a:b],
-                    gather_live(k_pool, slots, stale).transpose(1, 2),
-                    gather_live(v_pool, slots, stale).transpose(1, 2),
+                    gather(k_pool, slots).transpose(1, 2),
+                    gather(v_pool, slots).transpose(1, 2),
                     bias,
                     b - a,
                 )
             return out
-        keys = gather_live(k_pool, self.kv_slots, self.stale).transpose(1, 2)  # [bs, kv_heads,
-        values = gather_live(v_pool, self.kv_slots, self.stale).transpose(1, 2)  # kv_len, d]
+        keys = gather(k_pool, self.live).transpose(1, 2)  # [bs, kv_heads, kv_len, d]
+        values = gather(v_pool, self.live).transpose(1, 2)
         return folded_sdpa(
             q,
             keys,
@@ -150,9 +157,16 @@ class TorchPagedAttention(PoolAttention):
         )
 
 
-def gather_live(pool: torch.Tensor, slots: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
-    """pool[slots] [bs, L, kv_heads, d] with the `stale` slots [bs, L, 1, 1] zeroed."""
-    return pool[slots].masked_fill_(stale, 0)
+def live_slots(slots: torch.Tensor, stale: torch.Tensor, pools: list[torch.Tensor]) -> torch.Tensor:
+    """`slots` [bs, L] with the `stale` ones (bool [bs, L]) replaced by the pools' zero slot:
+    their last, one past every page (kv_cache.py), which nothing writes."""
+    return torch.where(stale, pools[0].shape[0] - 1, slots)
+
+
+def gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool[slots]: [bs, L, kv_heads, d] for slots [bs, L] (index_select: several times faster
+    than advanced indexing on the CPU)."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
 def key_slots(
@@ -197,8 +211,8 @@ class BlockContextAttention(PoolAttention):
             block_visible = block_visible.tril()
         visible = torch.cat([ctx_visible, block_visible.expand(bs, B, B)], dim=-1)
         self.visible = visible.unsqueeze(1)  # [bs, 1, B, kv_len + B]
-        # context slots at or after the block: stale, zeroed in the gather (TorchPagedAttention)
-        self.stale = (key_pos >= block_start[:, None]).view(bs, -1, 1, 1)
+        # context slots at or after the block: stale, read as zeros (TorchPagedAttention)
+        self.live = live_slots(self.kv_slots, key_pos >= block_start[:, None], self.k_pools)
         self.masks = {}
 
     def forward(
@@ -218,8 +232,8 @@ class BlockContextAttention(PoolAttention):
         bs, B = self.context.bs, self.block_len
         block_k = k.to(k_pool.dtype).view(bs, B, *k.shape[1:])
         block_v = v.to(v_pool.dtype).view(bs, B, *v.shape[1:])
-        keys = torch.cat([gather_live(k_pool, self.kv_slots, self.stale), block_k], dim=1)
-        values = torch.cat([gather_live(v_pool, self.kv_slots, self.stale), block_v], dim=1)
+        keys = torch.cat([gather(k_pool, self.live), block_k], dim=1)
+        values = torch.cat([gather(v_pool, self.live), block_v], dim=1)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         group = q.shape[1] // k.shape[1]
         return folded_sdpa(

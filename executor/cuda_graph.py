@@ -170,13 +170,15 @@ class GraphRunner:
         sizes: DPStepSizes | None = None,
         shape: DraftShape | None = None,
         drafter_rests: bool = False,
+        kv_len: int | None = None,
     ) -> StepOutput:
         """Run the step for the first padded_bs rows of the input buffers (already filled);
         `allow_graph=False` forces the eager step (a DP step whose ranks are not uniform).
         `sizes`: every rank's forward this step (the step plan's; a MoE target's dispatch plan,
         which a replayed graph must have been captured with). `shape`: drafts verified and
         proposed (default (k, k)). `drafter_rests`: a plain step with the drafter at rest (its
-        own graph, when steps can rest)."""
+        own graph, when steps can rest). `kv_len`: the key positions the rows' pages hold, for
+        an eager step (a replay attends over its capture's)."""
         shape = shape or self.runner.full_shape()
         rests = drafter_rests and self.rests and shape == PLAIN
         key = (variant + RESTING if rests else variant, padded_bs, shape)
@@ -187,7 +189,8 @@ class GraphRunner:
             self.num_stand_ins += checked
             self.num_rest_steps += rests
             tokens = None if sizes is None else sizes.tokens_per_rank
-            return self.runner.decode_step(padded_bs, variant, tokens, shape, rests).narrow(bs)
+            out = self.runner.decode_step(padded_bs, variant, tokens, shape, rests, kv_len)
+            return out.narrow(bs)
         if key not in self.graphs:
             variants = sorted({v for v, _, _ in self.graphs if v != CATCH_UP})
             variant = variant + RESTING if rests else variant

@@ -47,15 +47,32 @@ STORE_CALL_S = 10.0
 log = logging.getLogger("speculant")
 
 
-def assign_requests(costs: Sequence[int], dp: int) -> list[list[int]]:
-    """Request indices per DP rank, balanced by cost (tokens): the costliest request goes to the
+def assign_requests(
+    costs: Sequence[int], dp: int, groups: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Request indices per DP rank, balanced by cost (tokens): the costliest unit goes to the
     least loaded rank first (ties to the lower rank); each rank keeps arrival order. A rank may
-    get none when there are fewer requests than ranks."""
+    get none when there are fewer requests than ranks. `groups` (one id per request: a prompt's
+    completions share one) keeps a group on one rank, where its later completions take the
+    prompt's pages from completion 0 (scheduler.py), unless the group costs more than half a
+    rank's fair share: then its requests are balanced one by one."""
+    if groups is None:
+        groups = range(len(costs))
+    members: dict[int, list[int]] = {}
+    for index, group in enumerate(groups):
+        members.setdefault(group, []).append(index)
+    cap = sum(costs) / (2 * dp)
+    units = []
+    for indices in members.values():
+        if len(indices) > 1 and sum(costs[i] for i in indices) > cap:
+            units += [[i] for i in indices]
+        else:
+            units.append(indices)
     loads, shares = [0] * dp, [[] for _ in range(dp)]
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for unit in sorted(units, key=lambda u: (-sum(costs[i] for i in u), u[0])):
         rank = min(range(dp), key=lambda r: (loads[r], r))
-        loads[rank] += costs[index]
-        shares[rank].append(index)
+        loads[rank] += sum(costs[i] for i in unit)
+        shares[rank] += unit
     return [sorted(share) for share in shares]
 
 

@@ -678,8 +678,10 @@ class Engine:
             return firsts
         requests = []  # each prompt's n completions in turn, indices unique in the call
         for first in firsts:
-            for j in range(first.params.n):
-                requests.append(self._completion(first, j, len(requests)))
+            lead = self._completion(first, 0, len(requests))
+            requests.append(lead)
+            for j in range(1, first.params.n):
+                requests.append(self._completion(first, j, len(requests), lead))
         return requests
 
     def _output_state(self, params: SamplingParams) -> dict:
@@ -693,10 +695,13 @@ class Engine:
             "logprobs": None if params.logprobs is None else [],
         }
 
-    def _completion(self, first: Request, j: int, index: int) -> Request:
+    def _completion(
+        self, first: Request, j: int, index: int, lead: Request | None = None
+    ) -> Request:
         """Completion j of `first`'s prompt as request `index`: its seed derived from the first
         one's (j = 0 is the first itself, its seed unchanged), so sampled completions are
-        independent draws and a seeded call repeats exactly."""
+        independent draws and a seeded call repeats exactly. `lead`: completion 0, whose
+        prefilled prompt pages a later completion shares (scheduler.py)."""
         seed = first.seed if j == 0 else int(_mix64(first.seed, j) % (2**63 - 1))
         params = first.params
         return Request(
@@ -709,6 +714,7 @@ class Engine:
             **self._output_state(params),
             prompt_index=first.index,
             sample_index=j,
+            first_completion=lead,
         )
 
     def run(
@@ -846,7 +852,9 @@ class Engine:
             (prompts, sampling_params, on_output is not None, key)
         )
         requests = self.make_requests(prompts, sampling_params)  # every rank checks every prompt
-        share = assign_requests([request_cost(r) for r in requests], pctx.dp_size)[pctx.dp_rank]
+        share = assign_requests(
+            [request_cost(r) for r in requests], pctx.dp_size, [r.prompt_index for r in requests]
+        )[pctx.dp_rank]
         progress = None  # one counter per DP rank: its TP rank 0 adds
         if key is not None and store is not None and pctx.dp_size > 1 and pctx.tp_rank == 0:
             progress = JobProgress(store, key, len(requests), reads=pctx.rank == 0)
@@ -1163,10 +1171,13 @@ class Engine:
                 [r.params.min_p for r in requests],
             )
         variant = batch_variant([r.params.temperature for r in requests])
+        # every position the step reads or writes lies in pages its rows hold (taken before it)
+        held = max((len(self.kv.pages_of_row[r.row]) for r in requests), default=1)
         start = time.perf_counter()
         out = self.graphs.run(
-            len(requests), padded_bs, variant, plan.use_graph, plan.sizes, plan.shape, plan.rests
-        )
+            len(requests), padded_bs, variant, plan.use_graph, plan.sizes, plan.shape, plan.rests,
+            kv_len=min(held, self.kv.max_pages_per_req) * self.kv.page_size,
+        )  # fmt: skip
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         # synchronous steps read back at once; overlapped ones start a copy and read it later
         results = self.readback.start(packed) if self.overlap else ReadResults(packed.tolist())
@@ -1226,6 +1237,7 @@ class Engine:
             "mean_decode_batch": round(self.decode_rows / max(self.num_steps, 1), 2),
             "extend_steps": self.extend_steps,
             "prefill_tokens": self.prefill_tokens,
+            "shared_prompt_tokens": self.scheduler.shared_prompt_tokens,
             "decode_s": round(self.step_seconds["decode"], 2),
             "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,

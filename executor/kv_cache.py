@@ -19,8 +19,10 @@ log = logging.getLogger("speculant")
 
 
 class PagedKVCache:
-    """K and V pools of shape [num_pages * page_size, kv_heads, head_dim] per layer, plus the
-    per-request block table and valid cache lengths (both on the device)."""
+    """K and V pools of shape [num_pages * page_size + 1, kv_heads, head_dim] per layer, plus
+    the per-request block table and valid cache lengths (both on the device). The last slot of
+    every pool, past all pages, is the zero slot: no page holds it, so nothing writes it, and the
+    torch attention backend reads it in place of stale slots (executor/attention.py)."""
 
     def __init__(
         self,
@@ -43,7 +45,7 @@ class PagedKVCache:
         self.num_pages, self.page_size = num_pages, page_size
         self.max_requests, self.max_pages_per_req = max_requests, max_pages_per_req
         self.sentinel_row = max_requests
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_pages * page_size + 1, num_kv_heads, head_dim)  # + the zero slot
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.req_to_page = torch.zeros(

@@ -100,15 +100,20 @@ class ModelRunner:
         tokens_per_rank: list[int] | None = None,
         shape: DraftShape | None = None,
         drafter_rests: bool = False,
+        kv_len: int | None = None,
     ) -> StepOutput:
         """Verify (or plainly decode) the bs rows of the input buffers, then draft the next
         tokens; reads only static buffers and device state, so it is graph-capturable.
         `tokens_per_rank`: every rank's target tokens this step (a MoE target's dispatch plan).
         `shape`: drafts verified and proposed (executor/speculation.py; default (k, k)).
         `drafter_rests`: a plain step in which the drafter does nothing, not even record for
-        its catch-up (adaptive speculation's rest): the step a plain engine runs."""
+        its catch-up (adaptive speculation's rest): the step a plain engine runs. `kv_len`: an
+        eager step's bound on the positions its rows touch (the pages they hold; see
+        verify_step); None: every position a row may reach (graphs)."""
         shape = shape or self.full_shape()
-        inputs, accept_len, logprobs = self.verify_step(bs, variant, tokens_per_rank, shape.verify)
+        inputs, accept_len, logprobs = self.verify_step(
+            bs, variant, tokens_per_rank, shape.verify, kv_len
+        )
         if drafter_rests:
             drafts = inputs.next_tokens.new_empty((bs, 0))
         else:
@@ -127,10 +132,13 @@ class ModelRunner:
         variant: str,
         tokens_per_rank: list[int] | None = None,
         num_verify: int | None = None,
+        kv_len: int | None = None,
     ) -> tuple[DraftInputs, torch.Tensor, torch.Tensor | None]:
         """The target half of the step: forward over T = num_verify + 1 tokens per row (default
         k + 1), verify, grow the valid cache lengths. Returns what the drafter needs, accept_len
-        [bs] and, when `num_logprobs` is set, the emitted tokens' `pack_logprobs`."""
+        [bs] and, when `num_logprobs` is set, the emitted tokens' `pack_logprobs`. The rows
+        attend over `kv_len` key positions when given and the backend's work grows with it
+        (`gathers_kv_len`: the torch backend), else over every position a row may reach."""
         buf, kv = self.buffers, self.kv
         num_verify = self.k if num_verify is None else num_verify
         T = num_verify + 1
@@ -144,7 +152,7 @@ class ModelRunner:
             positions=positions.reshape(-1),
             req_pool_indices=rows,
             out_cache_loc=kv.slots(rows, positions).reshape(-1),
-            kv_len=kv.max_tokens_per_req,
+            kv_len=kv_len if kv_len and self.attn.gathers_kv_len else kv.max_tokens_per_req,
             sampling=buf.sampling(bs),
             tokens_per_rank=tokens_per_rank,
         )

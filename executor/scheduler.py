@@ -55,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        # prompt positions later completions took from their completion 0 (_prompt_pages)
+        self.shared_prompt_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -118,13 +120,18 @@ class Scheduler:
             return self._done(plan)  # keep decoding in graphs until a group's rows are free
         if plan.preempted:
             return self._done(plan)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0  # the waiting request considered (later completions may wait their turn)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
+            shared = self._prompt_pages(request)
+            if shared is None:  # its completion 0 is prefilling the prompt: a later step
+                i += 1
+                continue
             request.row = kv.allocate_row()
-            if kv.prefix is not None:
-                pages = kv.prefix.match(request.context)
-                kv.attach(request.row, pages)
-                request.num_computed = request.num_cached = len(pages) * kv.page_size
+            pages = kv.prefix.match(request.context) if kv.prefix is not None else []
+            pages = shared if len(shared) > len(pages) else pages
+            kv.attach(request.row, pages)
+            request.num_computed = request.num_cached = len(pages) * kv.page_size
             chunk = self._chunk(request, budget)
             if chunk is not None and len(kv.free_pages) < len(plan.decode):
                 chunk = None  # no page left for a decoding request's next step
@@ -133,14 +140,33 @@ class Scheduler:
                 request.row = -1
                 request.num_computed = request.num_cached = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(request)
+            if pages is shared:
+                self.shared_prompt_tokens += request.num_cached
             if kv.prefix is not None:
                 kv.prefix.admitted_tokens += len(request.context)
                 kv.prefix.hit_tokens += request.num_cached
             plan.chunks.append(chunk)
             budget -= len(chunk.tokens)
         return self._done(plan)
+
+    def _prompt_pages(self, request: Request) -> list[int] | None:
+        """The prompt pages a later completion of a prompt (SamplingParams.n) takes from its
+        completion 0, which holds and has computed them: the whole pages that end before the
+        prompt's last token, as a prefix cache would give them (prefix_cache.py). None while
+        completion 0 is still prefilling them (this one is admitted once it has: the prompt is
+        prefilled once, not n times); [] when there is nothing to take (completion 0 not
+        running here, a chunk of it ran while the drafter rested, a prompt of one page)."""
+        first = request.first_completion
+        if first is None or first.row < 0 or first.drafter_gap:
+            return []
+        whole = (len(request.prompt_ids) - 1) // self.kv.page_size
+        if whole == 0:
+            return []
+        if not first.is_decoding and first.num_computed < whole * self.kv.page_size:
+            return None
+        return self.kv.pages_of_row[first.row][:whole]
 
     def _done(self, plan: StepPlan) -> StepPlan:
         self.kv.commit()

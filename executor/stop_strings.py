@@ -9,7 +9,11 @@ bytes are split over tokens) until a later token completes it; the whole charact
 are searched at once, so a stop string ends the request at the token that completes it even when
 that token also starts a split character. A stop string is searched for only where new text
 could complete it (the last `len(stop) - 1` characters before the new text, and the new text),
-so each token costs two short decodes, not one of the whole output.
+so each token costs two short decodes, not one of the whole output. A run of tokens whose bytes
+form no character (a model emitting invalid UTF-8) would hold the window open for as long as it
+lasts; past MAX_PENDING such tokens the text of all but the last KEEP of them is taken as it
+decodes (U+FFFD for the bytes that form nothing: a character has at most 4 bytes, so only the
+last tokens' bytes can still become one), and the window stays short.
 
 When a token's text completes a stop string the request ends there ("stop"): the token stays in
 the output ids (as in vLLM), any later token of the same verify step is dropped, and the text is
@@ -21,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 INCOMPLETE = "\ufffd"  # decode's stand-in for the bytes of a character not yet complete
+MAX_PENDING = 16  # tokens held back waiting for a character's bytes before ...
+KEEP = 4  # ... all but these last ones are taken as they decode
 
 
 class StopStrings:
@@ -42,13 +48,18 @@ class StopStrings:
             raise RuntimeError("a request ended by a stop string took another token")
         self.ids.append(token)
         decode = self.tokenizer.decode
+        start = len(self.text)  # text from here on is new: searched for the stop strings
         before = decode(self.ids[self.prefix : self.read])
+        if len(self.ids) - self.read > MAX_PENDING:  # bytes that form no character: move on
+            cut = len(self.ids) - KEEP
+            self.text += decode(self.ids[self.prefix : cut])[len(before) :]
+            self.prefix, self.read = self.read, cut
+            before = decode(self.ids[self.prefix : self.read])
         after = decode(self.ids[self.prefix :])
         ready = not after.endswith(INCOMPLETE)  # else a character is still missing bytes
         new = (after if ready else after.rstrip(INCOMPLETE))[len(before) :]
-        if not new:
+        if not new and len(self.text) == start:
             return None  # nothing printable yet: wait for the next token
-        start = len(self.text)
         text = self.text + new
         if ready:  # the window moves on only past whole characters
             self.text = text

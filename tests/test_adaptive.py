@@ -137,7 +137,7 @@ def test_a_resting_drafter_does_no_work(plain, prompts, drafter, monkeypatch):
     forget = engine.chooser.forget
     engine.chooser.forget = lambda index: cold.append(index in engine.chooser.cold) or forget(index)
     launches, run = [], engine.graphs.run
-    engine.graphs.run = lambda *args: launches.append(args[-1]) or run(*args)
+    engine.graphs.run = lambda *args, **kw: launches.append(args[-1]) or run(*args, **kw)
     ours = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert calls == [] and engine.pending.flushes == 0
@@ -153,7 +153,7 @@ def test_no_cycle_of_a_rest_step_is_observed():
     engine = Engine(TARGET, **ENGINE, **DRAFTERS["eagle3"], speculation=AUTO)
     prompts = prompts_of((5, 23), seed=3, vocab=engine.model_config.vocab_size)
     launches, run = [], engine.graphs.run
-    engine.graphs.run = lambda *args: launches.append(args[-1]) or run(*args)
+    engine.graphs.run = lambda *args, **kw: launches.append(args[-1]) or run(*args, **kw)
     observed, observe = [], engine.chooser.costs.observe
     engine.chooser.costs.observe = lambda *a: observed.append(launches[-1]) or observe(*a)
     engine.chooser.rest_left = 20

@@ -486,7 +486,7 @@ def test_replay_with_sizes_other_than_captured_is_an_error():
         class model:  # noqa: N801 - what GraphRunner reads of the model
             config = None
 
-        def decode_step(self, bs, variant, tokens_per_rank=None, shape=None, drafter_rests=False):
+        def decode_step(self, bs, variant, tokens_per_rank=None, shape=None, rests=False, kv=None):
             steps.append(bs)
             return output
 

@@ -5,8 +5,9 @@ are unchanged), outputs come n per prompt in a row (`sample_index` 0..n-1).
 Checked: completion 0 equals the n = 1 run; sampled completions differ from each other and a
 seeded call repeats exactly; greedy completions all equal plain greedy decoding, speculative or
 not; `match` verification keeps plain sampling's completions for every drafter; a pool that
-preempts, prefix caching and stop strings per completion; the CLI (lines, printing, `--dp 2`)
-and the refusals."""
+preempts, prefix caching and stop strings per completion; later completions take the prompt's
+pages from completion 0 (the prompt prefilled once); the CLI (lines, printing, `--dp 2`) and
+the refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import re
 
 import pytest
+import torch
 from helpers_io import dp2_run, refused_in_one_line
 
 import speculant
@@ -101,6 +103,96 @@ def test_completions_under_preemption_prefix_caching_and_stops(plain):
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
     whole_pages = (len(outs[0].prompt_token_ids) - 1) // 4 * 4  # pages ending before its last
     assert cached.stats()["prefix_cache_hit_tokens"] >= 2 * whole_pages > 0
+
+
+LONG = ["# a prompt of several pages\n" * 3 + prompt for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3", "dflash", "draft-model"])
+def test_later_completions_take_the_prompt_pages_of_completion_0(plain, drafter):
+    """Without prefix caching the prompt is prefilled once, not n times: a later completion
+    waits for completion 0's prefill and takes its whole pages; tokens unchanged (sampled with
+    `match`: plain sampling's)."""
+    kwargs = DRAFTERS[drafter] if drafter else {"num_draft_tokens": 0}
+    engine = Engine(TARGET, device="cpu", page_size=4, sampled_verify="match", **kwargs)
+    params = [sampled(4, seed=s) for s in range(len(LONG))]
+    outs = engine.generate(LONG, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(LONG, params)]
+    lengths = [len(o.prompt_token_ids) for o in outs[::4]]
+    whole = [(n - 1) // 4 * 4 for n in lengths]  # positions in pages ending before the last
+    stats = engine.stats()
+    assert stats["shared_prompt_tokens"] == 3 * sum(whole) > 0
+    once = sum(4 * n - 3 * w for n, w in zip(lengths, whole, strict=True))
+    assert stats["prefill_tokens"] == once
+    assert engine.kv.holders == {} and len(engine.kv.free_pages) == engine.kv.num_pages - 1
+
+
+def test_completions_sharing_pages_under_preemption(plain):
+    """A pool that preempts completion 0 and later ones while they share the prompt's pages:
+    every page comes back, the tokens are plain greedy decoding's."""
+    tight = Engine(TARGET, device="cpu", max_num_seqs=4, page_size=4, num_pages=48,
+                   **DRAFTERS["eagle3"])  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=40, n=4, ignore_eos=True)
+    outs = tight.generate(LONG, greedy)
+    base = plain.generate(LONG, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(4)]
+    stats = tight.stats()
+    assert stats["preemptions"] > 0 and stats["shared_prompt_tokens"] > 0, stats
+    assert tight.kv.holders == {} and len(tight.kv.free_pages) == tight.kv.num_pages - 1
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_shared_prompt_pages_are_never_written(plain, drafter):
+    """Adaptive speculation forced through drafting, plain and resting steps (a completion 0
+    one of whose chunks ran while the drafter rested shares nothing), a pool that preempts:
+    while a page is held by more than one completion its target and drafter K/V stay as they
+    were when it was first shared and its drafter K/V are those the prompt computes alone
+    (drafting every step), every page comes back, tokens are plain greedy's."""
+    from test_adaptive import ForcedChooser
+
+    engine = Engine(TARGET, device="cpu", max_num_seqs=4, page_size=4, num_pages=40,
+                    max_num_batched_tokens=24, speculation="auto", catch_up_depth=3,
+                    **DRAFTERS[drafter])  # fmt: skip
+    engine.chooser = ForcedChooser(engine.chooser.k, seed=3)
+    kv, drafter_state = engine.kv, engine.runner.drafter
+    drafter_pools = [*drafter_state.k_pools, *drafter_state.v_pools]
+    pools = [*kv.k, *kv.v, *drafter_pools]
+    seen: dict[int, list] = {}  # a shared page -> its K/V when first seen shared
+    first_shared = []  # (prompt, page's column, its drafter K/V) when first seen shared
+    step = engine.step
+
+    def checked_step():
+        finished = step()
+        for page in set(seen) - set(kv.holders):  # one holder or free again: may change
+            del seen[page]
+        for page in kv.holders:
+            now = [pool[page * 4 : page * 4 + 4].clone() for pool in pools]
+            if page not in seen:
+                request = next(r for r in engine.scheduler.running
+                               if page in kv.pages_of_row[r.row])  # fmt: skip
+                column = kv.pages_of_row[request.row].index(page)
+                first_shared.append((tuple(request.prompt_ids), column, now[-len(drafter_pools) :]))
+            before = seen.setdefault(page, now)
+            assert all(torch.equal(a, b) for a, b in zip(before, now, strict=True)), page
+        return finished
+
+    engine.step = checked_step
+    greedy = SamplingParams(max_new_tokens=24, n=3, ignore_eos=True)
+    outs = engine.generate(LONG, greedy)
+    base = plain.generate(LONG, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(3)]
+    stats = engine.stats()
+    assert stats["shared_prompt_tokens"] > 0 and stats["rest_steps"] > 0, stats
+    assert kv.holders == {} and len(kv.free_pages) == kv.num_pages - 1
+    alone = Engine(TARGET, device="cpu", page_size=4, enable_prefix_caching=True,
+                   **DRAFTERS[drafter])  # fmt: skip
+    theirs = alone.runner.drafter
+    for prompt, column, mine in first_shared:  # a page of a rested chunk would hold no K/V
+        alone.generate([list(prompt)], SamplingParams(max_new_tokens=1))
+        page = alone.kv.prefix.match(list(prompt))[column]
+        for a, b in zip(mine, [*theirs.k_pools, *theirs.v_pools], strict=True):
+            torch.testing.assert_close(a, b[page * 4 : page * 4 + 4], rtol=1e-4, atol=1e-4)
+    assert first_shared
 
 
 def test_n_refusals(plain):

@@ -273,6 +273,14 @@ def test_assign_requests_balances_tokens():
     shares = assign_requests([5, 5, 5, 5, 5, 5, 5], dp=3)
     assert sorted(i for share in shares for i in share) == list(range(7))
     assert sorted(len(s) for s in shares) == [2, 2, 3]
+    # a prompt's completions stay on one rank (they share its pages there) unless the group
+    # costs more than half a rank's share: then they are balanced one by one
+    groups = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    shares = assign_requests([10] * 12, dp=2, groups=groups)
+    assert [sorted({groups[i] for i in share}) for share in shares] == [[0, 2], [1, 3]]
+    assert assign_requests([10, 10, 10, 10, 1], dp=2, groups=[0, 0, 0, 0, 1]) == [
+        [0, 2, 4], [1, 3]
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- DP progress bar

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.errors import PromptError
-from speculant.executor.stop_strings import INCOMPLETE, StopStrings
+from speculant.executor.stop_strings import INCOMPLETE, MAX_PENDING, StopStrings
 from speculant.launch import cli
 from speculant.launch.accept_rate import bundled_prompts
 
@@ -191,6 +191,32 @@ def test_a_token_that_completes_a_stop_and_starts_a_split_character_ends_there()
         "xa" + head + "—",
     )
     assert reference_stop(tokenizer, ids, ["a" + head]) == (at, "a" + head, "x")
+
+
+def test_a_long_run_of_bytes_that_form_no_character_costs_short_decodes():
+    """Thousands of stray continuation bytes (a model emitting invalid UTF-8), then a character
+    split over tokens, a stop string, and a run ending in a split character: the text is the
+    whole decode's, the stop is found, and no decode spans more than a few tokens."""
+    tokenizer = bundled_tokenizer()
+    byte_ids = byte_level_ids(tokenizer)
+    stray = [byte_ids[0x80]] * 3000
+    dash = [byte_ids[0xE2], byte_ids[0x80], byte_ids[0x94]]
+    ids = stray + dash + tokenizer.encode(" ok").ids + stray[:40] + dash[:2]
+    spans = []
+
+    class Counted:
+        def decode(self, part):
+            spans.append(len(part))
+            return tokenizer.decode(part)
+
+    watcher = StopStrings(Counted(), [NEVER])
+    for token in ids:
+        assert watcher.add(token) is None
+    whole = tokenizer.decode(ids)  # held back: only the last tokens' U+FFFD
+    assert whole.startswith(watcher.text) and set(whole[len(watcher.text) :]) == {INCOMPLETE}
+    assert watcher.text.startswith(INCOMPLETE * 3000 + "— ok" + INCOMPLETE * 20)
+    assert max(spans) <= 2 * MAX_PENDING and sum(spans) < 4 * MAX_PENDING * len(ids)
+    assert watch(tokenizer, ids, ["— o"]) == (3000 + 3 + 1, "— o", INCOMPLETE * 3000)
 
 
 # ------------------------------------------------------------------ the engine
