@@ -54,8 +54,9 @@ def assign_requests(
     least loaded rank first (ties to the lower rank); each rank keeps arrival order. A rank may
     get none when there are fewer requests than ranks. `groups` (one id per request: a prompt's
     completions share one) keeps a group on one rank, where its later completions take the
-    prompt's pages from completion 0 (scheduler.py), unless the group costs more than half a
-    rank's fair share: then its requests are balanced one by one."""
+    prompt's pages from its first (scheduler.py), unless the group costs more than half a rank's
+    fair share: then its requests are balanced one by one (on each rank the first of them
+    prefills the prompt for the others there)."""
     if groups is None:
         groups = range(len(costs))
     members: dict[int, list[int]] = {}

@@ -678,10 +678,8 @@ class Engine:
             return firsts
         requests = []  # each prompt's n completions in turn, indices unique in the call
         for first in firsts:
-            lead = self._completion(first, 0, len(requests))
-            requests.append(lead)
-            for j in range(1, first.params.n):
-                requests.append(self._completion(first, j, len(requests), lead))
+            for j in range(first.params.n):
+                requests.append(self._completion(first, j, len(requests)))
         return requests
 
     def _output_state(self, params: SamplingParams) -> dict:
@@ -695,13 +693,10 @@ class Engine:
             "logprobs": None if params.logprobs is None else [],
         }
 
-    def _completion(
-        self, first: Request, j: int, index: int, lead: Request | None = None
-    ) -> Request:
+    def _completion(self, first: Request, j: int, index: int) -> Request:
         """Completion j of `first`'s prompt as request `index`: its seed derived from the first
         one's (j = 0 is the first itself, its seed unchanged), so sampled completions are
-        independent draws and a seeded call repeats exactly. `lead`: completion 0, whose
-        prefilled prompt pages a later completion shares (scheduler.py)."""
+        independent draws and a seeded call repeats exactly."""
         seed = first.seed if j == 0 else int(_mix64(first.seed, j) % (2**63 - 1))
         params = first.params
         return Request(
@@ -714,7 +709,6 @@ class Engine:
             **self._output_state(params),
             prompt_index=first.index,
             sample_index=j,
-            first_completion=lead,
         )
 
     def run(
@@ -731,7 +725,10 @@ class Engine:
         rank calls it every step: the DP ranks stream outputs to rank 0 through it). Under DP,
         `progress` counts the whole job's finished requests (executor/dp.JobProgress): the bar
         then counts them, not this rank's."""
+        leads: dict[int, Request] = {}  # each prompt's first completion in this run (rank)
         for request in requests:
+            lead = leads.setdefault(request.prompt_index, request)
+            request.first_completion = None if lead is request else lead
             self.scheduler.add(request)
         self._cycle = None  # the time since an earlier run's last step is no step's
         self._cycles_before.clear()

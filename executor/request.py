@@ -235,8 +235,9 @@ class Request:
     logprobs: list[tuple[TokenLogprobs, int]] | None = None
     prompt_index: int = -1  # the prompt's place in the call (-1: index)
     sample_index: int = 0  # which of its params.n completions
-    # a later completion's completion 0 (None for completion 0 and n = 1): once that one has
-    # prefilled the prompt, this one takes the prompt's whole pages from it (scheduler.py)
+    # the first completion of the same prompt in this run (Engine.run; None: this is it): once
+    # that one has prefilled the prompt, this one takes the prompt's whole pages from it
+    # (scheduler.py)
     first_completion: Request | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

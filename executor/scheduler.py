@@ -55,7 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
-        # prompt positions later completions took from their completion 0 (_prompt_pages)
+        # prompt positions later completions took from the prompt's first (_prompt_pages)
         self.shared_prompt_tokens = 0
 
     def add(self, request: Request) -> None:
@@ -124,7 +124,7 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
             shared = self._prompt_pages(request)
-            if shared is None:  # its completion 0 is prefilling the prompt: a later step
+            if shared is None:  # the prompt's first completion prefills it: a later step
                 i += 1
                 continue
             request.row = kv.allocate_row()
@@ -152,12 +152,13 @@ class Scheduler:
         return self._done(plan)
 
     def _prompt_pages(self, request: Request) -> list[int] | None:
-        """The prompt pages a later completion of a prompt (SamplingParams.n) takes from its
-        completion 0, which holds and has computed them: the whole pages that end before the
-        prompt's last token, as a prefix cache would give them (prefix_cache.py). None while
-        completion 0 is still prefilling them (this one is admitted once it has: the prompt is
-        prefilled once, not n times); [] when there is nothing to take (completion 0 not
-        running here, a chunk of it ran while the drafter rested, a prompt of one page)."""
+        """The prompt pages a later completion of a prompt (SamplingParams.n) takes from the
+        prompt's first completion in the run, which holds and has computed them: the whole pages
+        that end before the prompt's last token, as a prefix cache would give them
+        (prefix_cache.py). None while that one is still prefilling them (this one is admitted
+        once it has: the prompt is prefilled once, not n times); [] when there is nothing to
+        take (it is not running, a chunk of it ran while the drafter rested, a prompt of one
+        page)."""
         first = request.first_completion
         if first is None or first.row < 0 or first.drafter_gap:
             return []

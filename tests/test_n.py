@@ -125,6 +125,11 @@ def test_later_completions_take_the_prompt_pages_of_completion_0(plain, drafter)
     once = sum(4 * n - 3 * w for n, w in zip(lengths, whole, strict=True))
     assert stats["prefill_tokens"] == once
     assert engine.kv.holders == {} and len(engine.kv.free_pages) == engine.kv.num_pages - 1
+    if drafter is None:  # a DP rank given completions 1..3 alone: 1 prefills for 2 and 3
+        before = engine.stats()["shared_prompt_tokens"]
+        share = engine.make_requests(LONG[:1], params[:1])[1:]
+        assert [o.token_ids for o in engine.run(share)] == [o.token_ids for o in outs[1:4]]
+        assert engine.stats()["shared_prompt_tokens"] - before == 2 * whole[0]
 
 
 def test_completions_sharing_pages_under_preemption(plain):
