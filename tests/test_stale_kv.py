@@ -64,7 +64,7 @@ def test_stale_slots_read_as_zeros():
     packed sequences)."""
     torch.manual_seed(0)
     page, pages, heads, kv_heads, d = 4, 12, 4, 2, 8
-    slots = page * pages
+    slots = page * pages + 1  # and the zero slot past every page, as PagedKVCache lays pools out
     req_to_page = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 0, 0]], dtype=torch.int32)
     lengths = [7, 13]  # each row's positions after this step's tokens
     T = 3
@@ -75,6 +75,7 @@ def test_stale_slots_read_as_zeros():
     k_clean, v_clean = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
     k_clean[~live], v_clean[~live] = 0.0, 0.0
     k_bad, v_bad = k_clean.clone(), v_clean.clone()
+    live[-1] = True  # the zero slot: no page holds it, nothing writes it
     k_bad[~live], v_bad[~live] = float("nan"), float("inf")
     positions = torch.tensor([[n - T + t for t in range(T)] for n in lengths]).view(-1)
     rows = torch.tensor([0, 1])
