@@ -200,6 +200,24 @@ def test_shared_prompt_pages_are_never_written(plain, drafter):
     assert first_shared
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", [None, "eagle3", "dflash"])
+def test_completions_share_the_prompt_on_cuda(drafter):
+    """On CUDA (graph replays, piecewise graphs of extend steps, the Triton backend), float32:
+    greedy completions sharing the prompt's pages are plain greedy decoding's, and the prompt is
+    prefilled once."""
+    spec = DRAFTERS[drafter] if drafter else {"num_draft_tokens": 0}
+    engine = Engine(TARGET, device="cuda", dtype="float32", max_num_seqs=16, **spec)
+    plain_cuda = Engine(TARGET, device="cuda", dtype="float32", num_draft_tokens=0)
+    greedy = SamplingParams(max_new_tokens=24, n=3, ignore_eos=True)
+    outs = engine.generate(LONG, greedy)
+    base = plain_cuda.generate(LONG, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(3)]
+    whole = sum((len(o.prompt_token_ids) - 1) // engine.kv.page_size * engine.kv.page_size
+                for o in base)  # fmt: skip
+    assert engine.stats()["shared_prompt_tokens"] == 2 * whole > 0
+
+
 def test_n_refusals(plain):
     for value in (0, 1.5, True, "2", 10**4):
         with pytest.raises(SpeculantError, match=re.escape(f"n={value!r} must be an integer in")):
