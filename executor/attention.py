@@ -70,6 +70,7 @@ class PoolAttention:
     # torch backend does): an eager decode step then passes the positions its rows' pages hold
     # rather than a graph's whole reach (ModelRunner.verify_step)
     gathers_kv_len = False
+    reads_zero_slot = False  # reads the pools' last slot for stale ones (`live_slots`)
 
     def __init__(
         self,
@@ -78,6 +79,13 @@ class PoolAttention:
         req_to_page: torch.Tensor,
         page_size: int,
     ):
+        slots = k_pools[0].shape[0] if k_pools else 1
+        if self.reads_zero_slot and slots % page_size != 1 % page_size:
+            raise ValueError(
+                f"K/V pools of {slots} slots on {page_size}-slot pages: the torch attention "
+                "backend needs the zero slot past every page (num_pages * page_size + 1 slots, "
+                "as PagedKVCache makes them)"
+            )
         self.k_pools, self.v_pools = k_pools, v_pools
         self.req_to_page, self.page_size = req_to_page, page_size
 
@@ -100,6 +108,7 @@ class TorchPagedAttention(PoolAttention):
 
     ops = TORCH_OPS
     gathers_kv_len = True
+    reads_zero_slot = True
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Per-step metadata: every row's key slots [bs, kv_len] and the position mask. A drafter
@@ -189,6 +198,8 @@ class BlockContextAttention(PoolAttention):
     context (keys at positions before the block) and to the whole block, non-causally (or
     causally when the drafter says so). Only context K/V are written to the pool; the block's
     K/V live for one forward. Shapes depend only on (bs, T, B, kv_len): graph-capturable."""
+
+    reads_zero_slot = True
 
     def prepare(
         self,

@@ -142,11 +142,11 @@ class Scheduler:
                 break
             del self.waiting[i]
             self.running.append(request)
-            if pages is shared:
+            if pages is shared:  # counted once: here, not as prefix-cache hits
                 self.shared_prompt_tokens += request.num_cached
             if kv.prefix is not None:
                 kv.prefix.admitted_tokens += len(request.context)
-                kv.prefix.hit_tokens += request.num_cached
+                kv.prefix.hit_tokens += 0 if pages is shared else request.num_cached
             plan.chunks.append(chunk)
             budget -= len(chunk.tokens)
         return self._done(plan)

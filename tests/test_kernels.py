@@ -74,9 +74,10 @@ class PagedScenario:
         self.bs, self.T, self.page_size = bs, T, page_size
         self.kv_len = max_pages * page_size
         num_pages = (bs - 1) * max_pages + 2
-        shape = (num_pages * page_size, kv_heads, head_dim)
+        shape = (num_pages * page_size + 1, kv_heads, head_dim)  # and the zero slot
         self.k_pool = randn(gen, *shape, dtype=dtype, device=device)
         self.v_pool = randn(gen, *shape, dtype=dtype, device=device)
+        self.k_pool[-1], self.v_pool[-1] = 0, 0
         pages = (torch.randperm(num_pages - 1, generator=gen) + 1).int()
         table = torch.zeros(bs, max_pages, dtype=torch.int32)
         table[: bs - 1] = pages[: (bs - 1) * max_pages].view(bs - 1, max_pages)

@@ -219,6 +219,46 @@ def test_a_long_run_of_bytes_that_form_no_character_costs_short_decodes():
     assert watch(tokenizer, ids, ["— o"]) == (3000 + 3 + 1, "— o", INCOMPLETE * 3000)
 
 
+class ByteTokenizer:
+    """Tokens that are byte strings, decoded as one UTF-8 decode of their bytes (a byte-level
+    BPE's decode), for vocabularies the bundled one lacks."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+
+    def decode(self, ids) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", "replace")
+
+
+def test_long_pending_runs_never_split_a_character():
+    """A run of 17+ tokens each ending mid-character (tokens straddling characters, as byte-level
+    BPEs trained on CJK text have), and a character whose bytes special tokens (decoded to
+    nothing) hold apart: the text is the whole decode's and the stops are found (a review
+    found the window moving on through both)."""
+    text = "中文字符的输出一二三四五六七八九十百千万亿"
+    data = text.encode()
+    pieces = [data[:1]] + [data[i : i + 3] for i in range(1, len(data), 3)]  # shifted a byte
+    tokenizer = ByteTokenizer(pieces)
+    ids = list(range(len(pieces)))
+    assert tokenizer.decode(ids) == text
+    assert watch(tokenizer, ids, [NEVER]) is None
+    watcher = StopStrings(tokenizer, [NEVER])
+    for token in ids:
+        watcher.add(token)
+    assert watcher.text == text
+    assert watch(tokenizer, ids, ["六七八九十百千万"])[1:] == (
+        "六七八九十百千万",
+        "中文字符的输出一二三四五",
+    )
+    bundled = bundled_tokenizer()
+    byte_ids = byte_level_ids(bundled)
+    eos = bundled.token_to_id("<|endoftext|>")
+    assert bundled.decode([eos]) == ""
+    ids = bundled.encode("x").ids + [byte_ids[0xE2]] + [eos] * 40 + [byte_ids[0x80], byte_ids[0x94]]
+    assert bundled.decode(ids) == "x—"
+    assert watch(bundled, ids, ["—"]) == (len(ids), "—", "x")
+
+
 # ------------------------------------------------------------------ the engine
 
 NEVER = "§never§"  # a stop no output holds
