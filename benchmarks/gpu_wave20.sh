@@ -2,7 +2,7 @@
 # One GPU call of wave 20 (2026-12-06; results/wave20.md), most important first:
 # 1. the realistic job's prompts (250) with `--n 4` (four sampled completions each: the prompt
 #    now prefilled once) and the default job on this tree vs the previous main (`.old_tree`,
-#    carried: `git archive c00a207`), after a warm-up;
+#    carried: `git archive c00a207`), the baseline last;
 # 2. where `--logprobs 5` costs (benchmarks/logprobs_cost.py: one batch through an engine
 #    without and one with log-probabilities, round-robin, then each under torch.profiler);
 # 3. the GPU tests of the files this wave touched.
@@ -12,11 +12,10 @@ source "$(dirname "$0")/gpu_env.sh"
 machine_header
 PHASE=${PHASE:-all}
 if [ "$PHASE" = all ] || [ "$PHASE" = job ]; then
-    warm_up_job
-    mkdir -p "$OUT/job"
+    mkdir -p "$OUT/job"  # the baseline runs last: this tree's first run compiles the kernels
     (cd benchmarks && timeout 300 python3 workload.py --out "$OUT/job" \
         --requests "${REQUESTS:-250}" --configs "${CONFIGS:-n4,default}" --tree ../.old_tree \
-        --baseline-configs "${BASELINE:-n4,default}" --timeout 120 2>&1 \
+        --baseline-configs "${BASELINE:-n4,default}" --baseline-last --timeout 120 2>&1 \
         | tee "$OUT/job/workload.log" | tail -8)
     rm -f "$OUT"/*/workload_*.jsonl
 fi
