@@ -9,13 +9,7 @@ bytes are split over tokens) until a later token completes it; the whole charact
 are searched at once, so a stop string ends the request at the token that completes it even when
 that token also starts a split character. A stop string is searched for only where new text
 could complete it (the last `len(stop) - 1` characters before the new text, and the new text),
-so each token costs two short decodes, not one of the whole output. A run of tokens whose bytes
-form no character (a model emitting invalid UTF-8) would hold the window open for as long as it
-lasts; past MAX_PENDING such tokens the window moves on (`_move_on`) to before the last KEEP
-tokens that carry bytes (a character has at most 4 bytes: one that starts before them and is
-still incomplete never completes), where the text before the cut is also how the whole window
-begins (a character the cut splits, as tokens that straddle characters do, keeps the window
-open).
+so each token costs two short decodes, not one of the whole output.
 
 When a token's text completes a stop string the request ends there ("stop"): the token stays in
 the output ids (as in vLLM), any later token of the same verify step is dropped, and the text is
@@ -27,8 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 INCOMPLETE = "\ufffd"  # decode's stand-in for the bytes of a character not yet complete
-MAX_PENDING = 16  # tokens held back waiting for a character's bytes before ...
-KEEP = 4  # ... all but these last ones are taken as they decode
 
 
 class StopStrings:
@@ -50,17 +42,13 @@ class StopStrings:
             raise RuntimeError("a request ended by a stop string took another token")
         self.ids.append(token)
         decode = self.tokenizer.decode
-        start = len(self.text)  # text from here on is new: searched for the stop strings
         before = decode(self.ids[self.prefix : self.read])
         after = decode(self.ids[self.prefix :])
-        pending = len(self.ids) - self.read > MAX_PENDING and after.endswith(INCOMPLETE)
-        if pending and self._move_on(before, after):
-            before = decode(self.ids[self.prefix : self.read])
-            after = decode(self.ids[self.prefix :])
         ready = not after.endswith(INCOMPLETE)  # else a character is still missing bytes
         new = (after if ready else after.rstrip(INCOMPLETE))[len(before) :]
-        if not new and len(self.text) == start:
+        if not new:
             return None  # nothing printable yet: wait for the next token
+        start = len(self.text)
         text = self.text + new
         if ready:  # the window moves on only past whole characters
             self.text = text
@@ -75,19 +63,3 @@ class StopStrings:
         at, self.matched = found
         self.text = text[: at + len(self.matched) if self.include else at]
         return self.matched
-
-    def _move_on(self, before: str, after: str) -> bool:
-        """Take the text of the pending tokens up to before the last KEEP that carry bytes, when
-        that text is how `after` (the window's) begins; whether the window moved."""
-        decode, cut, carrying = self.tokenizer.decode, len(self.ids), 0
-        while cut > self.read and carrying < KEEP:  # tokens that decode to nothing carry none
-            cut -= 1
-            carrying += bool(decode(self.ids[cut : cut + 1]))
-        if carrying < KEEP or cut <= self.read:
-            return False
-        head = decode(self.ids[self.prefix : cut])
-        if not after.startswith(head):  # the cut splits a character: keep the window open
-            return False
-        self.text += head[len(before) :]
-        self.prefix, self.read = self.read, cut
-        return True
