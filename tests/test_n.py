@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 from helpers_io import dp2_run, refused_in_one_line
+from test_prefix_cache import assert_pool_whole
 
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
@@ -124,7 +125,7 @@ def test_later_completions_take_the_prompt_pages_of_completion_0(plain, drafter)
     assert stats["shared_prompt_tokens"] == 3 * sum(whole) > 0
     once = sum(4 * n - 3 * w for n, w in zip(lengths, whole, strict=True))
     assert stats["prefill_tokens"] == once
-    assert engine.kv.holders == {} and len(engine.kv.free_pages) == engine.kv.num_pages - 1
+    assert_pool_whole(engine)
     if drafter is None:  # a DP rank given completions 1..3 alone: 1 prefills for 2 and 3
         before = engine.stats()["shared_prompt_tokens"]
         share = engine.make_requests(LONG[:1], params[:1])[1:]
@@ -132,18 +133,23 @@ def test_later_completions_take_the_prompt_pages_of_completion_0(plain, drafter)
         assert engine.stats()["shared_prompt_tokens"] - before == 2 * whole[0]
 
 
+def greedy_completions_of_long(engine: Engine, plain: Engine, n: int, new: int) -> dict:
+    """Checks that the engine's n greedy completions of each LONG prompt are all plain greedy
+    decoding's and that every page came back; returns its stats."""
+    outs = engine.generate(LONG, SamplingParams(max_new_tokens=new, n=n, ignore_eos=True))
+    base = plain.generate(LONG, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(n)]
+    assert_pool_whole(engine)
+    return engine.stats()
+
+
 def test_completions_sharing_pages_under_preemption(plain):
     """A pool that preempts completion 0 and later ones while they share the prompt's pages:
     every page comes back, the tokens are plain greedy decoding's."""
     tight = Engine(TARGET, device="cpu", max_num_seqs=4, page_size=4, num_pages=48,
                    **DRAFTERS["eagle3"])  # fmt: skip
-    greedy = SamplingParams(max_new_tokens=40, n=4, ignore_eos=True)
-    outs = tight.generate(LONG, greedy)
-    base = plain.generate(LONG, SamplingParams(max_new_tokens=40, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(4)]
-    stats = tight.stats()
+    stats = greedy_completions_of_long(tight, plain, 4, 40)
     assert stats["preemptions"] > 0 and stats["shared_prompt_tokens"] > 0, stats
-    assert tight.kv.holders == {} and len(tight.kv.free_pages) == tight.kv.num_pages - 1
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
@@ -182,13 +188,8 @@ def test_shared_prompt_pages_are_never_written(plain, drafter):
         return finished
 
     engine.step = checked_step
-    greedy = SamplingParams(max_new_tokens=24, n=3, ignore_eos=True)
-    outs = engine.generate(LONG, greedy)
-    base = plain.generate(LONG, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(3)]
-    stats = engine.stats()
+    stats = greedy_completions_of_long(engine, plain, 3, 24)
     assert stats["shared_prompt_tokens"] > 0 and stats["rest_steps"] > 0, stats
-    assert kv.holders == {} and len(kv.free_pages) == kv.num_pages - 1
     alone = Engine(TARGET, device="cpu", page_size=4, enable_prefix_caching=True,
                    **DRAFTERS[drafter])  # fmt: skip
     theirs = alone.runner.drafter
