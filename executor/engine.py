@@ -1168,12 +1168,14 @@ class Engine:
                 [r.params.min_p for r in requests],
             )
         variant = batch_variant([r.params.temperature for r in requests])
-        # every position the step reads or writes lies in pages its rows hold (taken before it)
-        held = max((len(self.kv.pages_of_row[r.row]) for r in requests), default=1)
+        kv_len = None  # a backend that gathers every key position (torch) attends, when the
+        if self.runner.attn.gathers_kv_len:  # step runs eagerly, over the pages its rows hold
+            held = max((len(self.kv.pages_of_row[r.row]) for r in requests), default=1)
+            kv_len = min(held, self.kv.max_pages_per_req) * self.kv.page_size
         start = time.perf_counter()
         out = self.graphs.run(
             len(requests), padded_bs, variant, plan.use_graph, plan.sizes, plan.shape, plan.rests,
-            kv_len=min(held, self.kv.max_pages_per_req) * self.kv.page_size,
+            kv_len=kv_len,
         )  # fmt: skip
         packed = out.packed if out.packed is not None else StepOutput.of(*out.fields()).packed
         # synchronous steps read back at once; overlapped ones start a copy and read it later

@@ -137,8 +137,8 @@ class ModelRunner:
         """The target half of the step: forward over T = num_verify + 1 tokens per row (default
         k + 1), verify, grow the valid cache lengths. Returns what the drafter needs, accept_len
         [bs] and, when `num_logprobs` is set, the emitted tokens' `pack_logprobs`. The rows
-        attend over `kv_len` key positions when given and the backend's work grows with it
-        (`gathers_kv_len`: the torch backend), else over every position a row may reach."""
+        attend over `kv_len` key positions when given (an eager step on a backend whose work
+        grows with it: `gathers_kv_len`), else over every position a row may reach."""
         buf, kv = self.buffers, self.kv
         num_verify = self.k if num_verify is None else num_verify
         T = num_verify + 1
@@ -152,7 +152,7 @@ class ModelRunner:
             positions=positions.reshape(-1),
             req_pool_indices=rows,
             out_cache_loc=kv.slots(rows, positions).reshape(-1),
-            kv_len=kv_len if kv_len and self.attn.gathers_kv_len else kv.max_tokens_per_req,
+            kv_len=kv_len or kv.max_tokens_per_req,
             sampling=buf.sampling(bs),
             tokens_per_rank=tokens_per_rank,
         )
