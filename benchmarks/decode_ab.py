@@ -44,9 +44,12 @@ def measure(kind: str, args) -> dict:
             out["profile_bs1"] = kernel_profile(engine.graphs.graph("greedy", 1).replay)
         for row in rows:
             engine.kv.free(row)
-        for key, wanted, run in (("table_variants", args.fp8_tables, table_variants),
-                                 ("m1_variants", args.fp8_m1, m1_variants)):  # fmt: skip
-            if kind != "fp8" or not wanted:
+        for key, want_kind, wanted, run in (
+            ("table_variants", "fp8", args.fp8_tables, table_variants),
+            ("m1_variants", "fp8", args.fp8_m1, m1_variants),
+            ("preload_variants", "bf16", args.bf16_preload, preload_variants),
+        ):
+            if kind != want_kind or not wanted:
                 continue
             try:
                 out[key] = run(engine, vocab, args, gen)
@@ -63,21 +66,56 @@ def measure(kind: str, args) -> dict:
 
 
 def set_m1_route(variant: str, saved: dict) -> None:
-    """Route every M = 1 row of the tuned FP8 table on this GPU to `variant`: "table" (as
-    shipped) or "PATH:CONFIG" (a kernels/fp8.py path and its config, comma-separated, e.g.
-    "splitk:16,1024,4,atomic")."""
+    """Route the M = 1 rows of the tuned FP8 table on this GPU as `variant` says: "table" (as
+    shipped) or "+"-joined "[NxK@]PATH:CONFIG" items (a kernels/fp8.py path and its config,
+    comma-separated, e.g. "splitk:16,1024,4,atomic"; with NxK only that shape, else every
+    shape; later items win; shapes no item names keep the table's row)."""
     from speculant.kernels import fp8 as kernels
     from speculant.kernels import fp8_table
 
     shapes = kernels.TUNED[fp8_table.device_name(torch.device("cuda"))]
-    for shape, rows in shapes.items():
-        original = saved.setdefault(shape, list(rows))
-        if variant == "table":
-            shapes[shape] = list(original)
-        else:
-            path, _, config = variant.partition(":")
-            values = tuple(int(v) if v.isdigit() else v for v in config.split(",") if v)
+    for shape in shapes:
+        saved.setdefault(shape, list(shapes[shape]))
+        shapes[shape] = list(saved[shape])
+    if variant == "table":
+        return
+    for item in variant.split("+"):
+        named, _, route = item.rpartition("@")
+        path, _, config = route.partition(":")
+        values = tuple(int(v) if v.isdigit() else v for v in config.split(",") if v)
+        for shape, original in saved.items():
+            if named and named != f"{shape[0]}x{shape[1]}":
+                continue
             shapes[shape] = [(1, path, values or None)] + [r for r in original if r[0] > 1]
+
+
+def preload_variants(engine, vocab: int, args, gen) -> dict:
+    """The bf16 bs-1 graph step per kernels/gemv.py PRELOAD_K (graphs recaptured for each),
+    `--rounds` rounds with the order rotated."""
+    from graphs import live_rows, time_ms
+
+    from speculant.kernels import gemv
+
+    shipped = gemv.PRELOAD_K
+    values = [int(v) for v in args.bf16_preload.split(",")]
+    results: dict = {}
+    try:
+        for r in range(args.rounds):
+            for value in values[r % len(values) :] + values[: r % len(values)]:
+                gemv.PRELOAD_K = value
+                engine.clear_graphs()
+                engine.capture_graphs()
+                rows = live_rows(engine, 1, vocab, args.context, gen)
+                ms = time_ms(engine.graphs.graph("greedy", 1).replay, 30)
+                results.setdefault(str(value), []).append(ms)
+                for row in rows:
+                    engine.kv.free(row)
+    finally:
+        gemv.PRELOAD_K = shipped
+    for value, times in results.items():
+        median = sorted(times)[len(times) // 2]
+        print(f"  {args.label} bf16 bs 1 PRELOAD_K {value}: {median:.3f} ms", flush=True)
+    return results
 
 
 def m1_variants(engine, vocab: int, args, gen) -> dict:
@@ -85,9 +123,10 @@ def m1_variants(engine, vocab: int, args, gen) -> dict:
     from graphs import live_rows, time_ms
 
     results, saved = {}, {}
+    variants = args.fp8_m1.split(";")
     try:
-        for _ in range(args.rounds):
-            for variant in args.fp8_m1.split(";"):
+        for r in range(args.rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
                 set_m1_route(variant, saved)
                 engine.clear_graphs()
                 engine.capture_graphs()
@@ -100,7 +139,7 @@ def m1_variants(engine, vocab: int, args, gen) -> dict:
         set_m1_route("table", saved)
     for variant, times in results.items():
         median = sorted(times)[len(times) // 2]
-        print(f"  {args.label} fp8 bs 1 M1 route {variant}: {median:.3f} ms")
+        print(f"  {args.label} fp8 bs 1 M1 route {variant}: {median:.3f} ms", flush=True)
     return results
 
 
@@ -117,7 +156,7 @@ def table_variants(engine, vocab: int, args, gen) -> dict:
     results: dict = {}
     try:
         for r in range(args.rounds):
-            for name in tables[r % len(tables):] + tables[: r % len(tables)]:
+            for name in tables[r % len(tables) :] + tables[: r % len(tables)]:
                 kernels.TUNED = shipped if name == "shipped" else fp8_table.load(name)
                 engine.clear_graphs()
                 engine.capture_graphs()
@@ -145,6 +184,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | PATH:CONFIG'
+    )
+    parser.add_argument(
+        "--bf16-preload", default="", help="comma-separated kernels/gemv.py PRELOAD_K to time"
     )
     parser.add_argument(
         "--fp8-tables", default="", help='";"-separated FP8 path tables to time: shipped | PATH'

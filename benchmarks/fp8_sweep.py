@@ -56,6 +56,14 @@ TOL = 1e-2
 W8A8_PATHS = ("w8a8", "scaled_mm", "sk_w8a8", "sk_w8a8_pre")  # checked vs quantised x
 SPLITK_MAX_M = 16
 FMA_CONFIGS = [(16, 512, 4), (8, 512, 4), (32, 256, 8)]
+# the one-row streaming GEMV (`stream`, M = 1): (BLOCK_N, PRE_K, BLOCK_K, warps), PRE_K the W
+# columns loaded before the PDL wait (cut to K by kernels.stream_plan)
+STREAM_CONFIGS = [
+    (4, 4096, 512, 4), (4, 8192, 512, 4), (8, 2048, 512, 4), (8, 2048, 1024, 8),
+    (8, 4096, 512, 8), (8, 4096, 1024, 8), (8, 8192, 1024, 8), (16, 1024, 512, 8),
+    (16, 1024, 1024, 8), (16, 2048, 512, 8), (16, 2048, 1024, 8), (16, 4096, 512, 8),
+    (32, 2048, 512, 8),
+]  # fmt: skip
 DOT_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 3)]  # (32, 64, 4, 4) never won (wave 3)
 GEMM_CONFIGS = [(128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
 SPLITK_TOP = 3  # configs of the M = 1 sweep kept for larger M
@@ -218,12 +226,16 @@ def wide_candidates(m: int, n: int, k: int, scaled_mm: dict | None) -> list[tupl
     return out
 
 
-def candidates(m: int, splitk: list, scaled_mm: dict | None, dry: bool, sk: dict) -> list[tuple]:
-    """(path, config) pairs to time at M rows; sk: {path: [config, ...]} of the split-K
-    tensor-core paths (chosen by the caller)."""
+def candidates(
+    m: int, n: int, k: int, splitk: list, scaled_mm: dict | None, dry: bool, sk: dict
+) -> list[tuple]:
+    """(path, config) pairs to time at M rows of an [n, k] weight; sk: {path: [config, ...]}
+    of the split-K tensor-core paths (chosen by the caller)."""
     out: list[tuple] = []
     if m <= SPLITK_MAX_M:
         out += [("splitk", c) for c in splitk]
+    if m == 1:  # the configs that tile this weight (else stream_gemv takes the FMA kernel)
+        out += [("stream", c) for c in STREAM_CONFIGS if kernels.stream_plan(n, k, c)]
     if m <= 2:  # it never won above M = 1 (wave 3)
         out += [("fma", c) for c in FMA_CONFIGS[:1]]
     if m >= 2:
@@ -302,7 +314,7 @@ def sweep(args, report: dict, deadline: float) -> dict:
             if args.wide:
                 chosen = wide_candidates(m, n, k, scaled_config)
             else:
-                chosen = candidates(m, splitk, scaled_config, args.dry_run, sk)
+                chosen = candidates(m, n, k, splitk, scaled_config, args.dry_run, sk)
             for path, config in chosen:
                 label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
                 want = ref8 if path in W8A8_PATHS else ref

@@ -13,6 +13,9 @@ Paths, picked by `route`: the tuned table's row for this GPU, shape (N, K) and M
   one whole [BLOCK_N, BLOCK_K] W tile before its first use (before waiting on the previous
   kernel under PDL); the splits' float32 partials summed in split order, by the tile's last
   program (per-tile counter) or by `_sum_splits_kernel`: deterministic either way.
+- `_stream_kernel` (`stream`, M = 1): each program owns BLOCK_N whole rows of W, the first
+  PRE_K columns loaded before the PDL wait as split-K's tile is, the rest streamed after it;
+  no partials and no reduction tail.
 - `scaled_mm` (CUDA only): cuBLASLt's block-wise FP8 GEMM through torch._scaled_mm.
 - `_fma_kernel` (M <= FMA_MAX_M, decode at small batch): each program owns BLOCK_N output rows
   for every row of x and streams its slice of W once, converting e4m3 to float32 in registers
@@ -93,6 +96,8 @@ MIN_PROGRAMS = 264
 MAX_SPLIT_K = 8
 # (BLOCK_N, BLOCK_K, num_warps, reduce) of the split-K GEMV (M <= 8); not yet measured
 SPLITK_CONFIG = (16, 1024, 4, "atomic")
+# (BLOCK_N, PRE_K, BLOCK_K, num_warps) of the one-row streaming GEMV (`_stream_kernel`)
+STREAM_CONFIG = (16, 1024, 512, 8)
 # The split-K tensor-core paths (`_sk_kernel`) by name: the ACT value each launches
 SK_PATHS = {"sk_w8a16": 0, "sk_w8a8": 1, "sk_w8a8_pre": 2}
 # (BLOCK_N, BLOCK_M cap, num_warps, num_stages, splits: 0 = enough for MIN_PROGRAMS) of
@@ -327,6 +332,43 @@ def _splitk_kernel(
 
 
 @triton.jit
+def _stream_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, K: tl.constexpr, stride_w, stride_s,
+    BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One row of x (M = 1): each program owns BLOCK_N whole rows of W and sums them over K
+    itself (no partials, no reduction tail). The first PRE_K columns of its rows are loaded
+    before the wait for the previous kernel (they stay in flight while it finishes, as
+    `_splitk_kernel`'s tile does); the rest streams in BLOCK_K chunks after it. N divides by
+    BLOCK_N (which divides 128), K by BLOCK_K, PRE_K by BLOCK_K, PRE_K <= K."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    pre = tl.arange(0, PRE_K)
+    scale_row = s_ptr + (pid * BLOCK_N // 128) * stride_s
+    w_pre = tl.load(w_ptr + rows[:, None] * stride_w + pre[None, :])
+    if BLOCK_SCALE:
+        s_pre = tl.load(scale_row + pre // 128)
+    pdl_enter(PDL)
+    x = tl.load(x_ptr + pre).to(tl.float32)
+    if BLOCK_SCALE:
+        x = x * s_pre
+    out = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(PRE_K, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.float32)
+        xk = tl.load(x_ptr + cols).to(tl.float32)
+        if BLOCK_SCALE:
+            xk = xk * tl.load(scale_row + cols // 128)
+        acc += w * xk[None, :]
+    out += tl.sum(acc, axis=1)
+    if not BLOCK_SCALE:
+        out = out * tl.load(s_ptr + rows)
+    tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _sum_splits_kernel(
     ws_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
@@ -504,6 +546,38 @@ def fma_gemv(x2, weight, scale, mode, config=None):
         x2, weight, scale, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         scale.stride(0), BLOCK_SCALE=mode == "block", BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN=even, num_warps=warps, num_stages=2, **pdl_options(pdl),
+    )  # fmt: skip
+    return y
+
+
+def stream_plan(n: int, k: int, config=None):
+    """(BLOCK_N, PRE_K, BLOCK_K, num_warps) for `_stream_kernel` on an [n, k] weight, or None
+    where it does not tile it: config (or STREAM_CONFIG), PRE_K cut to the largest multiple of
+    BLOCK_K that is a power of two and at most k."""
+    block_n, pre_k, block_k, warps = config or STREAM_CONFIG
+    if n % block_n or 128 % block_n or k % block_k:
+        return None
+    while pre_k > block_k and (pre_k > k or pre_k % block_k):
+        pre_k //= 2
+    if pre_k > k or pre_k % block_k:
+        return None
+    return block_n, pre_k, block_k, warps
+
+
+def stream_gemv(x2, weight, scale, mode, config=None):
+    """y [1, N] = x2 [1, K] W^T through `_stream_kernel` (see it); other M, or a weight its
+    blocks do not tile, go to fma_gemv."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    plan = stream_plan(n, k, config)
+    if m != 1 or plan is None:
+        return fma_gemv(x2, weight, scale, mode)
+    block_n, pre_k, block_k, warps = plan
+    y = torch.empty((1, n), dtype=x2.dtype, device=x2.device)
+    _stream_kernel[(n // block_n,)](
+        x2, weight, scale, y, k, weight.stride(0), scale.stride(0),
+        BLOCK_SCALE=mode == "block", BLOCK_N=block_n, PRE_K=pre_k, BLOCK_K=block_k,
+        num_warps=warps, num_stages=2, **pdl_options(pdl_mode(x2)),
     )  # fmt: skip
     return y
 
@@ -759,6 +833,8 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = fma_gemv(x2, weight, scale, mode, config)
     elif path == "splitk":
         y = splitk_gemv(x2, weight, scale, mode, config)
+    elif path == "stream":
+        y = stream_gemv(x2, weight, scale, mode, config)
     elif path == "dot":
         y = dot_gemm(x2, weight, scale, mode, config)
     elif path == "w8a16":
@@ -773,8 +849,8 @@ def linear(x, weight, scale, mode, bias=None, path: str | None = None, config=No
         y = scaled_mm(x2, weight, scale, config or SCALED_MM_CONFIG)
     else:
         raise ValueError(
-            f"FP8 GEMM path {path!r}: use fma, splitk, dot, w8a16, w8a8, sk_w8a16, sk_w8a8, "
-            "sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
+            f"FP8 GEMM path {path!r}: use fma, splitk, stream, dot, w8a16, w8a8, sk_w8a16, "
+            "sk_w8a8, sk_w8a8_pre, dequant or (CUDA, block scales) scaled_mm"
         )
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y

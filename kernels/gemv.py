@@ -33,6 +33,10 @@ MAX_ROWS = 8192
 # before it waits for the kernel that produces x: the weight stream starts while that kernel
 # runs. Bytes per program (power of two; 0: none).
 PREFETCH_BYTES = 16384
+# Instead (when > 0): the first PRELOAD_K columns of each program's rows loaded into registers
+# before the wait, as the FP8 split-K / streaming GEMVs do (kernels/fp8.py). A power of two
+# that BLOCK_K divides; cut to K.
+PRELOAD_K = 0
 
 
 @triton.jit
@@ -45,20 +49,27 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH_LINES > 0:  # weights only: nothing an earlier kernel writes
+    if PRE_K > 0:  # weights only: nothing an earlier kernel writes
+        pre = tl.arange(0, PRE_K)
+        w_pre = tl.load(w_ptr + rows[:, None] * stride_w + pre[None, :])
+    elif PREFETCH_LINES > 0:
         lines = tl.arange(0, PREFETCH_LINES) * LINE
         _prefetch_l2(w_ptr + rows[:, None] * stride_w + lines[None, :])
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(PRE_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + cols).to(tl.float32)
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.float32)
         acc += w * x[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+    out = tl.sum(acc, axis=1)
+    if PRE_K > 0:
+        x = tl.load(x_ptr + pre).to(tl.float32)
+        out += tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
+    tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
 
 
 def gemv_plan(n: int, k: int) -> tuple[int, int] | None:
@@ -102,8 +113,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pdl = pdl_mode(x)
     line = 128 // weight.element_size()
     lines = _prefetch_lines(k // line, PREFETCH_BYTES // 128 // BLOCK_N) if pdl else 0
+    pre_k = min(PRELOAD_K, k)
+    if pre_k % block_k or pre_k & (pre_k - 1):
+        pre_k = 0
     _gemv_kernel[(n // BLOCK_N,)](
         x.contiguous(), weight, y, weight.stride(0), K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        PREFETCH_LINES=lines, LINE=line, num_warps=warps, num_stages=2, **pdl_options(pdl),
+        PREFETCH_LINES=lines, LINE=line, PRE_K=pre_k, num_warps=warps, num_stages=2,
+        **pdl_options(pdl),
     )  # fmt: skip
     return y + bias if bias is not None else y

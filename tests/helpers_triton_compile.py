@@ -108,8 +108,15 @@ def _rope(n, heads, kv_heads, d, dtype, fused_qkv=True):
     return run
 
 
-def _gemv(n, k, dtype):
-    return lambda: gemv.linear(t(1, k, dtype=dtype), t(n, k, dtype=dtype))
+def _gemv(n, k, dtype, preload=0):
+    def run():
+        saved, gemv.PRELOAD_K = gemv.PRELOAD_K, preload
+        try:
+            gemv.linear(t(1, k, dtype=dtype), t(n, k, dtype=dtype))
+        finally:
+            gemv.PRELOAD_K = saved
+
+    return run
 
 
 def _attention(
@@ -233,6 +240,9 @@ FP8_CASES = [
     ("fp8 ragged M24 row dot", 1, _fp8(fp8.dot_gemm, 24, RAGGED, "row")),
     ("fp8 o M256 block w8a16", 1, _fp8(fp8.linear, 256, O_PROJ, "block", path="w8a16")),
     ("fp8 qkv M1 row splitk atomic", 1, _fp8(fp8.splitk_gemv, 1, QKV, "row")),
+    ("fp8 qkv M1 block stream", 1, _fp8(fp8.stream_gemv, 1, QKV, "block")),
+    ("fp8 down M1 row stream", 1,
+     _fp8(fp8.stream_gemv, 1, DOWN, "row", config=(8, 2048, 1024, 8))),
     ("fp8 down M4 row splitk kernel", 1,
      _fp8(fp8.splitk_gemv, 4, DOWN, "row", config=(16, 1024, 4, "kernel"))),
     ("fp8 ragged M2 block splitk", 0,
@@ -278,6 +288,7 @@ CASES = [
     ("rope fp16 head_dim 96", 1, _rope(3, 8, 2, 96, FP16)),
     ("gemv bf16 qkv 6144x4096", 1, _gemv(6144, 4096, BF16)),
     ("gemv bf16 down 4096x14336", 1, _gemv(4096, 14336, BF16)),
+    ("gemv bf16 qkv 6144x4096 preload 2048", 1, _gemv(6144, 4096, BF16, preload=2048)),
     ("gemv fp16 o_proj 4096x4096", 1, _gemv(4096, 4096, FP16)),
     ("gemv bf16 eagle qkv 6144x8192", 2, _gemv(6144, 8192, BF16)),
     ("gemv bf16 tp8 down 8192x3584", 0, _gemv(8192, 3584, BF16)),

@@ -43,7 +43,7 @@ CPU = pytest.param(
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = [CPU, CUDA]
 TOL = 1e-2
-PATHS = ("fma", "splitk", "dot", "w8a16", "w8a8", "dequant")
+PATHS = ("fma", "splitk", "stream", "dot", "w8a16", "w8a8", "dequant")
 # (M, N, K) per device: partial 128-blocks in both dimensions, and the 8B projections
 SHAPES = {
     "cpu": [(1, 200, 320), (3, 256, 384), (17, 130, 200), (70, 96, 260)],
@@ -81,6 +81,8 @@ def test_kernel_matches_reference(device, mode, path):
     for m, n, k in SHAPES[device]:
         if (device == "cuda" and path == "fma" or path == "splitk") and m > 16:
             continue  # the FMA and split-K kernels are for a few rows
+        if path == "stream" and m > 1:
+            continue  # one row (other M take the FMA kernel: test_stream_gemv_tiles_and_falls_back)
         gen = generator(path, mode, m, n, k)
         w, scale = random_fp8(gen, n, k, mode, device)
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -357,6 +359,36 @@ def test_triton_backend_runs_fp8_layers_through_the_kernels(fp8_block_dirs, devi
     assert mlp.down_proj.fp8.kernel_scale(mlp.down_proj)[1] == "block"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", kernels.MODES)
+def test_stream_gemv_tiles_and_falls_back(device, mode):
+    """The one-row streaming GEMV for W loaded before the wait only (PRE_K = K), before the wait
+    and streamed after it, and PRE_K cut to K; M > 1 and untiled weights take the FMA kernel."""
+    cases = [((256, 512), (16, 512, 128, 4)), ((128, 1024), (8, 256, 256, 4)),
+             ((256, 384), (16, 1024, 128, 4)), ((64, 2048), (16, 1024, 512, 8))]  # fmt: skip
+    if device == "cuda":
+        cases += [((6144, 4096), None), ((4096, 14336), (16, 2048, 1024, 8)),
+                  ((28672, 4096), (32, 4096, 512, 8))]  # fmt: skip
+    for (n, k), config in cases:
+        block_n, pre_k, block_k, _ = kernels.stream_plan(n, k, config)
+        assert pre_k <= k and pre_k % block_k == 0 and n % block_n == 0, (n, k, config)
+        gen = generator("stream", mode, n, k)
+        w, scale = random_fp8(gen, n, k, mode, device)
+        x = torch.randn(1, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+        ref = kernels.reference_linear(x, w, scale, mode, dtype=torch.float64)
+        out = kernels.linear(x, w, scale, mode, path="stream", config=config)
+        err = rel_err(out, ref)
+        assert err < TOL, f"stream {mode} N={n} K={k} {config}: relative error {err:.2e}"
+        assert torch.equal(out, kernels.stream_gemv(x, w, scale, mode, config))
+    assert kernels.stream_plan(200, 320, (16, 1024, 512, 8)) is None  # 16 does not divide 200
+    gen = generator("stream fallback", mode)
+    w, scale = random_fp8(gen, 200, 320, mode, device)
+    for m in (1, 3):
+        x = torch.randn(m, 320, generator=gen).to(device=device, dtype=torch.bfloat16)
+        fma = kernels.fma_gemv(x, w, scale, mode)
+        assert torch.equal(kernels.linear(x, w, scale, mode, path="stream"), fma)
+
+
 def _greedy(n: int):
     from speculant import SamplingParams
 
@@ -368,7 +400,7 @@ def test_kernels_capture_in_a_cuda_graph():
     """Every path replays from a CUDA graph with new inputs and equals its eager result."""
     gen = generator("graph")
     w, scale = random_fp8(gen, 4096, 4096, "block", "cuda")
-    cases = (("fma", 1), ("splitk", 1), ("splitk", 8), ("dot", 16), ("dot", 64), ("w8a8", 256),
+    cases = (("fma", 1), ("splitk", 1), ("splitk", 8), ("stream", 1), ("dot", 16), ("dot", 64), ("w8a8", 256),
              ("dequant", 256), ("sk_w8a16", 4), ("sk_w8a8", 16), ("sk_w8a8_pre", 64))  # fmt: skip
     for path, m in cases:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)

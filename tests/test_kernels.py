@@ -371,11 +371,14 @@ HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id=
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", HALF)
-def test_gemv_matches_linear(device, dtype):
+@pytest.mark.parametrize("preload", [0, 128, 4096])
+def test_gemv_matches_linear(device, dtype, preload, monkeypatch):
     """The single-row Triton GEMV against a float64 x W^T, on shapes that take each block plan
-    (on the GPU the Llama-3.1-8B projections it takes: qkv, o, down and the EAGLE-3 fc)."""
+    (on the GPU the Llama-3.1-8B projections it takes: qkv, o, down and the EAGLE-3 fc), with
+    the L2 prefetch or `preload` columns loaded before the wait (cut to K)."""
     from speculant.kernels import gemv
 
+    monkeypatch.setattr(gemv, "PRELOAD_K", preload)
     shapes = (
         [(64, 512), (40, 192), (16, 64)]
         if device == "cpu"
