@@ -48,6 +48,8 @@ def measure(kind: str, args) -> dict:
             ("table_variants", "fp8", args.fp8_tables, table_variants),
             ("m1_variants", "fp8", args.fp8_m1, m1_variants),
             ("preload_variants", "bf16", args.bf16_preload, preload_variants),
+            ("free_variants", "fp8", args.free_ops, free_variants),
+            ("free_variants", "bf16", args.free_ops, free_variants),
         ):
             if kind != want_kind or not wanted:
                 continue
@@ -56,6 +58,10 @@ def measure(kind: str, args) -> dict:
             except Exception as exc:  # keep the figures above
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 print(f"  {args.label} {key}: {out[key]['error']}", flush=True)
+        if any(key in out for key in ("table_variants", "m1_variants", "preload_variants",
+                                      "free_variants")):  # fmt: skip
+            engine.clear_graphs()  # the last variant's graphs: capture the shipped ones
+            engine.capture_graphs()
         out["graph_equals_eager"] = check_equal(engine, vocab, sizes=(1, 3))
     finally:
         free(engine)
@@ -89,58 +95,74 @@ def set_m1_route(variant: str, saved: dict) -> None:
             shapes[shape] = [(1, path, values or None)] + [r for r in original if r[0] > 1]
 
 
-def preload_variants(engine, vocab: int, args, gen) -> dict:
-    """The bf16 bs-1 graph step per kernels/gemv.py PRELOAD_K (graphs recaptured for each),
-    `--rounds` rounds with the order rotated."""
+def bs1_variants(engine, vocab: int, args, gen, names: list, apply, what: str) -> dict:
+    """The bs-1 graph step per variant name (`apply(name)` sets it up; graphs recaptured for
+    each), `--rounds` rounds with the order rotated: {name: [ms, ...]}; `apply(None)` after."""
     from graphs import live_rows, time_ms
 
-    from speculant.kernels import gemv
-
-    shipped = gemv.PRELOAD_K
-    values = [int(v) for v in args.bf16_preload.split(",")]
     results: dict = {}
     try:
         for r in range(args.rounds):
-            for value in values[r % len(values) :] + values[: r % len(values)]:
-                gemv.PRELOAD_K = value
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                apply(name)
                 engine.clear_graphs()
                 engine.capture_graphs()
                 rows = live_rows(engine, 1, vocab, args.context, gen)
                 ms = time_ms(engine.graphs.graph("greedy", 1).replay, 30)
-                results.setdefault(str(value), []).append(ms)
+                results.setdefault(name, []).append(ms)
                 for row in rows:
                     engine.kv.free(row)
     finally:
-        gemv.PRELOAD_K = shipped
-    for value, times in results.items():
+        apply(None)
+    for name, times in results.items():
         median = sorted(times)[len(times) // 2]
-        print(f"  {args.label} bf16 bs 1 PRELOAD_K {value}: {median:.3f} ms", flush=True)
+        print(f"  {args.label} {what} {name}: bs 1 {median:.3f} ms", flush=True)
     return results
+
+
+def preload_variants(engine, vocab: int, args, gen) -> dict:
+    """The bs-1 graph step per kernels/gemv.py PRELOAD_K."""
+    from speculant.kernels import gemv
+
+    shipped = gemv.PRELOAD_K
+
+    def apply(value):
+        gemv.PRELOAD_K = shipped if value is None else int(value)
+
+    values = args.bf16_preload.split(",")
+    return bs1_variants(engine, vocab, args, gen, values, apply, "bf16 PRELOAD_K")
+
+
+def free_variants(engine, vocab: int, args, gen) -> dict:
+    """What fusing the norms or SiLU-and-mul into the projections could give at most: the bs-1
+    step with those kernels left out (wrong tokens; timing only): "none" | "norm" | "silu" |
+    "norm+silu"."""
+    from speculant.executor.triton_attention import TritonPagedAttention
+
+    ops = TritonPagedAttention.ops
+    shipped = dict(ops.__dict__)
+
+    def apply(name):
+        ops.__dict__.update(shipped)
+        if name and "norm" in name:
+            ops.rms_norm = lambda x, weight, eps: x
+            ops.add_rms_norm = lambda x, residual, weight, eps: (x, residual)
+        if name and "silu" in name:
+            ops.silu_and_mul = lambda gate_up: gate_up[:, : gate_up.shape[1] // 2]
+
+    names = args.free_ops.split(";")
+    return bs1_variants(engine, vocab, args, gen, names, apply, "without")
 
 
 def m1_variants(engine, vocab: int, args, gen) -> dict:
-    """The bs-1 graph step per M = 1 route (graphs recaptured for each), `--rounds` times."""
-    from graphs import live_rows, time_ms
+    """The bs-1 graph step per M = 1 route (see set_m1_route)."""
+    saved: dict = {}
 
-    results, saved = {}, {}
-    variants = args.fp8_m1.split(";")
-    try:
-        for r in range(args.rounds):
-            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
-                set_m1_route(variant, saved)
-                engine.clear_graphs()
-                engine.capture_graphs()
-                rows = live_rows(engine, 1, vocab, args.context, gen)
-                ms = time_ms(engine.graphs.graph("greedy", 1).replay, 30)
-                results.setdefault(variant, []).append(ms)
-                for row in rows:
-                    engine.kv.free(row)
-    finally:
-        set_m1_route("table", saved)
-    for variant, times in results.items():
-        median = sorted(times)[len(times) // 2]
-        print(f"  {args.label} fp8 bs 1 M1 route {variant}: {median:.3f} ms", flush=True)
-    return results
+    def apply(variant):
+        set_m1_route(variant or "table", saved)
+
+    names = args.fp8_m1.split(";")
+    return bs1_variants(engine, vocab, args, gen, names, apply, "fp8 M1 route")
 
 
 def table_variants(engine, vocab: int, args, gen) -> dict:
@@ -187,6 +209,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--bf16-preload", default="", help="comma-separated kernels/gemv.py PRELOAD_K to time"
+    )
+    parser.add_argument(
+        "--free-ops", default="", help='";"-separated: none | norm | silu | norm+silu (timing only)'
     )
     parser.add_argument(
         "--fp8-tables", default="", help='";"-separated FP8 path tables to time: shipped | PATH'

@@ -6,21 +6,22 @@
 #    merged into the shipped table at M = 1 only.
 # 2. The 8B graph decode step (benchmarks/decode_ab.py, one engine per dtype, graphs recaptured
 #    per variant, three rounds with the order rotated): FP8 bs 1 / 64 with the shipped table vs
-#    the swept one, FP8 bs 1 with every M = 1 projection on a few stream configs, bf16 bs 1 per
-#    PRELOAD_K.
+#    the swept one, FP8 bs 1 with every M = 1 projection on one stream config, bf16 bs 1 per
+#    PRELOAD_K, and both at bs 1 without the norm / SiLU-and-mul kernels (timing only: what
+#    fusing them into the projections could give at most).
 # 3. The GPU-marked tests of the kernels changed.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
-timeout 150 python3 benchmarks/fp8_sweep.py --ms 1 --merge --skip-decode --budget-s 120 \
+timeout 130 python3 benchmarks/fp8_sweep.py --ms 1 --merge --skip-decode --budget-s 100 \
     --json "$OUT/wave21_fp8_sweep_m1.json" --table "$OUT/wave21_fp8_tuned_m1.json" 2>&1 \
     | grep -v "it/s\]" | tee "$OUT/wave21_fp8_sweep_m1.log" | tail -8
-timeout 330 python3 benchmarks/decode_ab.py --label w21 --rounds 3 \
-    --fp8-tables "shipped;$OUT/wave21_fp8_tuned_m1.json" \
-    --fp8-m1 "table;stream:8,4096,512,8;stream:16,2048,512,8" \
-    --bf16-preload "0,2048,4096" --json "$OUT/wave21_decode_ab.json" 2>&1 \
+timeout 370 python3 benchmarks/decode_ab.py --label w21 --kinds fp8,bf16 --rounds 3 \
+    --fp8-tables "shipped;$OUT/wave21_fp8_tuned_m1.json" --fp8-m1 "table;stream:8,4096,512,8" \
+    --bf16-preload "0,2048,4096" --free-ops "none;norm;silu;norm+silu" \
+    --json "$OUT/wave21_decode_ab.json" 2>&1 \
     | grep -v "Warning\|it/s\]\|warn" | tee "$OUT/wave21_decode_ab.log" | tail -14
-timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_kernels.py \
+timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_kernels.py \
     tests/test_kernels.py -k "stream or capture or gemv" 2>&1 | tail -4 \
     | tee "$OUT/wave21_pytest.log"
 exit 0
