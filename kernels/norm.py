@@ -52,6 +52,71 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N_COLS + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# ------------------------------------------------ the norm as a projection kernel's prologue
+# A one-row GEMV whose x is norm(h + residual) computes the norm itself (kernels/gemv.py,
+# kernels/fp8.py `_stream_kernel`): every program takes the row's rstd from the whole row, then
+# each chunk of x from h, residual and the norm weight as `_rms_norm_kernel` rounds it (the
+# same values; only the order of the float32 sum of squares may differ), and program 0 writes
+# h + residual. One kernel fewer before the projection.
+
+
+@triton.jit
+def prologue_rstd(h_ptr, r_ptr, sum_ptr, K, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / rms(h + residual) of the row (residual: HAS_RES); the program with id 0 stores
+    h + residual (rounded to h's dtype) at sum_ptr."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        summed = (x + tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(
+            h_ptr.dtype.element_ty
+        )
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        tl.store(sum_ptr + cols, summed, mask=mask & first)
+        x = summed.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+
+
+@triton.jit
+def prologue_chunk(h_ptr, r_ptr, nw_ptr, cols, rstd, HAS_RES: tl.constexpr):
+    """norm(h + residual)[cols] in float32, rounded as `_rms_norm_kernel` rounds it."""
+    x = tl.load(h_ptr + cols).to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    if HAS_RES:
+        x = (x + tl.load(r_ptr + cols).to(tl.float32)).to(dtype).to(tl.float32)
+    normed = (x * rstd).to(dtype).to(tl.float32)
+    return (tl.load(nw_ptr + cols).to(tl.float32) * normed).to(dtype).to(tl.float32)
+
+
+class Prologue:
+    """The norm a one-row projection kernel applies to its input (see above): h [1, K], the
+    residual [1, K] or None, the norm's weight [K] and eps, all of h's dtype. `sum` is the
+    h + residual the kernel writes (h itself without a residual)."""
+
+    def __init__(self, h, residual, weight, eps):
+        self.h = h.reshape(1, -1).contiguous()
+        self.residual = residual.reshape(1, -1).contiguous() if residual is not None else None
+        self.weight, self.eps = weight, float(eps)
+        self.sum = torch.empty_like(self.h) if residual is not None else self.h
+
+    @staticmethod
+    def fits(h, residual, weight) -> bool:
+        """Whether a kernel can take this norm as its prologue: one row, one dtype, 16-bit."""
+        return (
+            h.numel() == h.shape[-1]
+            and h.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == h.dtype
+            and weight.is_contiguous()
+            and (residual is None or (residual.dtype == h.dtype and residual.shape == h.shape))
+            and runs_triton(h)
+        )
+
+    def args(self) -> dict:
+        """The kernel arguments (see `prologue_rstd` / `prologue_chunk`)."""
+        r = self.residual if self.residual is not None else self.h
+        return {"r_ptr": r, "nw_ptr": self.weight, "sum_ptr": self.sum, "eps": self.eps}
+
+
 def _launch(x, residual, weight, eps):
     cols = x.shape[-1]
     if x.stride(-1) != 1:

@@ -12,9 +12,11 @@ from speculant.kernels import reference
 
 
 class TorchOps:
-    """Reference ops; `fuses_rope` False: the model rotates q and k itself."""
+    """Reference ops; `fuses_rope` False: the model rotates q and k itself; `fuses_norm`
+    False: a norm before a projection is its own op (models/layers.py project_normed)."""
 
     fuses_rope = False
+    fuses_norm = False
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,9 +36,11 @@ class TorchOps:
 
 class TritonOps(TorchOps):
     """Fused kernels; `fuses_rope` True: the attention backend's `forward(..., rope)` rotates q
-    and k while it writes the KV cache."""
+    and k while it writes the KV cache; `fuses_norm` True: a one-row projection's kernel
+    computes the norm before it where it can (kernels/norm.py's prologue)."""
 
     fuses_rope = True
+    fuses_norm = True
 
     def __init__(self):
         from speculant.kernels import activation, norm

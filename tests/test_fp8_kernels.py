@@ -389,6 +389,77 @@ def test_stream_gemv_tiles_and_falls_back(device, mode):
         assert torch.equal(kernels.linear(x, w, scale, mode, path="stream"), fma)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", kernels.MODES)
+def test_stream_gemv_computes_the_norm_before_it(device, mode, monkeypatch):
+    """normed_linear on the `stream` route: norm(h + residual) W^T and h + residual in one
+    kernel, as the norm kernel then the stream GEMV give them (CPU: bit-equal; CUDA: within
+    bf16 rounding); routes other than stream decline (None), as row scales do (the tuned
+    table routes block scales only)."""
+    from speculant.kernels import fp8_table, norm
+
+    n, k, config = (256, 512, (16, 256, 128, 4)) if device == "cpu" else (6144, 4096, None)
+    name = fp8_table.device_name(torch.device(device))
+    table = {name: {(n, k): [(1, "stream", config), (4, "fma", None)]}}
+    monkeypatch.setattr(kernels, "TUNED", table)
+    gen = generator("normed stream", mode, device)
+    w, scale = random_fp8(gen, n, k, mode, device)
+    h, res = (torch.randn(1, k, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    weight = (torch.rand(k, generator=gen) + 0.5).to(device, torch.bfloat16)
+    if mode == "row":
+        assert kernels.normed_linear(norm.Prologue(h, res, weight, 1e-6), w, scale, mode) is None
+        return
+    for residual in (res, None):
+        prologue = norm.Prologue(h, residual, weight, 1e-6)
+        y, summed = kernels.normed_linear(prologue, w, scale, mode)
+        if residual is not None:
+            normed, want_sum = norm.add_rms_norm(h, residual, weight, 1e-6)
+        else:
+            normed, want_sum = norm.rms_norm(h, weight, 1e-6), h
+        want = kernels.stream_gemv(normed, w, scale, mode, config)
+        assert torch.equal(summed, want_sum)
+        if device == "cpu":
+            assert torch.equal(y, want)
+        else:
+            assert rel_err(y, want.double()) < 1e-2
+    table[name][(n, k)] = [(1, "splitk", None)]
+    assert kernels.normed_linear(norm.Prologue(h, res, weight, 1e-6), w, scale, mode) is None
+
+
+@pytest.mark.needs("triton")
+def test_fp8_engine_fuses_the_norm_into_stream_projections(fp8_block_dirs, monkeypatch):
+    """An FP8 bs-1 greedy decode on the Triton backend (CPU interpreter) whose M = 1 route is
+    `stream`: the norms computed inside the qkv and gate_up kernels give the tokens of the
+    separate norm kernels, and the fused kernels ran."""
+    from test_fp8 import PROMPT
+
+    from speculant.executor.triton_attention import TritonPagedAttention
+
+    config = (8, 256, 128, 4)  # tiles this model's 1024 x 256 and 256 x 512 weights
+    shapes = [(1024, 256), (256, 512)]
+    monkeypatch.setattr(
+        kernels, "TUNED", {"cpu": {s: [(1, "stream", config), (64, "fma", None)] for s in shapes}}
+    )
+    fused = []
+    real = kernels.normed_linear
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "normed_linear", counted)
+    tokens = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(TritonPagedAttention.ops, "fuses_norm", fuse)
+        engine = fp8_engine(fp8_block_dirs[512], "triton", "cpu", enforce_eager=True)
+        fused.clear()
+        tokens[fuse] = engine.generate([PROMPT[:12]], _greedy(5))[0].token_ids
+        layers = len(engine.model.model.layers)
+        assert sum(fused) == (2 * 4 * layers if fuse else 0), fuse  # 4 decode steps
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 5
+
+
 def _greedy(n: int):
     from speculant import SamplingParams
 
@@ -400,8 +471,9 @@ def test_kernels_capture_in_a_cuda_graph():
     """Every path replays from a CUDA graph with new inputs and equals its eager result."""
     gen = generator("graph")
     w, scale = random_fp8(gen, 4096, 4096, "block", "cuda")
-    cases = (("fma", 1), ("splitk", 1), ("splitk", 8), ("stream", 1), ("dot", 16), ("dot", 64), ("w8a8", 256),
-             ("dequant", 256), ("sk_w8a16", 4), ("sk_w8a8", 16), ("sk_w8a8_pre", 64))  # fmt: skip
+    cases = (("fma", 1), ("splitk", 1), ("splitk", 8), ("stream", 1), ("dot", 16), ("dot", 64),
+             ("w8a8", 256), ("dequant", 256), ("sk_w8a16", 4), ("sk_w8a8", 16),
+             ("sk_w8a8_pre", 64))  # fmt: skip
     for path, m in cases:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         kernels.linear(x, w, scale, "block", path=path)  # compile outside the capture
