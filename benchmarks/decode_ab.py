@@ -80,7 +80,9 @@ def set_m1_route(variant: str, saved: dict) -> None:
     from speculant.kernels import fp8 as kernels
     from speculant.kernels import fp8_table
 
-    shapes = kernels.TUNED[fp8_table.device_name(torch.device("cuda"))]
+    shapes = kernels.TUNED.setdefault(fp8_table.device_name(torch.device("cuda")), {})
+    for shape in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):  # the 8B's
+        shapes.setdefault(shape, [])  # a GPU without table rows: M > 1 keeps choice()
     for shape in shapes:
         saved.setdefault(shape, list(shapes[shape]))
         shapes[shape] = list(saved[shape])

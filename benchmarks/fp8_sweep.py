@@ -315,6 +315,8 @@ def sweep(args, report: dict, deadline: float) -> dict:
                 chosen = wide_candidates(m, n, k, scaled_config)
             else:
                 chosen = candidates(m, n, k, splitk, scaled_config, args.dry_run, sk)
+            if args.paths:
+                chosen = [(p, c) for p, c in chosen if p in args.paths.split(",")]
             for path, config in chosen:
                 label = f"{path}{list(config) if isinstance(config, tuple) else ''}"
                 want = ref8 if path in W8A8_PATHS else ref
@@ -442,6 +444,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--ms", default="", help="comma-separated row counts (default: MS)")
     parser.add_argument("--wide", action="store_true", help="every stage count (WIDE_TILES)")
+    parser.add_argument("--paths", default="", help="comma-separated paths to time (default all)")
     parser.add_argument(
         "--merge", action="store_true",
         help="write the table as the shipped one with only the swept M rows replaced",
