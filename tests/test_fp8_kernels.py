@@ -221,7 +221,7 @@ def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
     spec.loader.exec_module(sweep)
     monkeypatch.setattr(sweep, "SHAPES_DRY", {"a": (64, 256)})
     monkeypatch.setattr(sweep, "MS_DRY", (1, 2))
-    args = argparse.Namespace(dry_run=True, ms="", wide=False)
+    args = argparse.Namespace(dry_run=True, ms="", wide=False, paths="")
     report = {"t0": 0.0, "kernels": {}, "scaled_mm_probe": sweep.probe_scaled_mm(False)}
     assert report["scaled_mm_probe"]["works"] is None
     rows = sweep.sweep(args, report, deadline=float("inf"))
