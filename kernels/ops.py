@@ -36,11 +36,12 @@ class TorchOps:
 
 class TritonOps(TorchOps):
     """Fused kernels; `fuses_rope` True: the attention backend's `forward(..., rope)` rotates q
-    and k while it writes the KV cache; `fuses_norm` True: a one-row projection's kernel
-    computes the norm before it where it can (kernels/norm.py's prologue)."""
+    and k while it writes the KV cache. `fuses_norm` (off): a one-row projection's kernel
+    would compute the norm before it where it can (kernels/norm.py's prologue); on one H100
+    the bf16 bs-1 step measured 1.1% slower with it (benchmarks/results/wave21.md)."""
 
     fuses_rope = True
-    fuses_norm = True
+    fuses_norm = False
 
     def __init__(self):
         from speculant.kernels import activation, norm
