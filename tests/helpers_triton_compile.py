@@ -261,6 +261,8 @@ FP8_CASES = [
     ("fp8 o M256 block w8a16", 1, _fp8(fp8.linear, 256, O_PROJ, "block", path="w8a16")),
     ("fp8 qkv M1 row splitk atomic", 1, _fp8(fp8.splitk_gemv, 1, QKV, "row")),
     ("fp8 qkv M1 block stream", 1, _fp8(fp8.stream_gemv, 1, QKV, "block")),
+    ("fp8 gate_up M1 block stream (the H100 table's)", 1,
+     _fp8(fp8.stream_gemv, 1, GATE_UP, "block", config=(4, 8192, 512, 4))),
     ("fp8 down M1 row stream", 1,
      _fp8(fp8.stream_gemv, 1, DOWN, "row", config=(8, 2048, 1024, 8))),
     ("fp8 down M4 row splitk kernel", 1,

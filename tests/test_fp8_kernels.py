@@ -199,7 +199,8 @@ def test_checked_in_table_loads_and_names_known_paths():
     """kernels/fp8_tuned.json (when present) parses and names only known paths."""
     from speculant.kernels import fp8_table
 
-    known = {"fma", "splitk", "dot", "w8a16", "w8a8", "dequant", "scaled_mm", *kernels.SK_PATHS}
+    known = {"fma", "splitk", "stream", "dot", "w8a16", "w8a8", "dequant", "scaled_mm",
+             *kernels.SK_PATHS}  # fmt: skip
     for shapes in fp8_table.load().values():
         for rows in shapes.values():
             assert {path for _, path, _ in rows} <= known
