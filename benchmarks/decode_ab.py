@@ -47,10 +47,8 @@ def measure(kind: str, args) -> dict:
         for key, want_kind, wanted, run in (
             ("table_variants", "fp8", args.fp8_tables, table_variants),
             ("m1_variants", "fp8", args.fp8_m1, m1_variants),
-            ("preload_variants", "bf16", args.bf16_preload, preload_variants),
             ("free_variants", "fp8", args.free_ops, free_variants),
             ("free_variants", "bf16", args.free_ops, free_variants),
-            ("fuse_variants", "bf16", args.fuse_norm, fuse_variants),
         ):
             if kind != want_kind or not wanted:
                 continue
@@ -59,8 +57,7 @@ def measure(kind: str, args) -> dict:
             except Exception as exc:  # keep the figures above
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 print(f"  {args.label} {key}: {out[key]['error']}", flush=True)
-        if any(key in out for key in ("table_variants", "m1_variants", "preload_variants",
-                                      "free_variants", "fuse_variants")):  # fmt: skip
+        if any(key in out for key in ("table_variants", "m1_variants", "free_variants")):
             engine.clear_graphs()  # the last variant's graphs: capture the shipped ones
             engine.capture_graphs()
         out["graph_equals_eager"] = check_equal(engine, vocab, sizes=(1, 3))
@@ -123,19 +120,6 @@ def bs1_variants(engine, vocab: int, args, gen, names: list, apply, what: str) -
     return results
 
 
-def preload_variants(engine, vocab: int, args, gen) -> dict:
-    """The bs-1 graph step per kernels/gemv.py PRELOAD_K."""
-    from speculant.kernels import gemv
-
-    shipped = gemv.PRELOAD_K
-
-    def apply(value):
-        gemv.PRELOAD_K = shipped if value is None else int(value)
-
-    values = args.bf16_preload.split(",")
-    return bs1_variants(engine, vocab, args, gen, values, apply, "bf16 PRELOAD_K")
-
-
 def free_variants(engine, vocab: int, args, gen) -> dict:
     """What fusing the norms or SiLU-and-mul into the projections could give at most: the bs-1
     step with those kernels left out (wrong tokens; timing only): "none" | "norm" | "silu" |
@@ -158,32 +142,14 @@ def free_variants(engine, vocab: int, args, gen) -> dict:
 
 
 def m1_variants(engine, vocab: int, args, gen) -> dict:
-    """The bs-1 graph step per M = 1 route (see set_m1_route); a variant ending in " unfused"
-    runs with the norms as their own kernels (TritonOps.fuses_norm off)."""
-    from speculant.executor.triton_attention import TritonPagedAttention
-
-    ops, saved = TritonPagedAttention.ops, {}
+    """The bs-1 graph step per M = 1 route (see set_m1_route)."""
+    saved: dict = {}
 
     def apply(variant):
-        route = (variant or "table").removesuffix(" unfused")
-        set_m1_route(route, saved)
-        ops.fuses_norm = not (variant or "").endswith(" unfused")
+        set_m1_route(variant or "table", saved)
 
     names = args.fp8_m1.split(";")
     return bs1_variants(engine, vocab, args, gen, names, apply, "fp8 M1 route")
-
-
-def fuse_variants(engine, vocab: int, args, gen) -> dict:
-    """The bs-1 graph step with the norms computed inside the one-row projections ("on", the
-    default) or as their own kernels ("off")."""
-    from speculant.executor.triton_attention import TritonPagedAttention
-
-    ops = TritonPagedAttention.ops
-
-    def apply(name):
-        ops.fuses_norm = name != "off"
-
-    return bs1_variants(engine, vocab, args, gen, args.fuse_norm.split(";"), apply, "fused norm")
 
 
 def table_variants(engine, vocab: int, args, gen) -> dict:
@@ -227,12 +193,6 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | PATH:CONFIG'
-    )
-    parser.add_argument(
-        "--bf16-preload", default="", help="comma-separated kernels/gemv.py PRELOAD_K to time"
-    )
-    parser.add_argument(
-        "--fuse-norm", default="", help='";"-separated: on | off (bf16 bs 1; fp8: --fp8-m1)'
     )
     parser.add_argument(
         "--free-ops", default="", help='";"-separated: none | norm | silu | norm+silu (timing only)'

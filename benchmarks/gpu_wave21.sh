@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call (2026-12-06, wave 21, issue 24): the one-row FP8 streaming GEMV (kernels/fp8.py
+# A record: it ran at 5f049ed (results/wave21.md); its --bf16-preload and --fuse-norm options
+# went with the code they measured. One GPU call (2026-12-06, wave 21, issue 24): the one-row FP8 streaming GEMV (kernels/fp8.py
 # `stream`: each program's whole rows, the first PRE_K columns loaded before the PDL wait, no
 # split-K reduction tail), the norm computed inside one-row projections (kernels/norm.py's
 # prologue: the bf16 GEMV, the FP8 stream GEMV) and the bf16 GEMV's register preload

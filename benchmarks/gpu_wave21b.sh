@@ -2,8 +2,7 @@
 # The second GPU call of wave 21 (2026-12-06, issue 24): the one-row FP8 `stream` GEMV against
 # split-K in the 8B graph decode step. Two M = 1 sweeps on this GPU, merged into the shipped
 # table at M = 1 only: split-K alone, and split-K or stream per shape; then the FP8 bs-1 / 64
-# step with each table (graphs recaptured per table, three rounds with the order rotated), and
-# every M = 1 projection on stream with the norms computed inside qkv / gate_up or not. Last,
+# step with each table (graphs recaptured per table, three rounds with the order rotated). Last,
 # benchmarks/logprobs_cost.py (pending since wave 20). Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -17,7 +16,6 @@ for paths in splitk splitk,stream; do
 done
 timeout 220 python3 benchmarks/decode_ab.py --label w21b --kinds fp8 --rounds 3 \
     --fp8-tables "$OUT/wave21b_table_splitk.json;$OUT/wave21b_table_splitk_stream.json" \
-    --fp8-m1 "stream:8,4096,512,8;stream:8,4096,512,8 unfused" \
     --json "$OUT/wave21b_decode_ab.json" 2>&1 | grep -v "Warning\|it/s\]\|warn" \
     | tee "$OUT/wave21b_decode_ab.log" | tail -8
 timeout 170 python3 benchmarks/logprobs_cost.py --json "$OUT/wave21b_logprobs_cost.json" \

@@ -50,7 +50,6 @@ import torch
 import torch.nn.functional as F
 
 from speculant.kernels import fp8_table
-from speculant.kernels.norm import Prologue, prologue_chunk, prologue_rstd
 from speculant.kernels.runtime import (
     INTERPRET,
     pdl_enter,
@@ -334,17 +333,15 @@ def _splitk_kernel(
 
 @triton.jit
 def _stream_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, r_ptr, nw_ptr, sum_ptr, eps, K: tl.constexpr, stride_w,
-    stride_s, BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, K: tl.constexpr, stride_w, stride_s,
+    BLOCK_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row of x (M = 1): each program owns BLOCK_N whole rows of W and sums them over K
     itself (no partials, no reduction tail). The first PRE_K columns of its rows are loaded
     before the wait for the previous kernel (they stay in flight while it finishes, as
     `_splitk_kernel`'s tile does); the rest streams in BLOCK_K chunks after it. N divides by
-    BLOCK_N (which divides 128), K by BLOCK_K, PRE_K by BLOCK_K, PRE_K <= K. NORM: x is
-    norm(x + residual), computed here (kernels/norm.py's prologue)."""
+    BLOCK_N (which divides 128), K by BLOCK_K, PRE_K by BLOCK_K, PRE_K <= K."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     pre = tl.arange(0, PRE_K)
@@ -353,12 +350,7 @@ def _stream_kernel(
     if BLOCK_SCALE:
         s_pre = tl.load(scale_row + pre // 128)
     pdl_enter(PDL)
-    rstd = 0.0
-    if NORM:
-        rstd = prologue_rstd(x_ptr, r_ptr, sum_ptr, K, eps, HAS_RES, NORM_BLOCK)
-        x = prologue_chunk(x_ptr, r_ptr, nw_ptr, pre, rstd, HAS_RES)
-    else:
-        x = tl.load(x_ptr + pre).to(tl.float32)
+    x = tl.load(x_ptr + pre).to(tl.float32)
     if BLOCK_SCALE:
         x = x * s_pre
     out = tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
@@ -366,10 +358,7 @@ def _stream_kernel(
     for k0 in range(PRE_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.float32)
-        if NORM:
-            xk = prologue_chunk(x_ptr, r_ptr, nw_ptr, cols, rstd, HAS_RES)
-        else:
-            xk = tl.load(x_ptr + cols).to(tl.float32)
+        xk = tl.load(x_ptr + cols).to(tl.float32)
         if BLOCK_SCALE:
             xk = xk * tl.load(scale_row + cols // 128)
         acc += w * xk[None, :]
@@ -575,10 +564,9 @@ def stream_plan(n: int, k: int, config=None):
     return block_n, pre_k, block_k, warps
 
 
-def stream_gemv(x2, weight, scale, mode, config=None, prologue: Prologue | None = None):
+def stream_gemv(x2, weight, scale, mode, config=None):
     """y [1, N] = x2 [1, K] W^T through `_stream_kernel` (see it); other M, or a weight its
-    blocks do not tile, go to fma_gemv. With `prologue` (kernels/norm.py) x2 is its h and the
-    kernel computes the norm; the caller checked stream_plan."""
+    blocks do not tile, go to fma_gemv."""
     m, k = x2.shape
     n = weight.shape[0]
     plan = stream_plan(n, k, config)
@@ -586,30 +574,12 @@ def stream_gemv(x2, weight, scale, mode, config=None, prologue: Prologue | None 
         return fma_gemv(x2, weight, scale, mode)
     block_n, pre_k, block_k, warps = plan
     y = torch.empty((1, n), dtype=x2.dtype, device=x2.device)
-    norm = prologue.args() if prologue is not None else {"r_ptr": x2, "nw_ptr": x2,
-                                                         "sum_ptr": x2, "eps": 0.0}  # fmt: skip
     _stream_kernel[(n // block_n,)](
-        x2, weight, scale, y, **norm, K=k, stride_w=weight.stride(0), stride_s=scale.stride(0),
+        x2, weight, scale, y, k, weight.stride(0), scale.stride(0),
         BLOCK_SCALE=mode == "block", BLOCK_N=block_n, PRE_K=pre_k, BLOCK_K=block_k,
-        NORM=prologue is not None, HAS_RES=prologue is not None and prologue.residual is not None,
-        NORM_BLOCK=next_power_of_2(k) if prologue is not None else 1, num_warps=warps,
-        num_stages=2, **pdl_options(pdl_mode(x2)),
+        num_warps=warps, num_stages=2, **pdl_options(pdl_mode(x2)),
     )  # fmt: skip
     return y
-
-
-def normed_linear(prologue: Prologue, weight, scale, mode, bias=None):
-    """(norm(h + residual) W^T (+ bias), h + residual) for the one-row `prologue` in one
-    kernel where this weight's M = 1 route is `stream` (the tuned table), else None (then
-    norm, then project)."""
-    h = prologue.h
-    if not supports(h, weight):
-        return None
-    path, config = route(h, weight.shape[0], h.shape[-1], mode)
-    if path != "stream" or stream_plan(weight.shape[0], h.shape[-1], config) is None:
-        return None
-    y = stream_gemv(h, weight, scale, mode, config, prologue)
-    return (y + bias if bias is not None else y), prologue.sum
 
 
 def split_k_for(programs: int, k: int, block_k: int = BLOCK) -> int:

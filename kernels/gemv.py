@@ -15,7 +15,6 @@ blocks do not divide) go to F.linear."""
 import torch
 import torch.nn.functional as F
 
-from speculant.kernels.norm import Prologue, prologue_chunk, prologue_rstd
 from speculant.kernels.runtime import (
     next_power_of_2,
     pdl_enter,
@@ -34,10 +33,6 @@ MAX_ROWS = 8192
 # before it waits for the kernel that produces x: the weight stream starts while that kernel
 # runs. Bytes per program (power of two; 0: none).
 PREFETCH_BYTES = 16384
-# Instead (when > 0): the first PRELOAD_K columns of each program's rows loaded into registers
-# before the wait, as the FP8 split-K / streaming GEMVs do (kernels/fp8.py). A power of two
-# that BLOCK_K divides; cut to K.
-PRELOAD_K = 0
 
 
 @triton.jit
@@ -49,41 +44,21 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, sum_ptr, eps, stride_w, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    LINE: tl.constexpr, PRE_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """y = x W^T for one row x; NORM: x = norm(x + residual) computed here (kernels/norm.py's
-    prologue: r_ptr the residual, nw_ptr the norm weight, sum_ptr gets x + residual)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PRE_K > 0:  # weights only: nothing an earlier kernel writes
-        pre = tl.arange(0, PRE_K)
-        w_pre = tl.load(w_ptr + rows[:, None] * stride_w + pre[None, :])
-    elif PREFETCH_LINES > 0:
+    if PREFETCH_LINES > 0:  # weights only: nothing an earlier kernel writes
         lines = tl.arange(0, PREFETCH_LINES) * LINE
         _prefetch_l2(w_ptr + rows[:, None] * stride_w + lines[None, :])
     pdl_enter(PDL)
-    rstd = 0.0
-    if NORM:
-        rstd = prologue_rstd(x_ptr, r_ptr, sum_ptr, K, eps, HAS_RES, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(PRE_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        if NORM:
-            x = prologue_chunk(x_ptr, r_ptr, nw_ptr, cols, rstd, HAS_RES)
-        else:
-            x = tl.load(x_ptr + cols).to(tl.float32)
+        x = tl.load(x_ptr + cols).to(tl.float32)
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :]).to(tl.float32)
         acc += w * x[None, :]
-    out = tl.sum(acc, axis=1)
-    if PRE_K > 0:
-        if NORM:
-            x = prologue_chunk(x_ptr, r_ptr, nw_ptr, pre, rstd, HAS_RES)
-        else:
-            x = tl.load(x_ptr + pre).to(tl.float32)
-        out += tl.sum(w_pre.to(tl.float32) * x[None, :], axis=1)
-    tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
 
 
 def gemv_plan(n: int, k: int) -> tuple[int, int] | None:
@@ -121,36 +96,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), through the GEMV kernel when x is one row (see above)."""
     if not uses_gemv(x, weight):
         return F.linear(x, weight, bias)
-    y = _launch(x.contiguous(), weight, None)
-    return y + bias if bias is not None else y
-
-
-def normed_linear(prologue: Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """(norm(h + residual) W^T (+ bias), h + residual) for the one-row `prologue` in one
-    kernel, or None where the GEMV does not take this weight (then norm, then project)."""
-    if not uses_gemv(prologue.h, weight):
-        return None
-    y = _launch(prologue.h, weight, prologue)
-    return (y + bias if bias is not None else y), prologue.sum
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None) -> torch.Tensor:
     n, k = weight.shape
     block_k, warps = gemv_plan(n, k)
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     pdl = pdl_mode(x)
     line = 128 // weight.element_size()
     lines = _prefetch_lines(k // line, PREFETCH_BYTES // 128 // BLOCK_N) if pdl else 0
-    pre_k = min(PRELOAD_K, k)
-    if pre_k % block_k or pre_k & (pre_k - 1):
-        pre_k = 0
-    norm = prologue.args() if prologue is not None else {"r_ptr": x, "nw_ptr": x, "sum_ptr": x,
-                                                         "eps": 0.0}  # fmt: skip
     _gemv_kernel[(n // BLOCK_N,)](
-        x, weight, y, **norm, stride_w=weight.stride(0), K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        PREFETCH_LINES=lines, LINE=line, PRE_K=pre_k, NORM=prologue is not None,
-        HAS_RES=prologue is not None and prologue.residual is not None,
-        NORM_BLOCK=next_power_of_2(k) if prologue is not None else 1, num_warps=warps,
-        num_stages=2, **pdl_options(pdl),
+        x.contiguous(), weight, y, weight.stride(0), K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        PREFETCH_LINES=lines, LINE=line, num_warps=warps, num_stages=2, **pdl_options(pdl),
     )  # fmt: skip
-    return y
+    return y + bias if bias is not None else y

@@ -12,11 +12,9 @@ from speculant.kernels import reference
 
 
 class TorchOps:
-    """Reference ops; `fuses_rope` False: the model rotates q and k itself; `fuses_norm`
-    False: a norm before a projection is its own op (models/layers.py project_normed)."""
+    """Reference ops; `fuses_rope` False: the model rotates q and k itself."""
 
     fuses_rope = False
-    fuses_norm = False
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,12 +34,9 @@ class TorchOps:
 
 class TritonOps(TorchOps):
     """Fused kernels; `fuses_rope` True: the attention backend's `forward(..., rope)` rotates q
-    and k while it writes the KV cache. `fuses_norm` (off): a one-row projection's kernel
-    would compute the norm before it where it can (kernels/norm.py's prologue); on one H100
-    the bf16 bs-1 step measured 1.1% slower with it (benchmarks/results/wave21.md)."""
+    and k while it writes the KV cache."""
 
     fuses_rope = True
-    fuses_norm = False
 
     def __init__(self):
         from speculant.kernels import activation, norm

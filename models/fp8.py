@@ -166,16 +166,6 @@ class Fp8Linear:
                 return kernels.linear(x, layer.weight, *args, bias)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
 
-    def normed_linear(self, layer: nn.Module, prologue):
-        """(norm(h + residual) W^T (+ bias), h + residual) in one Triton kernel for the
-        one-row `prologue` (kernels/norm.py), or None where none takes it."""
-        from speculant.kernels import fp8 as kernels  # imports triton
-
-        args = self.kernel_scale(layer)
-        if args is None:
-            return None
-        return kernels.normed_linear(prologue, layer.weight, *args, layer.bias)
-
     def kernel_scale(self, layer: nn.Module) -> tuple[torch.Tensor, str] | None:
         """(scale, mode) as kernels/fp8.py takes them: the block scales when every merged part
         has whole 128-row blocks (then the parts' blocks stack into one matrix's layout), else

@@ -26,41 +26,6 @@ def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None)
     return F.linear(x, layer.weight, bias)
 
 
-def project_normed(
-    layer: nn.Module, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None, ops
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer(norm(h + residual)), h + residual) for a column-parallel `layer` (residual None:
-    (layer(norm(h)), h)). Where the ops fuse norms into projections (`ops.fuses_norm`: the
-    Triton backend) and the layer's one-row kernel takes this weight (the bf16 GEMV, the FP8
-    `stream` route), the kernel computes the norm itself: one launch fewer
-    (kernels/norm.py's prologue; the same values)."""
-    if getattr(ops, "fuses_norm", False) and layer.gemv is not None:
-        fused = _fused_norm_project(layer, norm, h, residual)
-        if fused is not None:
-            return fused
-    if residual is None:
-        normed, residual = norm(h, ops), h
-    else:
-        normed, residual = norm.add_forward(h, residual, ops)
-    return layer(normed), residual
-
-
-def _fused_norm_project(layer, norm, h, residual):
-    """project_normed in one kernel, or None where no kernel takes it."""
-    from speculant.kernels import gemv  # imports triton: the Triton backend's layers only
-    from speculant.kernels.norm import Prologue
-
-    if not isinstance(layer, ColumnParallelLinear) or not Prologue.fits(h, residual, norm.weight):
-        return None
-    prologue = Prologue(h, residual, norm.weight, norm.eps)
-    fp8 = getattr(layer, "fp8", None)
-    if fp8 is not None:
-        return fp8.normed_linear(layer, prologue)
-    if layer.gemv is not gemv.linear:
-        return None
-    return gemv.normed_linear(prologue, layer.weight, layer.bias)
-
-
 def enable_gemv(model: nn.Module) -> None:
     """Route the single-row projections of every linear layer in `model` through the Triton
     matrix-vector kernel (kernels/gemv.py); the Triton attention backend's engines do this.

@@ -22,7 +22,6 @@ from speculant.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    project_normed,
 )
 
 
@@ -42,10 +41,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, rope, x: torch.Tensor, attn) -> torch.Tensor:
-        return self.attend(rope, self.qkv_proj(x), attn)
-
-    def attend(self, rope, qkv: torch.Tensor, attn) -> torch.Tensor:
-        """The layer's attention output (after o_proj) from its qkv projection."""
+        qkv = self.qkv_proj(x)
         q, k, v = self.qkv_proj.split(qkv)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if attn.ops.fuses_rope:
@@ -90,11 +86,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, pctx)
 
     def forward(self, x: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x), ops)
-
-    def down(self, gate_up: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        """The block's output from its gate_up projection."""
-        return self.down_proj(ops.silu_and_mul(gate_up))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,19 +111,16 @@ class DecoderLayer(nn.Module):
         `entering`: a list to append the residual stream entering the layer to (the sum the
         fused norm writes anyway: an auxiliary state costs no kernel)."""
         ops = attn.ops
-        qkv, residual = project_normed(
-            self.self_attn.qkv_proj, self.input_layernorm, h, residual, ops
-        )
+        if residual is None:
+            residual, normed = h, self.input_layernorm(h, ops)
+        else:
+            normed, residual = self.input_layernorm.add_forward(h, residual, ops)
         if entering is not None:
             entering.append(residual)
-        h = self.self_attn.attend(rope, qkv, attn)
-        if isinstance(self.mlp, MLP):
-            gate_up, residual = project_normed(
-                self.mlp.gate_up_proj, self.post_attention_layernorm, h, residual, ops
-            )
-            return self.mlp.down(gate_up, ops), residual
+        h = self.self_attn(rope, normed, attn)
         normed, residual = self.post_attention_layernorm.add_forward(h, residual, ops)
-        return self.mlp(normed), residual
+        mlp_out = self.mlp(normed, ops) if isinstance(self.mlp, MLP) else self.mlp(normed)
+        return mlp_out, residual
 
 
 class DecoderModel(nn.Module):
