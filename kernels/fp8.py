@@ -552,9 +552,11 @@ def fma_gemv(x2, weight, scale, mode, config=None):
 
 def stream_plan(n: int, k: int, config=None):
     """(BLOCK_N, PRE_K, BLOCK_K, num_warps) for `_stream_kernel` on an [n, k] weight, or None
-    where it does not tile it: config (or STREAM_CONFIG), PRE_K cut to the largest multiple of
-    BLOCK_K that is a power of two and at most k."""
+    where it does not tile it: config (or STREAM_CONFIG; its sizes powers of two), PRE_K halved
+    until it is at most k and a multiple of BLOCK_K."""
     block_n, pre_k, block_k, warps = config or STREAM_CONFIG
+    if any(v & (v - 1) for v in (block_n, pre_k, block_k)) or min(block_n, pre_k, block_k) < 1:
+        return None
     if n % block_n or 128 % block_n or k % block_k:
         return None
     while pre_k > block_k and (pre_k > k or pre_k % block_k):

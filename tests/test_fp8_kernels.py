@@ -382,6 +382,7 @@ def test_stream_gemv_tiles_and_falls_back(device, mode):
         assert err < TOL, f"stream {mode} N={n} K={k} {config}: relative error {err:.2e}"
         assert torch.equal(out, kernels.stream_gemv(x, w, scale, mode, config))
     assert kernels.stream_plan(200, 320, (16, 1024, 512, 8)) is None  # 16 does not divide 200
+    assert kernels.stream_plan(256, 3072, (16, 3072, 512, 8)) is None  # PRE_K no power of two
     gen = generator("stream fallback", mode)
     w, scale = random_fp8(gen, 200, 320, mode, device)
     for m in (1, 3):
