@@ -47,10 +47,9 @@ def measure(kind: str, args) -> dict:
         for key, want_kind, wanted, run in (
             ("table_variants", "fp8", args.fp8_tables, table_variants),
             ("m1_variants", "fp8", args.fp8_m1, m1_variants),
-            ("free_variants", "fp8", args.free_ops, free_variants),
-            ("free_variants", "bf16", args.free_ops, free_variants),
+            ("free_variants", "fp8 bf16", args.free_ops, free_variants),
         ):
-            if kind != want_kind or not wanted:
+            if kind not in want_kind.split() or not wanted:
                 continue
             try:
                 out[key] = run(engine, vocab, args, gen)
@@ -74,11 +73,13 @@ def set_m1_route(variant: str, saved: dict) -> None:
     shipped) or "+"-joined "[NxK@]PATH:CONFIG" items (a kernels/fp8.py path and its config,
     comma-separated, e.g. "splitk:16,1024,4,atomic"; with NxK only that shape, else every
     shape; later items win; shapes no item names keep the table's row)."""
+    from fp8_sweep import SHAPES_8B
+
     from speculant.kernels import fp8 as kernels
     from speculant.kernels import fp8_table
 
     shapes = kernels.TUNED.setdefault(fp8_table.device_name(torch.device("cuda")), {})
-    for shape in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):  # the 8B's
+    for shape in SHAPES_8B.values():
         shapes.setdefault(shape, [])  # a GPU without table rows: M > 1 keeps choice()
     for shape in shapes:
         saved.setdefault(shape, list(shapes[shape]))

@@ -557,12 +557,10 @@ def stream_plan(n: int, k: int, config=None):
     block_n, pre_k, block_k, warps = config or STREAM_CONFIG
     if any(v & (v - 1) for v in (block_n, pre_k, block_k)) or min(block_n, pre_k, block_k) < 1:
         return None
-    if n % block_n or 128 % block_n or k % block_k:
+    if n % block_n or 128 % block_n or k % block_k or pre_k < block_k:
         return None
-    while pre_k > block_k and (pre_k > k or pre_k % block_k):
+    while pre_k > k:  # ends at the largest power of two <= K: at least BLOCK_K, a multiple
         pre_k //= 2
-    if pre_k > k or pre_k % block_k:
-        return None
     return block_n, pre_k, block_k, warps
 
 
