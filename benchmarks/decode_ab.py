@@ -1,7 +1,8 @@
-"""Graph decode step of the Llama-3.1-8B shape (dummy weights, `triton` backend), bf16 and
-block-wise FP8, at bs 1 and 64 with every row at `--context` tokens: the figure kernel changes
-move. Times whatever `speculant` is importable, so that benchmarks/gpu_fusion_x1.sh can run it
-on the previous tree and this one in the same call (PYTHONPATH) and compare.
+"""Graph decode step of the Llama-3.1-8B shape (or `--shape qwen3_8b`; dummy weights, `triton`
+backend), bf16 and block-wise FP8, at bs 1 and 64 with every row at `--context` tokens: the
+figure kernel changes move. Times whatever `speculant` is importable, so that
+benchmarks/gpu_fusion_x1.sh can run it on the previous tree and this one in the same call
+(PYTHONPATH) and compare.
 
     python benchmarks/decode_ab.py --label new --json OUT.json [--rounds 3] [--profile]
 
@@ -28,12 +29,12 @@ def measure(kind: str, args) -> dict:
     from fp8_gpu import targets
     from graphs import SHAPES, check_equal, live_rows, time_ms
 
-    target = targets()[kind]
+    target = targets(args.shape)[kind]
     start = time.perf_counter()
     engine = build_engine(target, "triton", args.context, [1, 64], piecewise=False)
     out: dict = {"startup_s": time.perf_counter() - start, "graph_ms": {}}
     try:
-        vocab = SHAPES["llama8b"]["vocab_size"]
+        vocab = SHAPES[args.shape]["vocab_size"]
         gen = torch.Generator().manual_seed(1)
         rows = live_rows(engine, 64, vocab, args.context, gen)  # bs 1 replays the first
         for _ in range(args.rounds):
@@ -155,7 +156,9 @@ def m1_variants(engine, vocab: int, args, gen) -> dict:
 
 def table_variants(engine, vocab: int, args, gen) -> dict:
     """The bs-1 and bs-64 graph steps per FP8 path table (graphs recaptured for each), in
-    `--rounds` rounds with the tables' order rotated: {table: {bs: [ms, ...]}}."""
+    `--rounds` rounds with the tables' order rotated: {table: {bs: [ms, ...]}}. A name is
+    "shipped" or a table file; "@exact" after it: that table without borrowing (exact rows
+    only, fp8_table.lookup)."""
     from graphs import live_rows, time_ms
 
     from speculant.kernels import fp8 as kernels
@@ -167,7 +170,9 @@ def table_variants(engine, vocab: int, args, gen) -> dict:
     try:
         for r in range(args.rounds):
             for name in tables[r % len(tables) :] + tables[: r % len(tables)]:
-                kernels.TUNED = shipped if name == "shipped" else fp8_table.load(name)
+                source, _, exact = name.partition("@")
+                source = fp8_table.TUNED_PATH if source == "shipped" else source
+                kernels.TUNED = fp8_table.load(source, borrow=exact != "exact")
                 engine.clear_graphs()
                 engine.capture_graphs()
                 for bs in (1, 64):
@@ -191,6 +196,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kinds", default="bf16,fp8")
+    parser.add_argument("--shape", default="llama8b", choices=("llama8b", "qwen3_8b"))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--fp8-m1", default="", help='";"-separated M = 1 routes to time: table | PATH:CONFIG'
@@ -199,7 +205,10 @@ def main() -> int:
         "--free-ops", default="", help='";"-separated: none | norm | silu | norm+silu (timing only)'
     )
     parser.add_argument(
-        "--fp8-tables", default="", help='";"-separated FP8 path tables to time: shipped | PATH'
+        "--fp8-tables",
+        default="",
+        help='";"-separated FP8 path tables to time: shipped | PATH; "@exact" after one: '
+        "without borrowed rows",
     )
     args = parser.parse_args()
     import speculant
@@ -212,6 +221,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": " ".join(sys.argv),
         "context": args.context,
+        "shape": args.shape,
     }
     for kind in args.kinds.split(","):
         try:

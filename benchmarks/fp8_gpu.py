@@ -239,11 +239,11 @@ def apply_choice(choice: dict) -> dict:
 # ---------------------------------------------------------------------------- engines
 
 
-def targets() -> dict:
+def targets(shape: str = "llama8b") -> dict:
     from graphs import SHAPES, write_config
 
-    bf16 = write_config(SHAPES["llama8b"])
-    fp8 = write_config(SHAPES["llama8b"])
+    bf16 = write_config(SHAPES[shape])
+    fp8 = write_config(SHAPES[shape])
     config = json.loads((Path(fp8) / "config.json").read_text())
     config["quantization_config"] = BLOCK_FP8
     (Path(fp8) / "config.json").write_text(json.dumps(config))

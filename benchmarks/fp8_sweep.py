@@ -377,12 +377,17 @@ def layer_sums(report: dict, shapes: dict) -> dict:
     return sums
 
 
-def write_table(rows: dict, device_name: str, path: Path, merge: bool = False) -> dict:
-    """The tuned table: this device's rows, next to the other devices of kernels/fp8_tuned.json;
-    `merge`: the shipped rows of this device kept except at the M this sweep measured."""
+def write_table(
+    rows: dict, device_name: str, path: Path, merge: bool = False, capability=None
+) -> dict:
+    """The tuned table: this device's rows (and its compute `capability`, which lets GPUs of
+    the same one borrow them), next to the other devices of kernels/fp8_tuned.json; `merge`:
+    the shipped rows of this device kept except at the M this sweep measured."""
     doc = {"devices": {}}
     if fp8_table.TUNED_PATH.exists():
         doc = json.loads(fp8_table.TUNED_PATH.read_text())
+    if capability is not None:
+        doc.setdefault("capability", {})[device_name] = list(capability)
     new = fp8_table.to_json({device_name: rows})["devices"].get(device_name, {})
     if merge:
         old = doc.get("devices", {}).get(device_name, {})
@@ -403,7 +408,10 @@ def write_table(rows: dict, device_name: str, path: Path, merge: bool = False) -
 
 def format_table(doc: dict) -> str:
     """The table as JSON with one row per line (reviewable diffs)."""
-    lines = ["{", f' "comment": {json.dumps(doc.get("comment", ""))},', ' "devices": {']
+    lines = ["{", f' "comment": {json.dumps(doc.get("comment", ""))},']
+    if doc.get("capability"):
+        lines.append(f' "capability": {json.dumps(doc["capability"])},')
+    lines.append(' "devices": {')
     devices = list(doc["devices"].items())
     for i, (device, shapes) in enumerate(devices):
         lines.append(f"  {json.dumps(device)}: {{")
@@ -468,7 +476,9 @@ def main() -> int:
     deadline = t0 + args.budget_s - (args.decode_reserve_s if decode_on else 0)
     rows = sweep(args, report, deadline)
     report["layer_sums"] = layer_sums(report, SHAPES_DRY if args.dry_run else SHAPES_8B)
-    report["table"] = write_table(rows, device_name, args.table, args.merge)["devices"][device_name]
+    capability = fp8_table.device_capability(torch.device("cuda")) if cuda else None
+    doc = write_table(rows, device_name, args.table, args.merge, capability)
+    report["table"] = doc["devices"][device_name]
     print(f"  table: {sum(len(r) for r in rows.values())} rows -> {args.table}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, default=str))

@@ -7,8 +7,9 @@ per output row, a float32 [N] vector (per-channel scales, and per-tensor scales 
 their rows).
 
 Paths, picked by `route`: the tuned table's row for this GPU, shape (N, K) and M
-(kernels/fp8_tuned.json, written by benchmarks/fp8_sweep.py; fp8_table.py), else by M alone
-(`choice`: PATH_TABLE or the thresholds below):
+(kernels/fp8_tuned.json, written by benchmarks/fp8_sweep.py; fp8_table.py), borrowed from the
+nearest measured shape or a GPU of the same compute capability where the table has no exact
+row, else by M alone (`choice`: PATH_TABLE or the thresholds below):
 - `_splitk_kernel` (`splitk`, a few rows): a grid of N tiles x K splits, each program loading
   one whole [BLOCK_N, BLOCK_K] W tile before its first use (before waiting on the previous
   kernel under PDL); the splits' float32 partials summed in split order, by the tile's last
@@ -85,7 +86,7 @@ DOT_CONFIG = (64, 64, 4, 2)
 GEMM_CONFIG = (128, 128, 8, 3)  # the same for the w8a16 / w8a8 GEMMs (BLOCK_N, BLOCK_M, ...)
 # the tuned per-shape table (kernels/fp8_tuned.json, see fp8_table.py), consulted before
 # PATH_TABLE; benchmarks replace it
-TUNED: dict = fp8_table.load()
+TUNED: fp8_table.Table = fp8_table.load()
 # the probe's layout for torch._scaled_mm block-wise scales (see scaled_mm): the one that
 # worked on the H200 (torch 2.11 + cu130, benchmarks/results/fp8_wave3.md)
 SCALED_MM_CONFIG = {"api": "v1", "scale_a": "col", "scale_b": "t"}
@@ -808,7 +809,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def route(x2: torch.Tensor, n: int, k: int, mode: str):
     """(path, config) for x2 [M, K] times an N x K weight: the tuned table's row for this
-    device and shape (block scales only; fp8_table.py), else (choice(M), None)."""
+    device and shape or one borrowed (block scales only; fp8_table.lookup), else (choice(M),
+    None)."""
     m = x2.shape[0]
     if TUNED and mode == "block":
         hit = fp8_table.lookup(TUNED, x2.device, n, k, m)

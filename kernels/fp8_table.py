@@ -2,17 +2,24 @@
 fastest kernels/fp8.py path and its config by row count M, as benchmarks/fp8_sweep.py writes
 it and kernels/fp8_tuned.json holds it:
 
-    {"devices": {"NVIDIA H200": {"4096x4096": [
+    {"capability": {"NVIDIA H200": [9, 0]},
+     "devices": {"NVIDIA H200": {"4096x4096": [
         {"max_m": 1, "path": "splitk", "config": [16, 1024, 4, "atomic"], "us": 9.8}, ...]}}}
 
 Rows are by increasing `max_m` (the M they were measured at); M takes the first row whose
-`max_m` holds. A device, a shape, or an M above the last row not in the table: `lookup` gives
-None and kernels/fp8.py falls back to its per-M PATH_TABLE."""
+`max_m` holds. The table is measured on a few GPUs and one model's shapes, so `lookup` borrows
+where it has no exact row (the configs fit any N and K; only their speed was measured
+elsewhere): first this GPU's rows of the exact shape, then this GPU's nearest shape (by
+|log2 N/N'| + |log2 K/K'|, among shapes with a row for M), then the same two on the other GPUs
+of this GPU's compute capability (an H100 takes an H200's rows). Nothing found (another
+architecture, M above every row, `borrow` off): None, and kernels/fp8.py falls back to its
+per-M choice."""
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -21,18 +28,30 @@ TUNED_PATH = Path(__file__).with_name("fp8_tuned.json")
 GPU_ONLY = ("scaled_mm",)  # paths the router takes only on CUDA
 
 
-def load(path: str | Path = TUNED_PATH) -> dict:
-    """{device name: {(N, K): [(max_m, path, config), ...] by max_m}}; {} without a file."""
+class Table(dict):
+    """{device name: {(N, K): [(max_m, path, config), ...] by max_m}}, with each device's
+    compute capability (`capability`: {name: (major, minor)}) and whether `lookup` may borrow
+    rows of other shapes and devices (`borrow`)."""
+
+    def __init__(self, rows=(), capability=None, borrow: bool = True):
+        super().__init__(rows)
+        self.capability = dict(capability or {})
+        self.borrow = borrow
+
+
+def load(path: str | Path = TUNED_PATH, borrow: bool = True) -> Table:
+    """The table in `path` (an empty one without a file); `borrow` as Table's."""
     path = Path(path)
     if not path.exists():
-        return {}
-    raw = json.loads(path.read_text()).get("devices", {})
-    table: dict = {}
-    for device, shapes in raw.items():
+        return Table(borrow=borrow)
+    doc = json.loads(path.read_text())
+    table = Table(borrow=borrow)
+    for device, shapes in doc.get("devices", {}).items():
         for shape, rows in shapes.items():
             n, k = (int(v) for v in shape.split("x"))
             entries = sorted((int(r["max_m"]), r["path"], _frozen(r.get("config"))) for r in rows)
             table.setdefault(device, {})[(n, k)] = entries
+    table.capability = {name: tuple(cc) for name, cc in doc.get("capability", {}).items()}
     return table
 
 
@@ -41,7 +60,7 @@ def _frozen(config):
     return tuple(config) if isinstance(config, list) else config
 
 
-def to_json(rows: dict) -> dict:
+def to_json(rows: dict, capability: dict | None = None) -> dict:
     """The JSON document of {device: {(N, K): [(max_m, path, config, us), ...]}}."""
     devices: dict = {}
     for device, shapes in rows.items():
@@ -50,7 +69,10 @@ def to_json(rows: dict) -> dict:
                 {"max_m": m, "path": path, "config": config, "us": round(us, 2)}
                 for m, path, config, us in sorted(entries, key=lambda e: e[0])
             ]
-    return {"devices": devices}
+    doc = {"devices": devices}
+    if capability:
+        doc["capability"] = {name: list(cc) for name, cc in capability.items()}
+    return doc
 
 
 @functools.cache
@@ -59,12 +81,54 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def lookup(table: dict, device: torch.device, n: int, k: int, m: int):
-    """(path, config) of the table's row for (device, N, K, M), or None (see the module doc)."""
-    rows = table.get(device_name(device), {}).get((n, k))
+@functools.cache
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """`device`'s CUDA compute capability, None off CUDA (or with no GPU to ask)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return tuple(torch.cuda.get_device_capability(device))
+    except (RuntimeError, AssertionError):  # no driver (the CPU-side compile checks)
+        return None
+
+
+def _row(rows, m: int):
+    """(path, config) of the first row of `rows` whose max_m holds for m, else None."""
     for max_m, path, config in rows or ():
         if m <= max_m:
-            if path in GPU_ONLY and device.type != "cuda":
-                return None
             return path, config
     return None
+
+
+def _nearest(shapes: dict, n: int, k: int, m: int):
+    """The row for m of the shape nearest (N, K) among `shapes` that have one, else None."""
+    best = None
+    for (sn, sk), rows in sorted(shapes.items()):
+        hit = _row(rows, m)
+        if hit is not None:
+            distance = abs(math.log2(sn / n)) + abs(math.log2(sk / k))
+            if best is None or distance < best[0]:
+                best = (distance, hit)
+    return None if best is None else best[1]
+
+
+def lookup(table: dict, device: torch.device, n: int, k: int, m: int):
+    """(path, config) for (device, N, K, M) as the module doc says, or None."""
+    name = device_name(device)
+    names = [name]
+    if getattr(table, "borrow", False):
+        capability = getattr(table, "capability", {})
+        own = capability.get(name) or device_capability(device)
+        if own is not None:
+            names += sorted(d for d in table if d != name and capability.get(d) == own)
+    hit = None
+    for source in names:
+        shapes = table.get(source, {})
+        hit = _row(shapes.get((n, k)), m)
+        if hit is None and getattr(table, "borrow", False):
+            hit = _nearest(shapes, n, k, m)
+        if hit is not None:
+            break
+    if hit is None or (hit[0] in GPU_ONLY and device.type != "cuda"):
+        return None
+    return hit

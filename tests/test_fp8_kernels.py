@@ -162,9 +162,9 @@ def test_splitk_gemv_matches_reference_and_repeats_exactly(device, mode):
 
 
 def test_tuned_table_lookup_and_fallback(tmp_path, monkeypatch):
-    """A device/shape hit gives the table's path and config (first max_m that holds); a miss
-    (other shape, other device, M above the last row, row scales) falls back to choice(M);
-    scaled_mm is never taken off CUDA."""
+    """A device/shape hit gives the table's path and config (first max_m that holds); another
+    shape borrows the nearest measured one's row; a miss (other device, M above the last row,
+    row scales, borrowing off) falls back to choice(M); scaled_mm is never taken off CUDA."""
     from speculant.kernels import fp8_table
 
     doc = {"devices": {"cpu": {"256x384": [
@@ -180,19 +180,93 @@ def test_tuned_table_lookup_and_fallback(tmp_path, monkeypatch):
     assert fp8_table.lookup(table, cpu, 256, 384, 3) == ("dot", (32, 64, 4, 4))
     assert fp8_table.lookup(table, cpu, 256, 384, 8) is None  # scaled_mm: CUDA only
     assert fp8_table.lookup(table, cpu, 256, 384, 9) is None
-    assert fp8_table.lookup(table, cpu, 384, 256, 1) is None
+    assert fp8_table.lookup(table, cpu, 384, 256, 1) == ("splitk", (16, 128, 4, "atomic"))
+    exact = fp8_table.load(path, borrow=False)
+    assert fp8_table.lookup(exact, cpu, 256, 384, 1) == ("splitk", (16, 128, 4, "atomic"))
+    assert fp8_table.lookup(exact, cpu, 384, 256, 1) is None
     assert fp8_table.load(tmp_path / "none.json") == {}
     monkeypatch.setattr(kernels, "TUNED", table)
     x = torch.zeros(2, 384, dtype=torch.bfloat16)
     assert kernels.route(x, 256, 384, "block") == ("dot", (32, 64, 4, 4))
     assert kernels.route(x, 256, 384, "row") == (kernels.choice(2), None)
     assert kernels.route(torch.zeros(6, 384), 256, 384, "block") == (kernels.choice(6), None)
+    assert kernels.route(x, 200, 384, "block") == ("dot", (32, 64, 4, 4))
+    monkeypatch.setattr(kernels, "TUNED", exact)
     assert kernels.route(x, 200, 384, "block") == (kernels.choice(2), None)
+    monkeypatch.setattr(kernels, "TUNED", table)
     monkeypatch.setattr(fp8_table, "device_name", lambda device: "NVIDIA H200")
     assert kernels.route(torch.zeros(1, 384), 256, 384, "block") == ("fma", None)
     with pytest.raises(ValueError, match="scaled_mm"):  # CUDA only, even when forced
         kernels.linear(x, torch.zeros(256, 384, dtype=kernels.FP8), torch.ones(2, 3), "block",
                        path="scaled_mm")  # fmt: skip
+
+
+def test_table_borrows_the_nearest_shape_then_gpus_of_the_same_capability(tmp_path, monkeypatch):
+    """Where a GPU's table has no row for (N, K, M): its own nearest measured shape with a row
+    for M, then a GPU of the same compute capability (exact shape first), never another
+    architecture's; a GPU of unknown capability borrows nothing from other GPUs."""
+    from speculant.kernels import fp8_table
+
+    def rows(*entries):
+        return [{"max_m": m, "path": p, "config": c} for m, p, c in entries]
+
+    doc = {
+        "capability": {"A": [9, 0], "B": [9, 0], "C": [8, 0]},
+        "devices": {
+            "A": {"4096x4096": rows((1, "splitk", [1]), (64, "w8a8", [2])),
+                  "4096x14336": rows((1, "splitk", [3]), (64, "sk_w8a8", [4]))},
+            "B": {"4096x4096": rows((1, "stream", [5])), "28672x4096": rows((1, "stream", [6]))},
+            "C": {"4096x4096": rows((64, "dot", [7]))},
+        },
+    }  # fmt: skip
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(doc))
+    table = fp8_table.load(path)
+    gpu = torch.device("cuda")
+    capability = {"A": (9, 0), "B": (9, 0), "C": (8, 0), "D": (9, 0), "E": (8, 0), "F": None}
+    monkeypatch.setattr(fp8_table, "device_capability", lambda device: capability[name])
+    monkeypatch.setattr(fp8_table, "device_name", lambda device: name)
+
+    for name, n, k, m, want in (
+        ("B", 4096, 4096, 1, ("stream", (5,))),  # its own row
+        ("B", 4096, 4096, 2, ("w8a8", (2,))),  # M above its rows: A's (same capability)
+        ("B", 24576, 4096, 1, ("stream", (6,))),  # its own nearest shape
+        ("B", 4096, 12288, 4, ("sk_w8a8", (4,))),  # A's nearest shape
+        ("A", 4096, 4096, 65, None),  # M above every row
+        ("D", 4096, 14336, 1, ("splitk", (3,))),  # not in the table, capability 9.0: A first
+        ("E", 4096, 4096, 1, ("dot", (7,))),  # 8.0: only C
+        ("F", 4096, 4096, 1, None),  # capability unknown
+    ):
+        assert fp8_table.lookup(table, gpu, n, k, m) == want, (name, n, k, m)
+    name = "B"
+    exact = fp8_table.load(path, borrow=False)
+    assert fp8_table.lookup(exact, gpu, 4096, 4096, 1) == ("stream", (5,))
+    assert fp8_table.lookup(exact, gpu, 4096, 4096, 2) is None
+    assert fp8_table.lookup(exact, gpu, 24576, 4096, 1) is None
+
+
+@pytest.mark.needs("triton")
+@pytest.mark.skipif(not runtime.INTERPRET, reason="the CPU check needs the interpreter")
+def test_every_checked_in_config_is_right_on_a_shape_it_was_not_measured_on():
+    """Borrowed rows run their configs on other shapes: each (path, config) of
+    kernels/fp8_tuned.json (scaled_mm aside: cuBLASLt) gives x W^T at a shape no table names
+    (N a partial 128-block), at 1 row and at a few."""
+    from speculant.kernels import fp8_table
+
+    routes = {(path, config) for shapes in fp8_table.load().values() for rows in shapes.values()
+              for _, path, config in rows if path not in fp8_table.GPU_ONLY}  # fmt: skip
+    assert routes
+    gen = generator("borrowed")
+    n, k = 208, 1024  # N a partial block (16s: stream tiles it), K whole blocks, as published
+    w, scale = random_fp8(gen, n, k, "block", "cpu")
+    for path, config in sorted(routes, key=repr):
+        for m in (1, 5) if path != "stream" else (1,):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            w8a8 = path in ("w8a8", "sk_w8a8", "sk_w8a8_pre")
+            reference = kernels.reference_w8a8 if w8a8 else kernels.reference_linear
+            ref = reference(x, w, scale, "block", dtype=torch.float64)
+            out = kernels.linear(x, w, scale, "block", path=path, config=config)
+            assert rel_err(out, ref) < TOL, (path, config, m)
 
 
 def test_checked_in_table_loads_and_names_known_paths():
@@ -250,12 +324,16 @@ def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_scaled_mm_layout_of_the_table_matches_reference():
-    """The default scaled_mm config and each one the checked-in table names for this GPU give
-    x W^T, at any row count (cuBLASLt refused M = 3 before the rows were padded)."""
+    """The default scaled_mm config and each one the checked-in table names for this GPU or
+    one it may borrow from (same compute capability) give x W^T, at any row count (cuBLASLt
+    refused M = 3 before the rows were padded)."""
     from speculant.kernels import fp8_table
 
-    rows = fp8_table.load().get(fp8_table.device_name(torch.device("cuda")), {})
-    configs = {repr(c): c for shape in rows.values() for _, p, c in shape if p == "scaled_mm"}
+    table, gpu = fp8_table.load(), torch.device("cuda")
+    own = fp8_table.device_capability(gpu)
+    rows = [shape for name, shapes in table.items() for shape in shapes.values()
+            if name == fp8_table.device_name(gpu) or table.capability.get(name) == own]  # fmt: skip
+    configs = {repr(c): c for shape in rows for _, p, c in shape if p == "scaled_mm"}
     configs[repr(kernels.SCALED_MM_CONFIG)] = kernels.SCALED_MM_CONFIG
     gen = generator("scaled_mm")
     w, scale = random_fp8(gen, 512, 1024, "block", "cuda")
@@ -265,6 +343,26 @@ def test_scaled_mm_layout_of_the_table_matches_reference():
         for config in configs.values():
             assert rel_err(kernels.linear(x, w, scale, "block", path="scaled_mm", config=config),
                            ref) < TOL, config  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_routes_on_this_gpu_match_reference():
+    """What linear() runs on this GPU without a forced path (the table's rows, borrowed ones,
+    the per-M fallback) gives x W^T for the 8B projections and the Qwen3-8B ones no table
+    measured, from one row to prefill sizes."""
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (24576, 4096),
+              (4096, 12288))  # fmt: skip
+    for n, k in shapes:
+        gen = generator("route", n, k)
+        w, scale = random_fp8(gen, n, k, "block", "cuda")
+        for m in (1, 2, 4, 24, 64, 128, 256, 300):
+            x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+            path, config = kernels.route(x, n, k, "block")
+            w8a8 = path in ("w8a8", "scaled_mm", "sk_w8a8", "sk_w8a8_pre")
+            reference = kernels.reference_w8a8 if w8a8 else kernels.reference_linear
+            err = rel_err(kernels.linear(x, w, scale, "block"),
+                          reference(x, w, scale, "block", dtype=torch.float64))  # fmt: skip
+            assert err < TOL, (n, k, m, path, config, err)
 
 
 @pytest.mark.parametrize("device", DEVICES)
