@@ -41,7 +41,12 @@ from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, r
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
-from speculant.executor.logprobs import TokenLogprobs, logprob_columns, unpack_logprobs
+from speculant.executor.logprobs import (
+    TokenLogprobs,
+    decode_entries,
+    logprob_columns,
+    unpack_logprobs,
+)
 from speculant.executor.model_runner import ModelRunner, SeqInput, StepOutput
 from speculant.executor.piecewise import PiecewiseRunner, uses_piecewise_graphs
 from speculant.executor.request import (
@@ -805,11 +810,7 @@ class Engine:
         }
         logprobs, cumulative = None, None
         if request.logprobs is not None:  # decoded now: a step only kept its rows
-            keep = request.params.logprobs
-            logprobs = [
-                step.entry(i, token, keep)
-                for (step, i), token in zip(request.logprobs, ids, strict=True)
-            ]
+            logprobs = decode_entries(request.logprobs, ids, request.params.logprobs)
             cumulative = sum(step[t] for step, t in zip(logprobs, ids, strict=True))
         return RequestOutput(
             request.prompt_index,

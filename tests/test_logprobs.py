@@ -21,7 +21,7 @@ from helpers_io import dp2_run, refused_in_one_line
 
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
-from speculant.executor.logprobs import pack_logprobs, unpack_logprobs, widen
+from speculant.executor.logprobs import decode_entries, pack_logprobs, unpack_logprobs, widen
 from speculant.launch import cli
 
 TARGET = speculant.bundled("target")
@@ -202,8 +202,8 @@ def test_widened_rows_read_back_alike():
         a, b = unpack_logprobs(narrow_row, 2, 4), unpack_logprobs(wide_row, 5, 4)
         for position in range(2):
             token = tokens[row, position].item()
-            entry = a.entry(position, token, 4)
-            assert entry == b.entry(position, token, 4)
+            entry = decode_entries([(a, position)], [token], 4)[0]
+            assert entry == decode_entries([(b, position)], [token], 4)[0]
             ref = logits[row, position].log_softmax(-1)
             assert entry[token] == pytest.approx(ref[token].item(), abs=1e-6)
             top = ref.topk(4)
