@@ -65,6 +65,8 @@ CONFIGS = {  # name: extra CLI flags
     # every output token's log-probability (and those of the 5 most likely): what it costs
     "logprobs0": ["--logprobs", "0"],
     "logprobs5": ["--logprobs", "5"],
+    # the steps compute 5 alternatives, no request keeps them: the device's part of the cost
+    "max_logprobs5": ["--max-logprobs", "5"],
     "eagle3_logprobs5": ["--algo", "eagle3", "--num-draft-tokens", "3", "--logprobs", "5"],
     # sampled steps (the full sampler variant), and with min-p: what its filter costs
     "sampled": ["--temperature", "0.8", "--top-p", "0.95"],
