@@ -1067,23 +1067,34 @@ class Engine:
         return self._finish_done()
 
     def _can_run_ahead(self, launched: LaunchedStep) -> bool:
-        """Nothing waits for admission or prefill, no request can reach its length limit in the
-        step in flight nor in the one launched ahead (their tokens), and the pool gives every
-        request the pages of both steps: only a stop token or string can then end one early (a
-        request that ended in the step in flight is skipped when the one ahead is read)."""
+        """Whether the next step would be the same batch's pure decode step anyway, and the
+        step ahead stays in every request's KV pages: no request in prefill, the pool gives
+        every request the pages of both steps, and no admission due. A request may end in the
+        step in flight (a stop token or string, its length limit): its row in the step ahead is
+        wasted and dropped when read, its writes within the pages reserved for both steps, which
+        a request within two steps of its row's table (max_model_len) could not get. Waiting
+        requests are admitted in groups (Scheduler.admit_group): they are not due while the free
+        rows, with those of requests that reach their length limit in the step in flight, are
+        fewer than a group (one that a stop token frees waits a step more)."""
+        scheduler, requests = self.scheduler, launched.requests
+        if len(scheduler.running) != len(requests) or any(r.finish_reason for r in requests):
+            return False  # a prefill, or a request that ended before the step in flight
         # tokens the two steps can emit: the one in flight its verified drafts + 1, the one
         # ahead k + 1 only if the one in flight drafted (adaptive plain steps: 1 + 1)
-        ahead = self.tokens_per_req if launched.shape.draft else 1
-        reach = launched.shape.tokens_per_req + ahead
-        return (
-            not self.scheduler.waiting
-            and len(self.scheduler.running) == len(launched.requests)
-            and all(
-                r.finish_reason is None and r.max_new_tokens - len(r.output_ids) > reach
-                for r in launched.requests
-            )
-            and self.scheduler.reserve_ahead(launched.requests, steps=2)
-        )
+        in_flight = launched.shape.tokens_per_req
+        reach = in_flight + (self.tokens_per_req if launched.shape.draft else 1)
+        table = self.kv.max_tokens_per_req
+        ending = 0  # requests that reach their length limit in the step in flight
+        for r in requests:
+            left = r.max_new_tokens - len(r.output_ids)
+            if left <= reach and scheduler.decode_reach(r, steps=2) > table:
+                return False
+            ending += left <= in_flight
+        if scheduler.waiting:
+            free = scheduler.max_num_seqs - len(scheduler.running) + ending
+            if free >= min(len(scheduler.waiting), scheduler.admit_group):
+                return False
+        return scheduler.reserve_ahead(requests, steps=2)
 
     def _sampling_info(self, requests) -> SamplingInfo:
         """Per-row sampling tensors of `requests` (anything with `params` and `seed`)."""

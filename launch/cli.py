@@ -72,7 +72,6 @@ from speculant.launch.paths import (
     write_errors_named,
 )
 from speculant.launch.threads import check_threads, set_cpu_threads
-from speculant.launch.writer import OutputWriter
 
 # Keys a --prompts line may carry besides its prompt; they override the CLI values.
 SAMPLING_KEYS = (
@@ -950,16 +949,18 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         )
     from speculant.launch.spawn import rank_spool
 
-    # --output: each line written and flushed as its request ends (rank 0 writes), by a thread
-    # of its own (launch/writer.py: off the step loop)
-    writer = OutputWriter(args.output) if args.output else None
+    out_file = None
     finished: list = []  # without --output: printed at the end, or when the run stops or fails
     spool = None if args.output else rank_spool()  # rank 0 under launch_cli: its launcher's
     on_printed = None if spool is None else spool.printed
 
-    def on_output(out: Any) -> None:
-        if writer is not None:
-            writer.put(out)
+    def on_output(out: Any) -> None:  # written and flushed as requests end (rank 0 writes)
+        nonlocal out_file
+        if args.output:
+            with write_errors_named(args.output, "--output"):
+                out_file = out_file or open_output(args.output)
+                out_file.write(json.dumps(out.to_json()) + "\n")
+                out_file.flush()
         else:
             finished.append(out)
             if spool is not None:  # the launcher prints it if this rank cannot
@@ -977,8 +978,9 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
                     print(f"speculant: error: {exc}", file=sys.stderr)
             raise
         finally:
-            if writer is not None:
-                writer.close()  # every queued line written first
+            if out_file is not None:
+                with write_errors_named(args.output, "--output"):  # close flushes the buffer
+                    out_file.close()
     if outputs is not None:  # rank 0 (or the one process) reports
         kept = dict(write_file=False, specs=specs, on_printed=on_printed)
         report_outputs(args, outputs, seconds, stdout, stderr, **kept)

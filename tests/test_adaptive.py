@@ -825,25 +825,35 @@ def test_steps_that_sample_nothing_keep_a_rest_gone_past_its_length(plain, promp
     """A rest that went on past its length (every running request cold) goes on through steps
     of prefill chunks that sample nothing, unless a context starts in the step: a request whose
     context starts outside a rest's length is warm and ends it. Output equals plain."""
-    engine = Engine(TARGET, **{**ENGINE, "max_num_seqs": 2, "max_num_batched_tokens": 8},
-                    **DRAFTERS["eagle3"], speculation=AUTO)  # fmt: skip
-    chooser = engine.chooser
-    chooser.rest_length = chooser.rest_left = 3  # a rest in progress
-    chooser.lost_probes = chooser.REST_AFTER - 1
-    steps, settle = [], engine._settle_catch_up
 
-    def record(plan):
-        bs = len(plan.decode) + sum(c.last for c in plan.chunks)
-        starts = [c.request.index for c in plan.chunks if c.start == 0]
-        settle(plan)
-        steps.append((plan.rests, bs, starts, chooser.rest_left, set(chooser.cold)))
+    def run(prompts, params):
+        engine = Engine(TARGET, **{**ENGINE, "max_num_seqs": 2, "max_num_batched_tokens": 8},
+                        **DRAFTERS["eagle3"], speculation=AUTO)  # fmt: skip
+        chooser = engine.chooser
+        chooser.rest_length = chooser.rest_left = 3  # a rest in progress
+        chooser.lost_probes = chooser.REST_AFTER - 1
+        steps, settle = [], engine._settle_catch_up
 
-    engine._settle_catch_up = record
-    ours = engine.generate(prompts, GREEDY)
-    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
-    past = [i for i, step in enumerate(steps) if i and steps[i - 1][3] == 0 and step[3] == 0]
+        def record(plan):
+            bs = len(plan.decode) + sum(c.last for c in plan.chunks)
+            starts = [c.request.index for c in plan.chunks if c.start == 0]
+            settle(plan)
+            steps.append((plan.rests, bs, starts, chooser.rest_left, set(chooser.cold)))
+
+        engine._settle_catch_up = record
+        ours = engine.generate(prompts, params)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
+        return steps, [
+            i for i, step in enumerate(steps) if i and steps[i - 1][3] == 0 and step[3] == 0
+        ]
+
+    # a short request ends while a long prompt, started in the rest (cold), still prefills alone
+    vocab = plain.model_config.vocab_size
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 6)]
+    steps, past = run(prompts_of((5, 100), seed=4, vocab=vocab), params)
     quiet = [i for i in past if steps[i][1] == 0 and not steps[i][2]]
-    assert quiet and all(steps[i][0] == steps[i - 1][0] for i in quiet)
+    assert quiet and all(steps[i][0] and steps[i - 1][0] for i in quiet)  # the rest goes on
+    steps, past = run(prompts, GREEDY)  # later requests start after the rest's length
     woke = [i for i in past if steps[i][2] and not steps[i][0]]
     assert woke and all(not set(steps[i][2]) & steps[i][4] for i in woke)  # started warm
 

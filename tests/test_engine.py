@@ -260,8 +260,7 @@ def check_overlap(ahead: Engine, synchronous: Engine, prompts, params) -> None:
 
 def test_overlap_equals_synchronous_steps_plain(llama_dir):
     """Stop tokens that end requests while a step runs ahead (its rows for them are dropped),
-    ragged length limits, a seeded sampled request, and more requests than rows (admissions
-    run synchronously until the queue drains)."""
+    ragged length limits, a seeded sampled request, and more requests than rows."""
     ahead, synchronous = overlap_pair(llama_dir)
     vocab = ahead.model_config.vocab_size
     prompts = random_prompts(vocab, (5, 9, 3, 12, 7, 4), seed=11)
@@ -296,16 +295,59 @@ def test_overlap_equals_synchronous_steps_speculative(llama_dir, tmp_path):
     check_overlap(ahead, synchronous, prompts, [greedy[0], sampled, greedy[2]])
 
 
-def test_overlap_never_runs_ahead_into_the_length_limit(llama_dir):
-    """A request within 2 x T tokens of its limit, or one near max_model_len, is never run ahead:
-    the extra step could write past its reserved KV pages."""
+def test_overlap_runs_ahead_while_requests_wait_for_rows(llama_dir):
+    """With every row taken and none freed by the step in flight, waiting requests are not due
+    (admission is by groups of free rows): steps run ahead while they wait, and the outputs
+    and step counts are those of synchronous steps."""
     ahead, synchronous = overlap_pair(llama_dir)
-    prompt = random_prompts(ahead.model_config.vocab_size, (100,), seed=13)
+    waiting = []
+    run_ahead = ahead._run_ahead
+
+    def watched(launched):
+        waiting.append(len(ahead.scheduler.waiting))
+        return run_ahead(launched)
+
+    ahead._run_ahead = watched
+    prompts = random_prompts(ahead.model_config.vocab_size, (5, 9, 3, 12, 7, 4, 8, 6), seed=16)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+              for n in (30, 12, 25, 18, 22, 9, 27, 15)]  # fmt: skip
+    check_overlap(ahead, synchronous, prompts, params)
+    assert max(waiting) > 0
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_overlap_runs_ahead_only_within_each_rows_table(llama_dir, tmp_path, drafts):
+    """The step launched ahead may carry a request that ends in the step in flight (its row
+    dropped when read: same outputs as synchronous steps, every page returned), but never one
+    whose two steps could write past its row's table (a request near max_model_len; with
+    EAGLE-3 k = 3 the last steps are refused)."""
+    spec = {}
+    if drafts:
+        from helpers_eagle import write_random_eagle3
+
+        write_random_eagle3(tmp_path, llama_dir, draft_vocab=300)
+        spec = dict(algo="eagle3", draft=str(tmp_path), num_draft_tokens=drafts)
+    ahead, synchronous = overlap_pair(llama_dir, **spec)
+    table, seen = ahead.kv.max_tokens_per_req, []
+    run_ahead = ahead._run_ahead
+
+    def watched(launched):
+        reach = ahead.scheduler.decode_reach
+        seen.append([(reach(r, steps=2), r.max_new_tokens - len(r.output_ids))
+                     for r in launched.requests])  # fmt: skip
+        return run_ahead(launched)
+
+    ahead._run_ahead = watched
+    vocab = ahead.model_config.vocab_size
+    prompt = random_prompts(vocab, (100,), seed=13)
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)  # capped at max_model_len
     check_overlap(ahead, synchronous, prompt, params)
-    steps = ahead.steps_ahead
-    ahead.generate(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
-    assert ahead.steps_ahead == steps  # 2 tokens: never more than 2 x T left
+    short = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 3, 17)]
+    check_overlap(ahead, synchronous, random_prompts(vocab, (6, 9, 4), seed=15), short)
+    rows = [row for step in seen for row in step]
+    assert max(reach for reach, _ in rows) <= table
+    # run ahead while a request had fewer tokens left than the two steps could emit
+    assert min(left for _, left in rows) <= 2 * ahead.tokens_per_req
 
 
 def test_overlap_announces_each_steps_sizes_to_the_graphs(llama_dir):
