@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Wave 22, call 3 (2026-12-06): the realistic job (1,000 requests, 8B shape, through the CLI)
-# with `--logprobs 5` and at default flags, this tree (--output lines serialised by a writer
-# thread, log-probabilities decoded once per request) vs the previous main (`.old_tree`,
-# carried), the baseline last. Logs and JSON under $OUT.
+# Wave 22, calls 3 and 5 (2026-12-06): the realistic job (1,000 requests, 8B shape, through
+# the CLI), this tree vs another (`.old_tree`, carried: call 3 the tree before the writer
+# thread and one-pass log-probabilities, call 5 c46a269 before the relaxed run-ahead rule),
+# the baseline last; CONFIGS / BASELINE pick the configurations (call 5:
+# CONFIGS=default,logprobs5 BASELINE=default,logprobs5). Logs and JSON under $OUT.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
