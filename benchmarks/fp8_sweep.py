@@ -11,7 +11,12 @@ float32 reference (W8A8 paths: of the same quantised activations) is >= 1e-2 is 
 Before the sweep, a probe tries the plausible block-wise scale layouts of torch._scaled_mm.
 
     python benchmarks/fp8_sweep.py [--budget-s 240] [--json OUT/fp8_sweep.json]
-        [--table OUT/fp8_tuned.json] [--skip-decode] [--dry-run]
+        [--table OUT/fp8_tuned.json] [--skip-decode] [--dry-run] [--merge]
+        [--target CHECKPOINT [--tp N]]
+
+`--target`: the projection shapes of that checkpoint (one TP rank's at `--tp`) instead of the
+8B ones, for a model whose shapes the shipped table lacks (kernels/fp8_table.py borrows the
+nearest measured shape's rows meanwhile); with `--merge` the table keeps every other row.
 
 `--dry-run`: tiny shapes on the CPU through Triton's interpreter (the script's logic and the
 table writing; times meaningless). Install a GPU table: copy the written JSON to
@@ -275,7 +280,7 @@ def sweep(args, report: dict, deadline: float) -> dict:
     {(N, K): [(M, path, config, us), ...]}."""
     cuda = not args.dry_run
     device = "cuda" if cuda else "cpu"
-    shapes = SHAPES_DRY if args.dry_run else SHAPES_8B
+    shapes = getattr(args, "shapes", None) or (SHAPES_DRY if args.dry_run else SHAPES_8B)
     ms = MS_DRY if args.dry_run else MS
     if args.ms:
         ms = tuple(int(v) for v in args.ms.split(","))
@@ -359,6 +364,26 @@ def measure(path, config, x, fp8: list, ref, cuda: bool) -> dict:
         return {**out, "us": us, "GBps": w.numel() / us / 1e3}
     except Exception as exc:
         return {"path": path, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def model_shapes(target: str, tp: int = 1) -> dict:
+    """{name: (N, K)} of the FP8 projections one TP rank of the checkpoint in `target` runs
+    (its config.json; KV heads replicated where fewer than tp, as models/layers.py does): qkv,
+    o and, with a dense MLP, gate_up and down (MoE experts dequantise: not routed here); names
+    of one shape joined ("o+down"), each shape once."""
+    from speculant.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(target)
+    heads, kv = cfg.num_heads // tp, cfg.num_kv_heads * max(1, tp // cfg.num_kv_heads) // tp
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"qkv": ((heads + 2 * kv) * d, hidden), "o": (hidden, heads * d)}
+    if len(cfg.moe_layer_ids) < cfg.num_layers:  # some layers have the dense MLP
+        inner = cfg.intermediate_size // tp
+        shapes.update(gate_up=(2 * inner, hidden), down=(hidden, inner))
+    names: dict = {}
+    for name, shape in shapes.items():
+        names.setdefault(shape, []).append(name)
+    return {"+".join(group): shape for shape, group in names.items()}
 
 
 def layer_sums(report: dict, shapes: dict) -> dict:
@@ -457,10 +482,17 @@ def main() -> int:
         "--merge", action="store_true",
         help="write the table as the shipped one with only the swept M rows replaced",
     )  # fmt: skip
+    parser.add_argument(
+        "--target", default=None,
+        help="a checkpoint folder: sweep its projections' shapes (one TP rank's: --tp), not "
+        "the Llama-3.1-8B ones; no decode stage",
+    )  # fmt: skip
+    parser.add_argument("--tp", type=int, default=1, help="with --target: the TP size it runs at")
     args = parser.parse_args()
     t0 = time.time()
     cuda = not args.dry_run
-    decode_on = cuda and not args.skip_decode
+    args.shapes = model_shapes(args.target, args.tp) if args.target else None
+    decode_on = cuda and not args.skip_decode and not args.target
     device_name = fp8_table.device_name(torch.device("cuda" if cuda else "cpu"))
     report: dict = {
         "t0": t0,
@@ -475,7 +507,9 @@ def main() -> int:
     print(f"  scaled_mm probe: works = {report['scaled_mm_probe']['works']}", flush=True)
     deadline = t0 + args.budget_s - (args.decode_reserve_s if decode_on else 0)
     rows = sweep(args, report, deadline)
-    report["layer_sums"] = layer_sums(report, SHAPES_DRY if args.dry_run else SHAPES_8B)
+    shapes = args.shapes or (SHAPES_DRY if args.dry_run else SHAPES_8B)
+    report["shapes"] = {name: list(shape) for name, shape in shapes.items()}
+    report["layer_sums"] = layer_sums(report, shapes)
     capability = fp8_table.device_capability(torch.device("cuda")) if cuda else None
     doc = write_table(rows, device_name, args.table, args.merge, capability)
     report["table"] = doc["devices"][device_name]

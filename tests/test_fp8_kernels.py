@@ -280,20 +280,25 @@ def test_checked_in_table_loads_and_names_known_paths():
             assert {path for _, path, _ in rows} <= known
 
 
-@pytest.mark.needs("triton")
-@pytest.mark.skipif(not runtime.INTERPRET, reason="the sweep's dry run needs the interpreter")
-def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
-    """benchmarks/fp8_sweep.py on one tiny shape: every row it writes is a candidate that
-    passed the reference check, the table loads, and linear() then routes by it."""
+def load_sweep():
     import importlib.util
-
-    from speculant.kernels import fp8_table
 
     spec = importlib.util.spec_from_file_location(
         "fp8_sweep", Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_sweep.py"
     )
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+@pytest.mark.needs("triton")
+@pytest.mark.skipif(not runtime.INTERPRET, reason="the sweep's dry run needs the interpreter")
+def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
+    """benchmarks/fp8_sweep.py on one tiny shape: every row it writes is a candidate that
+    passed the reference check, the table loads, and linear() then routes by it."""
+    from speculant.kernels import fp8_table
+
+    sweep = load_sweep()
     monkeypatch.setattr(sweep, "SHAPES_DRY", {"a": (64, 256)})
     monkeypatch.setattr(sweep, "MS_DRY", (1, 2))
     args = argparse.Namespace(dry_run=True, ms="", wide=False, paths="")
@@ -320,6 +325,31 @@ def test_sweep_dry_run_writes_a_table_the_router_takes(tmp_path, monkeypatch):
     merged = fp8_table.load(tmp_path / "merged.json")["cpu"][(64, 256)]
     assert [m for m, *_ in merged] == [1, 2] and merged[0][1:] == ("dot", (64, 64, 4, 2))
     assert merged[1] == table["cpu"][(64, 256)][1]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])  # 4: more ranks than the tiny model's 2 KV heads
+def test_sweep_takes_a_checkpoints_projection_shapes(llama_dir, tp):
+    """`fp8_sweep.py --target DIR --tp N` sweeps the (N, K) one TP rank of that model runs:
+    those of the model's own parallel layers built at that tp size, each shape once."""
+    from types import SimpleNamespace
+
+    from speculant.config import ModelConfig
+    from speculant.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    cfg = ModelConfig.from_dir(llama_dir)
+    pctx = SimpleNamespace(tp_size=tp, tp_rank=0)  # only the sizes are read
+    hidden, inner = cfg.hidden_size, cfg.intermediate_size
+    layers = {
+        "qkv": QKVParallelLinear(hidden, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, False,
+                                 pctx),  # fmt: skip
+        "o": RowParallelLinear(cfg.num_heads * cfg.head_dim, hidden, False, pctx),
+        "gate_up": ColumnParallelLinear(hidden, [inner, inner], False, pctx),
+        "down": RowParallelLinear(inner, hidden, False, pctx),
+    }
+    shapes = load_sweep().model_shapes(str(llama_dir), tp)
+    assert len(set(shapes.values())) == len(shapes)
+    named = {name: shape for names, shape in shapes.items() for name in names.split("+")}
+    assert named == {name: tuple(layer.weight.shape) for name, layer in layers.items()}
 
 
 @pytest.mark.gpu
