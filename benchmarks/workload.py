@@ -104,7 +104,9 @@ SUMMARY = re.compile(r"requests=(\d+) prompt_tokens=(\d+) output_tokens=(\d+) ti
 def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: str | None):
     """One CLI run; returns its figures (or the error) as a dict."""
     out = Path(args.out) / f"workload_{name}.jsonl"
-    cmd = [sys.executable, "-m", "speculant", "generate", "--target", target,
+    profile = Path(args.out) / f"profile_{name}.prof"
+    python = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if args.profile else [])
+    cmd = [*python, "-m", "speculant", "generate", "--target", target,
            "--load-format", "dummy", "--dtype", "bfloat16", "--device", args.device,
            "--prompts", str(job), "--output", str(out), "--ignore-eos", *flags]  # fmt: skip
     env = dict(os.environ)
@@ -144,7 +146,23 @@ def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: 
     accept = re.search(r"accept_len=([\d.]+)", err)
     if accept:
         result["accept_len"] = float(accept.group(1))
+    if args.profile and profile.exists():
+        result["host_profile"] = host_profile(profile)
     return result
+
+
+def host_profile(path: Path, top: int = 25) -> list[dict]:
+    """The main thread's functions with the most own time in a cProfile dump (the host's side
+    of the job; the profiler slows Python about twice, so compare configurations, not seconds)."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [
+        {"function": f"{Path(file).name}:{line}:{func}", "calls": calls,
+         "own_s": round(own, 3), "cumulative_s": round(cumulative, 3)}
+        for (file, line, func), (_, calls, own, cumulative, _) in rows
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each configuration under cProfile: its host functions with the most own "
+        "time go into its result (`host_profile`)",
+    )
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     shape = dict(SHAPES[args.shape])
