@@ -81,13 +81,11 @@ def set_m1_route(variant: str, saved: dict) -> None:
 
     shapes = kernels.TUNED.setdefault(fp8_table.device_name(torch.device("cuda")), {})
     for shape in SHAPES_8B.values():
-        shapes.setdefault(shape, [])  # a GPU without table rows: M > 1 keeps choice()
+        shapes.setdefault(shape, [])  # a GPU without table rows: M > 1 borrows or takes choice()
     for shape in shapes:
         saved.setdefault(shape, list(shapes[shape]))
         shapes[shape] = list(saved[shape])
-    if variant == "table":
-        return
-    for item in variant.split("+"):
+    for item in variant.split("+") if variant != "table" else ():
         named, _, route = item.rpartition("@")
         path, _, config = route.partition(":")
         values = tuple(int(v) if v.isdigit() else v for v in config.split(",") if v)
@@ -95,6 +93,7 @@ def set_m1_route(variant: str, saved: dict) -> None:
             if named and named != f"{shape[0]}x{shape[1]}":
                 continue
             shapes[shape] = [(1, path, values or None)] + [r for r in original if r[0] > 1]
+    kernels.TUNED.changed()  # rows changed in place: no kept lookups
 
 
 def bs1_variants(engine, vocab: int, args, gen, names: list, apply, what: str) -> dict:

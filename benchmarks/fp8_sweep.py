@@ -275,12 +275,17 @@ def sk_candidates(m: int, n: int, k: int, dry: bool, best: dict) -> dict:
     return out
 
 
+def swept_shapes(args) -> dict:
+    """{name: (N, K)}: the --target checkpoint's (args.shapes), else the dry run's or the 8B."""
+    return getattr(args, "shapes", None) or (SHAPES_DRY if args.dry_run else SHAPES_8B)
+
+
 def sweep(args, report: dict, deadline: float) -> dict:
     """report["kernels"][name/M] = {label: {us, GBps, err} or {error}}; returns the table rows
     {(N, K): [(M, path, config, us), ...]}."""
     cuda = not args.dry_run
     device = "cuda" if cuda else "cpu"
-    shapes = getattr(args, "shapes", None) or (SHAPES_DRY if args.dry_run else SHAPES_8B)
+    shapes = swept_shapes(args)
     ms = MS_DRY if args.dry_run else MS
     if args.ms:
         ms = tuple(int(v) for v in args.ms.split(","))
@@ -507,7 +512,7 @@ def main() -> int:
     print(f"  scaled_mm probe: works = {report['scaled_mm_probe']['works']}", flush=True)
     deadline = t0 + args.budget_s - (args.decode_reserve_s if decode_on else 0)
     rows = sweep(args, report, deadline)
-    shapes = args.shapes or (SHAPES_DRY if args.dry_run else SHAPES_8B)
+    shapes = swept_shapes(args)
     report["shapes"] = {name: list(shape) for name, shape in shapes.items()}
     report["layer_sums"] = layer_sums(report, shapes)
     capability = fp8_table.device_capability(torch.device("cuda")) if cuda else None

@@ -31,12 +31,20 @@ GPU_ONLY = ("scaled_mm",)  # paths the router takes only on CUDA
 class Table(dict):
     """{device name: {(N, K): [(max_m, path, config), ...] by max_m}}, with each device's
     compute capability (`capability`: {name: (major, minor)}) and whether `lookup` may borrow
-    rows of other shapes and devices (`borrow`)."""
+    rows of other shapes and devices (`borrow`). `lookup`'s answers are kept (an eager step asks
+    once per projection and layer): after changing rows in place, call `changed()`."""
 
     def __init__(self, rows=(), capability=None, borrow: bool = True):
         super().__init__(rows)
         self.capability = dict(capability or {})
         self.borrow = borrow
+        self.changed()
+
+    def changed(self) -> None:
+        """Forget the answers kept for lookups (the rows changed)."""
+        self.hits: dict = {}
+        self.top_m = max((r[0] for shapes in self.values() for rows in shapes.values()
+                          for r in rows), default=0)  # fmt: skip
 
 
 def load(path: str | Path = TUNED_PATH, borrow: bool = True) -> Table:
@@ -52,6 +60,7 @@ def load(path: str | Path = TUNED_PATH, borrow: bool = True) -> Table:
             entries = sorted((int(r["max_m"]), r["path"], _frozen(r.get("config"))) for r in rows)
             table.setdefault(device, {})[(n, k)] = entries
     table.capability = {name: tuple(cc) for name, cc in doc.get("capability", {}).items()}
+    table.changed()
     return table
 
 
@@ -114,6 +123,16 @@ def _nearest(shapes: dict, n: int, k: int, m: int):
 
 def lookup(table: dict, device: torch.device, n: int, k: int, m: int):
     """(path, config) for (device, N, K, M) as the module doc says, or None."""
+    hits = getattr(table, "hits", None)
+    if hits is None:  # a plain dict: nothing kept
+        return _lookup(table, device, n, k, m)
+    key = (device_name(device), device.type, n, k, min(m, table.top_m + 1))  # above every row
+    if key not in hits:
+        hits[key] = _lookup(table, device, n, k, m)
+    return hits[key]
+
+
+def _lookup(table: dict, device: torch.device, n: int, k: int, m: int):
     name = device_name(device)
     names = [name]
     if getattr(table, "borrow", False):

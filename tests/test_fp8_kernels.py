@@ -239,6 +239,10 @@ def test_table_borrows_the_nearest_shape_then_gpus_of_the_same_capability(tmp_pa
     ):
         assert fp8_table.lookup(table, gpu, n, k, m) == want, (name, n, k, m)
     name = "B"
+    table["B"][(4096, 4096)] = [(2, "fma", None)]  # rows changed in place: kept answers stay
+    assert fp8_table.lookup(table, gpu, 4096, 4096, 2) == ("w8a8", (2,))
+    table.changed()  # ... until told
+    assert fp8_table.lookup(table, gpu, 4096, 4096, 2) == ("fma", None)
     exact = fp8_table.load(path, borrow=False)
     assert fp8_table.lookup(exact, gpu, 4096, 4096, 1) == ("stream", (5,))
     assert fp8_table.lookup(exact, gpu, 4096, 4096, 2) is None
