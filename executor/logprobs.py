@@ -14,32 +14,32 @@ from dataclasses import dataclass
 
 import torch
 
+from speculant.kernels.ops import TORCH_OPS, TorchOps
+
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ops: TorchOps = TORCH_OPS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities under the raw logits (log_softmax, no temperature, top-k or top-p:
     vLLM's default `raw_logprobs`): of `tokens` [...] (-1, no token, reads id 0) at logits
-    [..., V], and the `num_top` most likely ids and theirs, most likely first. Returns chosen
-    [...] float32, top values [..., num_top] float32, top ids [..., num_top] int64."""
+    [..., V], and the `num_top` most likely ids and theirs, most likely first (`ops`: the
+    backend's, whose `top_logprobs` reads the logits once on the GPU). Returns chosen [...]
+    float32, top values [..., num_top] float32, top ids [..., num_top] int64."""
     logits = logits.float()
-    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)) - norm
-    if num_top:
-        values, ids = logits.topk(num_top, dim=-1)
-        values = values - norm
-    else:
-        values = logits.new_empty((*logits.shape[:-1], 0))
-        ids = tokens.new_empty((*tokens.shape, 0))
-    return chosen.squeeze(-1), values, ids
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    norm, values, ids = ops.top_logprobs(logits.reshape(-1, vocab), num_top)
+    chosen = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1) - norm.view(lead)
+    return chosen, values.view(*lead, num_top), ids.view(*lead, num_top)
 
 
-def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> torch.Tensor:
+def pack_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ops: TorchOps = TORCH_OPS
+) -> torch.Tensor:
     """The log-probabilities of `tokens` [bs, T] at logits [bs, T, V] and the `num_top` most
     likely there (`token_logprobs`), as int64 columns [bs, T (1 + 2 num_top)]
     that travel in a step's packed read-back: per position the chosen value and the top values
     (float32 bits), then per position the top ids. `unpack_logprobs` reads a row back."""
-    chosen, values, ids = token_logprobs(logits, tokens, num_top)
+    chosen, values, ids = token_logprobs(logits, tokens, num_top, ops)
     floats = torch.cat([chosen.unsqueeze(-1), values], dim=-1).reshape(tokens.shape[0], -1)
     bits = floats.contiguous().view(torch.int32).to(torch.int64)
     return torch.cat([bits, ids.reshape(tokens.shape[0], -1)], dim=1)

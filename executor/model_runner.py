@@ -168,7 +168,7 @@ class ModelRunner:
         )  # fmt: skip
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = pack_logprobs(logits, tokens, self.num_logprobs)
+            logprobs = pack_logprobs(logits, tokens, self.num_logprobs, self.attn.ops)
         live = rows != kv.sentinel_row  # padded rows must never grow the sentinel
         kv.cache_lens.index_add_(0, rows, accept_len * live)
         last_flat = flat_index(bs, T, accept_len - 1)
@@ -307,7 +307,7 @@ class ModelRunner:
             emitted[:num_verify, :T] = tokens
             if logprobs is not None:
                 v_logits = logits[: num_verify * T].view(num_verify, T, -1)
-                v_logprobs = pack_logprobs(v_logits, tokens, self.num_logprobs)
+                v_logprobs = pack_logprobs(v_logits, tokens, self.num_logprobs, self.attn.ops)
                 logprobs[:num_verify] = widen(v_logprobs, T, self.tokens_per_req, self.num_logprobs)
             accept_len[:num_verify] = v_accept
             next_tokens[: num_verify * T] = tokens.reshape(-1)
@@ -320,7 +320,9 @@ class ModelRunner:
             emitted[index, 0] = s_tokens
             if logprobs is not None:
                 s_logits = logits[num_verify * T :].unsqueeze(1)
-                s_logprobs = pack_logprobs(s_logits, s_tokens.unsqueeze(1), self.num_logprobs)
+                s_logprobs = pack_logprobs(
+                    s_logits, s_tokens.unsqueeze(1), self.num_logprobs, self.attn.ops
+                )
                 logprobs[index] = widen(s_logprobs, 1, self.tokens_per_req, self.num_logprobs)
             accept_len[index] = 1
             next_tokens[last[index]] = s_tokens

@@ -31,6 +31,13 @@ class TorchOps:
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(gate_up)
 
+    @staticmethod
+    def top_logprobs(
+        logits: torch.Tensor, num_top: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log-sum-exp [R], the `num_top` largest logits less it, their ids) of logits [R, V]."""
+        return reference.top_logprobs(logits, num_top)
+
 
 class TritonOps(TorchOps):
     """Fused kernels; `fuses_rope` True: the attention backend's `forward(..., rope)` rotates q
@@ -39,11 +46,12 @@ class TritonOps(TorchOps):
     fuses_rope = True
 
     def __init__(self):
-        from speculant.kernels import activation, norm
+        from speculant.kernels import activation, logprobs, norm
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
         self.silu_and_mul = activation.silu_and_mul
+        self.top_logprobs = logprobs.top_logprobs
 
 
 TORCH_OPS = TorchOps()

@@ -28,6 +28,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def top_logprobs(
+    logits: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [...], the `num_top` largest logits less it [..., num_top], their ids) of
+    logits [..., V], in float32, most likely first."""
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1)
+    if num_top:
+        values, ids = logits.topk(num_top, dim=-1)
+        return norm, values - norm.unsqueeze(-1), ids
+    empty = (*logits.shape[:-1], 0)
+    return norm, logits.new_empty(empty), torch.empty(empty, dtype=torch.int64, device=logits.device)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox RoPE of x [N, heads, d] by cos/sin [N, 1, d] (`sin` carries rotate_half's sign):
     two products in x's dtype, then their sum, like the HF models."""

@@ -37,6 +37,7 @@ from speculant.kernels import (
     fp8,
     fp8_table,
     gemv,
+    logprobs,
     norm,
     paged_attention,
     rope,
@@ -45,7 +46,7 @@ from speculant.kernels import (
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BF16, FP16, FP32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64
-MODULES = (activation, catch_up, fp8, gemv, norm, paged_attention, rope)
+MODULES = (activation, catch_up, fp8, gemv, logprobs, norm, paged_attention, rope)
 H200 = "NVIDIA H200"
 
 
@@ -106,6 +107,10 @@ def _rope(n, heads, kv_heads, d, dtype, fused_qkv=True):
                                t(n, dtype=I64))  # fmt: skip
 
     return run
+
+
+def _top_logprobs(rows, vocab, num_top):
+    return lambda: logprobs.top_logprobs(t(rows, vocab, dtype=FP32), num_top)
 
 
 def _gemv(n, k, dtype):
@@ -305,6 +310,10 @@ CASES = [
     ("attention bf16 decode order", 1, _attention(192, 1, 32, 8, 128, 4352, BF16, layout="order")),
     ("attention fp16 prefill varlen", 1, _prefill([48, 16], 16, 8, 128, 64, FP16)),
     ("attention fp16 head_dim 96 page 1", 0, _attention(4, 3, 8, 2, 96, 128, FP16, 1)),
+    ("top logprobs 5 of 128256 bs1", 1, _top_logprobs(1, 128256, 5)),
+    ("top logprobs 5 of 151936 bs64x4", 1, _top_logprobs(256, 151936, 5)),
+    ("top logprobs 20 of 128256 bs512", 0, _top_logprobs(512, 128256, 20)),
+    ("top logprobs 0 of 32000 bs3", 2, _top_logprobs(3, 32000, 0)),
     ("record bf16 eagle-3 3x4096", 0, _record(5, (4096, 4096, 4096), BF16)),
     ("record fp16 dflash 2x4096", 0, _record(5, (4096, 4096), FP16, ids=False)),
     ("record draft model ids only", 0, _record(1, (), BF16)),
@@ -342,6 +351,8 @@ def _recording(launches: list, pdl: int):
                 setattr(module, name, value)
     saved.append((paged_attention, "_num_sms", paged_attention._num_sms))
     paged_attention._num_sms = lambda device: H200_SMS
+    saved.append((logprobs, "_programs_wanted", logprobs._programs_wanted))
+    logprobs._programs_wanted = lambda device: 2 * H200_SMS
     try:
         yield
     finally:

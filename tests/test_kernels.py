@@ -366,6 +366,51 @@ def test_silu_and_mul(device, dtype):
     assert_close(out, reference.silu_and_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "rows, vocab, num_top, parts",
+    [(3, 5000, 5, None), (2, 3000, 1, 3), (1, 2500, 0, None), (4, 1500, 7, 1), (2, 4097, 20, 5)],
+)
+def test_top_logprobs_matches_reference(device, rows, vocab, num_top, parts):
+    """The one-read log-sum-exp and top-k (kernels/logprobs.py) against torch's: logits of
+    bf16 values (ties among the largest, as a bf16 lm_head's give), rows split over one to
+    several parts and the vocabulary past the last part's whole blocks; ties go to the lower
+    id; values within float32 rounding of the reference."""
+    from speculant.kernels import logprobs
+
+    if device == "cuda":
+        rows, vocab = rows * 64, 128256 + vocab  # Llama-3's vocabulary and more
+    gen = generator("top_logprobs", device, rows, vocab, num_top, parts)
+    logits = randn(gen, rows, vocab, dtype=torch.bfloat16, device=device, scale=3.0).float()
+    logits[0, vocab // 3] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie for the largest
+    norm, values, ids = logprobs.top_logprobs(logits, num_top, parts)
+    ref_norm, ref_values, _ = reference.top_logprobs(logits, num_top)
+    assert values.shape == ids.shape == (rows, num_top) and ids.dtype == torch.int64
+    assert torch.allclose(norm, ref_norm, rtol=1e-6, atol=1e-5)
+    assert torch.allclose(values, ref_values, rtol=1e-6, atol=1e-5)  # the same largest values
+    assert torch.equal(logits.gather(1, ids) - norm[:, None], values)  # at the ids given
+    for r in range(rows):  # most likely first, a tie to the lower id, each id once
+        pairs = list(zip((-values[r]).tolist(), ids[r].tolist(), strict=True))
+        assert pairs == sorted(pairs) and len(set(ids[r].tolist())) == num_top
+    assert ids[0, :2].tolist() == [vocab // 3, vocab - 1][:num_top]
+
+
+def test_top_logprobs_rows_with_few_finite_logits():
+    """Fewer finite logits than alternatives asked (-inf elsewhere): the finite ones, then -inf
+    at id -1 (no alternative has a probability); a row of ordinary values beside it."""
+    from speculant.kernels import logprobs
+
+    if not runtime.runs_triton(torch.empty(0)):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton's import)")
+    logits = torch.full((2, 2100), float("-inf"))
+    logits[0, [7, 2050]] = torch.tensor([1.0, 2.0])
+    logits[1] = torch.linspace(-3, 3, 2100)
+    norm, values, ids = logprobs.top_logprobs(logits, 3, parts=2)
+    assert ids[0].tolist() == [2050, 7, -1] and values[0, 2] == float("-inf")
+    assert ids[1].tolist() == [2099, 2098, 2097]
+    assert torch.allclose(norm, torch.logsumexp(logits, -1))
+
+
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
 

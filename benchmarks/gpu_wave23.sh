@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Wave 23 (2026-12-06, fourth session): the one-read log-probability kernels (kernels/logprobs.py)
+# against torch's logsumexp + topk, isolated (benchmarks/logprobs_kernel.py) and in the
+# realistic job with `--logprobs 5` (this tree vs `.old_tree`, carried: 8fa7c6f, the baseline
+# last), and their GPU tests. On an H200 first the pending issue-24 measurement (gpu_wave21b.sh's
+# stream vs split-K M = 1 rows in the FP8 step) instead of the job. Logs and JSON under $OUT.
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+machine_header
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+timeout 150 python3 benchmarks/logprobs_kernel.py --json "$OUT/wave23_logprobs_kernel.json" \
+    2>&1 | tee "$OUT/wave23_logprobs_kernel.log" | tail -24
+timeout 200 python3 -m pytest -q -x -m gpu tests/test_kernels.py -k top_logprobs \
+    tests/test_logprobs.py 2>&1 | tail -4 | tee "$OUT/wave23_pytest.log"
+case "$name" in
+    *H200*)
+        for paths in splitk splitk,stream; do
+            n=${paths//,/_}
+            timeout 70 python3 benchmarks/fp8_sweep.py --ms 1 --merge --skip-decode \
+                --budget-s 55 --paths "$paths" --json "$OUT/wave23_sweep_$n.json" \
+                --table "$OUT/wave23_table_$n.json" 2>&1 | grep -v "it/s\]" \
+                | tee "$OUT/wave23_sweep_$n.log" | tail -6
+        done
+        timeout 200 python3 benchmarks/decode_ab.py --label w23 --kinds fp8 --rounds 3 \
+            --fp8-tables "$OUT/wave23_table_splitk.json;$OUT/wave23_table_splitk_stream.json" \
+            --json "$OUT/wave23_decode_ab.json" 2>&1 | grep -v "Warning\|it/s\]\|warn" \
+            | tee "$OUT/wave23_decode_ab.log" | tail -8
+        ;;
+    *)
+        warm_up_job
+        mkdir -p "$OUT/job"
+        (cd benchmarks && timeout 300 python3 workload.py --out "$OUT/job" --requests 1000 \
+            --configs logprobs5,default --tree ../.old_tree --baseline-configs logprobs5,default \
+            --baseline-last --timeout 70 2>&1 | tee "$OUT/job/workload.log" | tail -10)
+        rm -f "$OUT"/*/workload_*.jsonl
+        ;;
+esac
+exit 0

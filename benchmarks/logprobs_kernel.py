@@ -1,0 +1,86 @@
+"""A step's log-probability statistics on the GPU: torch's logsumexp + topk (kernels/reference.py
+`top_logprobs`, what every step ran before) against the one-read Triton kernels
+(kernels/logprobs.py), on float32 logits of bf16 values [rows, vocab] as the 8B model's lm_head
+gives them. Each is captured in a CUDA graph and replayed (us per call, median of rounds); the
+outputs are compared (values within float32 rounding, equal ids where no value ties).
+
+    python benchmarks/logprobs_kernel.py --json OUT.json [--rows 1,8,64,256,1024]
+        [--vocab 128256,151936] [--top 5,20] [--replays 50] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from speculant.kernels import logprobs, reference
+
+
+def replay_us(fn, replays: int, rounds: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / replays)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--rows", default="1,8,64,256,1024")
+    parser.add_argument("--vocab", default="128256,151936")
+    parser.add_argument("--top", default="5,20")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = []
+    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print("| vocab | top | rows | torch us | kernels us | speed-up | outputs |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for vocab in map(int, args.vocab.split(",")):
+        for top in map(int, args.top.split(",")):
+            for rows in map(int, args.rows.split(",")):
+                x = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16().float()
+                norm, values, ids = logprobs.top_logprobs(x, top)
+                ref_norm, ref_values, ref_ids = reference.top_logprobs(x, top)
+                same = bool(
+                    torch.allclose(norm, ref_norm, rtol=1e-6, atol=1e-5)
+                    and torch.allclose(values, ref_values, rtol=1e-6, atol=1e-5)
+                    and torch.equal(x.gather(1, ids) - norm[:, None], values)
+                )
+                ties = (ref_values[:, 1:] == ref_values[:, :-1]).any(1)
+                same_ids = bool(torch.equal(ids[~ties], ref_ids[~ties]))
+                a = replay_us(lambda x=x, top=top: reference.top_logprobs(x, top), args.replays,
+                              args.rounds)  # fmt: skip
+                b = replay_us(lambda x=x, top=top: logprobs.top_logprobs(x, top), args.replays,
+                              args.rounds)  # fmt: skip
+                row = {"vocab": vocab, "top": top, "rows": rows, "torch_us": round(a, 1),
+                       "kernels_us": round(b, 1), "equal": same, "equal_ids_untied": same_ids}  # fmt: skip
+                results.append(row)
+                print(f"| {vocab} | {top} | {rows} | {a:.1f} | {b:.1f} | {a / b:.2f}x | "
+                      f"{'equal' if same and same_ids else 'DIFFER'} |", flush=True)  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
