@@ -39,7 +39,7 @@ def top_logprobs(
         values, ids = logits.topk(num_top, dim=-1)
         return norm, values - norm.unsqueeze(-1), ids
     empty = (*logits.shape[:-1], 0)
-    return norm, logits.new_empty(empty), torch.empty(empty, dtype=torch.int64, device=logits.device)
+    return norm, logits.new_empty(empty), logits.new_empty(empty, dtype=torch.int64)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
