@@ -6,6 +6,11 @@ outputs are compared (values within float32 rounding, equal ids where no value t
 
     python benchmarks/logprobs_kernel.py --json OUT.json [--rows 1,8,64,256,1024]
         [--vocab 128256,151936] [--top 5,20] [--replays 50] [--rounds 5]
+        [--variants for:1024:4,while:1024:4,...]
+
+`--variants`: kernel variants timed side by side, LOOP:BLOCK:WARPS (LOOP `for`: a part's chunk
+count a compile-time constant, `while`: read at run time; kernels/logprobs.py's
+CONSTANT_CHUNKS, BLOCK, WARPS); the module's own setting when not given.
 """
 
 from __future__ import annotations
@@ -50,34 +55,45 @@ def main() -> None:
     parser.add_argument("--top", default="5,20")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", default=None)
     args = parser.parse_args()
+    own = f"{'for' if logprobs.CONSTANT_CHUNKS else 'while'}:{logprobs.BLOCK}:{logprobs.WARPS}"
+    variants = (args.variants or own).split(",")
     torch.manual_seed(0)
     results = []
     print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print("| vocab | top | rows | torch us | kernels us | speed-up | outputs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| vocab | top | rows | torch us | {' | '.join(variants)} | outputs |")
+    print("| --- " * (5 + len(variants)) + "|")
     for vocab in map(int, args.vocab.split(",")):
         for top in map(int, args.top.split(",")):
             for rows in map(int, args.rows.split(",")):
                 x = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16().float()
-                norm, values, ids = logprobs.top_logprobs(x, top)
                 ref_norm, ref_values, ref_ids = reference.top_logprobs(x, top)
-                same = bool(
-                    torch.allclose(norm, ref_norm, rtol=1e-6, atol=1e-5)
-                    and torch.allclose(values, ref_values, rtol=1e-6, atol=1e-5)
-                    and torch.equal(x.gather(1, ids) - norm[:, None], values)
-                )
-                ties = (ref_values[:, 1:] == ref_values[:, :-1]).any(1)
-                same_ids = bool(torch.equal(ids[~ties], ref_ids[~ties]))
+                near = x.topk(top + 1).values  # a tie at the edge of the top too
+                ties = (near[:, 1:] == near[:, :-1]).any(1)
                 a = replay_us(lambda x=x, top=top: reference.top_logprobs(x, top), args.replays,
                               args.rounds)  # fmt: skip
-                b = replay_us(lambda x=x, top=top: logprobs.top_logprobs(x, top), args.replays,
-                              args.rounds)  # fmt: skip
-                row = dict(vocab=vocab, top=top, rows=rows, torch_us=round(a, 1))
-                row.update(kernels_us=round(b, 1), equal=same, equal_ids_untied=same_ids)
+                row = dict(vocab=vocab, top=top, rows=rows, torch_us=round(a, 1), variants={})
+                cells, equal = [], True
+                for variant in variants:
+                    loop, block, warps = variant.split(":")
+                    logprobs.CONSTANT_CHUNKS = loop == "for"
+                    logprobs.BLOCK, logprobs.WARPS = int(block), int(warps)
+                    norm, values, ids = logprobs.top_logprobs(x, top)
+                    equal &= bool(
+                        torch.allclose(norm, ref_norm, rtol=1e-6, atol=1e-5)
+                        and torch.allclose(values, ref_values, rtol=1e-6, atol=1e-5)
+                        and torch.equal(x.gather(1, ids) - norm[:, None], values)
+                        and torch.equal(ids[~ties], ref_ids[~ties])
+                    )
+                    b = replay_us(lambda x=x, top=top: logprobs.top_logprobs(x, top),
+                                  args.replays, args.rounds)  # fmt: skip
+                    row["variants"][variant] = round(b, 1)
+                    cells.append(f"{b:.1f} ({a / b:.1f}x)")
+                row["equal"] = equal
                 results.append(row)
-                print(f"| {vocab} | {top} | {rows} | {a:.1f} | {b:.1f} | {a / b:.2f}x | "
-                      f"{'equal' if same and same_ids else 'DIFFER'} |", flush=True)  # fmt: skip
+                print(f"| {vocab} | {top} | {rows} | {a:.1f} | {' | '.join(cells)} | "
+                      f"{'equal' if equal else 'DIFFER'} |", flush=True)  # fmt: skip
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 

@@ -30,23 +30,46 @@ from speculant.kernels.runtime import (
 )
 
 BLOCK = 1024  # columns a part reads at a time
+WARPS = 4
+CONSTANT_CHUNKS = True  # the part's chunk count a compile-time constant (else read at run time)
 TOP_LIMIT = 32  # the most alternatives the kernels search for
 ID_NONE = tl.constexpr(2**31 - 1)  # an id no candidate has (vocabularies are far smaller)
 
 
 @triton.jit
+def _take_chunk(x_ptr, start, vocab, offs, slots, m_run, s_run, best_v, best_i):
+    """One chunk of a part: its values folded into the running max and sum of exp, and those
+    larger than the smallest kept value taken into the kept slots."""
+    x = tl.load(x_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
+    top = tl.max(x, axis=0)
+    new_m = tl.maximum(m_run, top)
+    shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # no -inf - -inf
+    s_run = s_run * tl.exp(m_run - shift) + tl.sum(tl.exp(x - shift), axis=0)
+    if top > tl.min(best_v, axis=0):
+        v, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        while v > tl.min(best_v, axis=0):  # at most K times: each takes a kept slot
+            slot = tl.argmin(best_v, axis=0, tie_break_left=True)
+            best_v = tl.where(slots == slot, v, best_v)
+            best_i = tl.where(slots == slot, start + at, best_i)
+            x = tl.where(offs == at, float("-inf"), x)
+            v, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    return new_m, s_run, best_v, best_i
+
+
+@triton.jit
 def _part_kernel(
-    x_ptr, stride_x, vocab, m_ptr, s_ptr, v_ptr, i_ptr,
+    x_ptr, stride_x, vocab, part_chunks, m_ptr, s_ptr, v_ptr, i_ptr,
     CHUNKS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, part): the part's max and sum of exp(x - max), and its K largest values
-    and their ids (unordered; fewer than K finite values leave -inf at id ID_NONE)."""
+    and their ids (unordered; fewer than K finite values leave -inf at id ID_NONE). A part is
+    `part_chunks` chunks of BLOCK; CHUNKS > 0: that count as a constant (an unrolled loop)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    lo = part * CHUNKS * BLOCK
+    x_ptr += row * stride_x
     slots = tl.arange(0, KP)
     offs = tl.arange(0, BLOCK)
     # slots past K hold +inf: never the smallest, so never replaced, and never stored
@@ -54,23 +77,21 @@ def _part_kernel(
     best_i = tl.full([KP], ID_NONE, tl.int32)
     m_run = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     s_run = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    for chunk in range(CHUNKS):  # chunks past the vocabulary (the last part's) load nothing
-        start = lo + chunk * BLOCK
-        x = tl.load(x_ptr + row * stride_x + start + offs, mask=start + offs < vocab,
-                    other=float("-inf"))  # fmt: skip
-        top = tl.max(x, axis=0)
-        new_m = tl.maximum(m_run, top)
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # no -inf - -inf
-        s_run = s_run * tl.exp(m_run - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        m_run = new_m
-        if top > tl.min(best_v, axis=0):
-            v, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            while v > tl.min(best_v, axis=0):  # at most K times: each takes a kept slot
-                slot = tl.argmin(best_v, axis=0, tie_break_left=True)
-                best_v = tl.where(slots == slot, v, best_v)
-                best_i = tl.where(slots == slot, start + at, best_i)
-                x = tl.where(offs == at, float("-inf"), x)
-                v, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    # chunks past the vocabulary (the last part's) load nothing
+    if CHUNKS > 0:
+        lo = part * CHUNKS * BLOCK
+        for chunk in range(CHUNKS):
+            m_run, s_run, best_v, best_i = _take_chunk(
+                x_ptr, lo + chunk * BLOCK, vocab, offs, slots, m_run, s_run, best_v, best_i
+            )
+    else:
+        start = part * part_chunks * BLOCK
+        end = start + part_chunks * BLOCK
+        while start < end:
+            m_run, s_run, best_v, best_i = _take_chunk(
+                x_ptr, start, vocab, offs, slots, m_run, s_run, best_v, best_i
+            )
+            start += BLOCK
     out = row * parts + part
     tl.store(m_ptr + out, m_run)
     tl.store(s_ptr + out, s_run)
@@ -141,15 +162,18 @@ def top_logprobs(
     i = torch.empty((rows, parts, k), dtype=torch.int32, device=device)
     pdl = pdl_options(pdl_mode(logits))
     _part_kernel[(rows, parts)](
-        logits, logits.stride(0), vocab, m, s, v, i,
-        CHUNKS=chunks, K=k, KP=next_power_of_2(k), BLOCK=BLOCK, num_warps=4, **pdl,
+        logits, logits.stride(0), vocab, chunks, m, s, v, i,
+        CHUNKS=chunks if CONSTANT_CHUNKS else 0, K=k, KP=next_power_of_2(k), BLOCK=BLOCK,
+        num_warps=WARPS, **pdl,
     )  # fmt: skip
     norm = torch.empty(rows, dtype=torch.float32, device=device)
     top_v = torch.empty((rows, k), dtype=torch.float32, device=device)
     top_i = torch.empty((rows, k), dtype=torch.int64, device=device)
+    # run-time chunks: one compiled merge a vocabulary (its sizes those of the most parts)
+    most = parts if CONSTANT_CHUNKS else blocks
     _merge_kernel[(rows,)](
         m, s, v, i, norm, top_v, top_i, parts,
-        K=k, PARTS=next_power_of_2(parts), CANDIDATES=next_power_of_2(parts * k), num_warps=4,
+        K=k, PARTS=next_power_of_2(most), CANDIDATES=next_power_of_2(most * k), num_warps=4,
         **pdl,
     )  # fmt: skip
     return norm, top_v[:, :num_top], top_i[:, :num_top]
