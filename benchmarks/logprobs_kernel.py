@@ -6,11 +6,11 @@ outputs are compared (values within float32 rounding, equal ids where no value t
 
     python benchmarks/logprobs_kernel.py --json OUT.json [--rows 1,8,64,256,1024]
         [--vocab 128256,151936] [--top 5,20] [--replays 50] [--rounds 5]
-        [--variants for:1024:4,while:1024:4,...]
+        [--variants 1024:4,4096:8,...]
 
-`--variants`: kernel variants timed side by side, LOOP:BLOCK:WARPS (LOOP `for`: a part's chunk
-count a compile-time constant, `while`: read at run time; kernels/logprobs.py's
-CONSTANT_CHUNKS, BLOCK, WARPS); the module's own setting when not given.
+`--variants`: kernel variants timed side by side, BLOCK:WARPS (kernels/logprobs.py's BLOCK,
+WARPS); the module's own setting when not given. (Wave 23 also timed a part's chunk count as a
+compile-time constant, code since removed: results/wave23.md.)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", default=None)
     args = parser.parse_args()
-    own = f"{'for' if logprobs.CONSTANT_CHUNKS else 'while'}:{logprobs.BLOCK}:{logprobs.WARPS}"
+    own = f"{logprobs.BLOCK}:{logprobs.WARPS}"
     variants = (args.variants or own).split(",")
     torch.manual_seed(0)
     results = []
@@ -76,8 +76,7 @@ def main() -> None:
                 row = dict(vocab=vocab, top=top, rows=rows, torch_us=round(a, 1), variants={})
                 cells, equal = [], True
                 for variant in variants:
-                    loop, block, warps = variant.split(":")
-                    logprobs.CONSTANT_CHUNKS = loop == "for"
+                    block, warps = variant.split(":")
                     logprobs.BLOCK, logprobs.WARPS = int(block), int(warps)
                     norm, values, ids = logprobs.top_logprobs(x, top)
                     equal &= bool(

@@ -29,9 +29,8 @@ from speculant.kernels.runtime import (
     triton,
 )
 
-BLOCK = 1024  # columns a part reads at a time
-WARPS = 4
-CONSTANT_CHUNKS = True  # the part's chunk count a compile-time constant (else read at run time)
+BLOCK = 4096  # columns a part reads at a time
+WARPS = 8
 TOP_LIMIT = 32  # the most alternatives the kernels search for
 ID_NONE = tl.constexpr(2**31 - 1)  # an id no candidate has (vocabularies are far smaller)
 
@@ -59,12 +58,12 @@ def _take_chunk(x_ptr, start, vocab, offs, slots, m_run, s_run, best_v, best_i):
 @triton.jit
 def _part_kernel(
     x_ptr, stride_x, vocab, part_chunks, m_ptr, s_ptr, v_ptr, i_ptr,
-    CHUNKS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, part): the part's max and sum of exp(x - max), and its K largest values
     and their ids (unordered; fewer than K finite values leave -inf at id ID_NONE). A part is
-    `part_chunks` chunks of BLOCK; CHUNKS > 0: that count as a constant (an unrolled loop)."""
+    `part_chunks` chunks of BLOCK, a count read at run time: one compiled kernel serves every
+    split (a constant count, unrolled, measured no faster at top 5: results/wave23.md)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -77,21 +76,13 @@ def _part_kernel(
     best_i = tl.full([KP], ID_NONE, tl.int32)
     m_run = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     s_run = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    # chunks past the vocabulary (the last part's) load nothing
-    if CHUNKS > 0:
-        lo = part * CHUNKS * BLOCK
-        for chunk in range(CHUNKS):
-            m_run, s_run, best_v, best_i = _take_chunk(
-                x_ptr, lo + chunk * BLOCK, vocab, offs, slots, m_run, s_run, best_v, best_i
-            )
-    else:
-        start = part * part_chunks * BLOCK
-        end = start + part_chunks * BLOCK
-        while start < end:
-            m_run, s_run, best_v, best_i = _take_chunk(
-                x_ptr, start, vocab, offs, slots, m_run, s_run, best_v, best_i
-            )
-            start += BLOCK
+    start = part * part_chunks * BLOCK
+    end = start + part_chunks * BLOCK  # chunks past the vocabulary (the last part's) load nothing
+    while start < end:  # (a `for` over a run-time count fails in the interpreter)
+        m_run, s_run, best_v, best_i = _take_chunk(
+            x_ptr, start, vocab, offs, slots, m_run, s_run, best_v, best_i
+        )
+        start += BLOCK
     out = row * parts + part
     tl.store(m_ptr + out, m_run)
     tl.store(s_ptr + out, s_run)
@@ -151,8 +142,8 @@ def top_logprobs(
     rows, vocab = logits.shape
     k = max(num_top, 1)  # the kernels keep one at least; none are returned for 0
     blocks = -(-vocab // BLOCK)
-    if parts is None:  # a power of two: few compiled variants (CHUNKS is a constant)
-        parts = next_power_of_2(-(-_programs_wanted(logits.device) // rows))
+    if parts is None:
+        parts = -(-_programs_wanted(logits.device) // rows)
     chunks = -(-blocks // max(1, min(parts, blocks)))
     parts = -(-blocks // chunks)
     device = logits.device
@@ -163,17 +154,15 @@ def top_logprobs(
     pdl = pdl_options(pdl_mode(logits))
     _part_kernel[(rows, parts)](
         logits, logits.stride(0), vocab, chunks, m, s, v, i,
-        CHUNKS=chunks if CONSTANT_CHUNKS else 0, K=k, KP=next_power_of_2(k), BLOCK=BLOCK,
-        num_warps=WARPS, **pdl,
+        K=k, KP=next_power_of_2(k), BLOCK=BLOCK, num_warps=WARPS, **pdl,
     )  # fmt: skip
     norm = torch.empty(rows, dtype=torch.float32, device=device)
     top_v = torch.empty((rows, k), dtype=torch.float32, device=device)
     top_i = torch.empty((rows, k), dtype=torch.int64, device=device)
-    # run-time chunks: one compiled merge a vocabulary (its sizes those of the most parts)
-    most = parts if CONSTANT_CHUNKS else blocks
+    # sized for the most parts a row can have: one compiled merge a vocabulary
     _merge_kernel[(rows,)](
         m, s, v, i, norm, top_v, top_i, parts,
-        K=k, PARTS=next_power_of_2(most), CANDIDATES=next_power_of_2(most * k), num_warps=4,
+        K=k, PARTS=next_power_of_2(blocks), CANDIDATES=next_power_of_2(blocks * k), num_warps=4,
         **pdl,
     )  # fmt: skip
     return norm, top_v[:, :num_top], top_i[:, :num_top]

@@ -368,16 +368,20 @@ def test_silu_and_mul(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "rows, vocab, num_top, parts",
-    [(3, 5000, 5, None), (2, 3000, 1, 3), (1, 2500, 0, None), (4, 1500, 7, 1), (2, 4097, 20, 5)],
-)
-def test_top_logprobs_matches_reference(device, rows, vocab, num_top, parts):
+    "rows, vocab, num_top, parts, block",
+    [(3, 5000, 5, None, None), (2, 3000, 1, 3, 256), (1, 2500, 0, None, 256),
+     (4, 1500, 7, 1, 256), (2, 4097, 20, 5, 512), (2, 9000, 3, 2, None)],
+)  # fmt: skip
+def test_top_logprobs_matches_reference(device, rows, vocab, num_top, parts, block, monkeypatch):
     """The one-read log-sum-exp and top-k (kernels/logprobs.py) against torch's: logits of
     bf16 values (ties among the largest, as a bf16 lm_head's give), rows split over one to
-    several parts and the vocabulary past the last part's whole blocks; ties go to the lower
-    id; values within float32 rounding of the reference."""
+    several parts of one to several chunks (`block`: a chunk's columns, smaller than the
+    default on the CPU) and the vocabulary past the last part's whole chunks; ties go to the
+    lower id; values within float32 rounding of the reference."""
     from speculant.kernels import logprobs
 
+    if block is not None and device == "cpu":
+        monkeypatch.setattr(logprobs, "BLOCK", block)
     if device == "cuda":
         rows, vocab = rows * 64, 128256 + vocab  # Llama-3's vocabulary and more
     gen = generator("top_logprobs", device, rows, vocab, num_top, parts)
