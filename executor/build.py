@@ -418,6 +418,12 @@ def build_drafter(setup: RankSetup, model: CausalLM, kv: PagedKVCache) -> Drafte
             setup.attention_backend,
         )
     draft_cfg = ModelConfig.from_dir(spec.draft)
+    if draft_cfg.is_moe:  # its layers would be built dense, and its expert tensors not found
+        raise SpeculantError(
+            f"{spec.draft}/config.json is a mixture-of-experts {draft_cfg.architecture}: a draft "
+            "model must be a dense Llama / Qwen2 / Qwen3 checkpoint; pass a dense --draft (or "
+            "--algo eagle3 / dflash with their heads)"
+        )
     # another vocab_size: one tokenizer padded to other sizes, shown by the tokenizer files
     check_draft_tokenizer(
         cfg.target, spec.draft, setup.model_config.vocab_size, draft_cfg.vocab_size

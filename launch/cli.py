@@ -943,6 +943,8 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     if args.tp * args.dp > 1 and "RANK" not in os.environ:  # start the ranks, one per GPU
         from speculant.launch.spawn import launch_cli
 
+        _check_tp(args)  # before a process starts: each would load torch to find out
+
         device = _engine_kwargs(args)["device"]
         return launch_cli(
             args.argv, args.tp * args.dp, device, stderr, output=args.output, stdout=stdout
@@ -985,6 +987,21 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         kept = dict(write_file=False, specs=specs, on_printed=on_printed)
         report_outputs(args, outputs, seconds, stdout, stderr, **kept)
     return 0
+
+
+def _check_tp(args: argparse.Namespace) -> None:
+    """--tp against the target's attention heads and MLP width (config.json), as its layers
+    will check it in every rank."""
+    if args.tp == 1 or args.demo_model:
+        return
+    from speculant.config import ModelConfig
+    from speculant.models.layers import heads_tp_problem
+
+    cfg = ModelConfig.from_dir(args.target)
+    dense = len(cfg.moe_layer_ids) < cfg.num_layers  # (experts divide by expert parallelism)
+    mlp = cfg.intermediate_size if dense else None
+    if problem := heads_tp_problem(cfg.num_heads, cfg.num_kv_heads, args.tp, mlp):
+        raise SpeculantError(problem)
 
 
 def generate_in_rank(

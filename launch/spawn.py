@@ -466,8 +466,21 @@ def fault_point(rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def max_cpu_ranks() -> int:
+    """The most CPU ranks a local launch starts: 4 a core, 8 at least (each rank is a process
+    that loads torch and the model; more only wait for cores)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 def check_devices(device: str, world_size: int) -> None:
-    """One GPU per rank: enough GPUs must be visible."""
+    """One GPU per rank: enough GPUs must be visible; on the CPU, no more ranks than
+    `max_cpu_ranks`."""
+    if device == "cpu" and world_size > max_cpu_ranks():
+        raise SpeculantError(
+            f"{world_size} ranks (--tp x --dp) on the CPU, and this machine has "
+            f"{os.cpu_count()} cores: a local CPU launch starts at most {max_cpu_ranks()}; "
+            "lower --tp/--dp"
+        )
     if device.startswith("cuda"):
         import torch
 

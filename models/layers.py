@@ -207,6 +207,34 @@ class ColumnParallelLinear(nn.Module):
         return project(self, x, self.bias)
 
 
+def _heads_split(num_heads: int, num_kv_heads: int, tp: int) -> bool:
+    """Whether the heads and the (replicated) KV heads divide over tp ranks."""
+    return num_heads % tp == 0 and (num_kv_heads * max(1, tp // num_kv_heads)) % tp == 0
+
+
+def heads_tp_problem(
+    num_heads: int, num_kv_heads: int, tp: int, intermediate_size: int | None = None
+) -> str | None:
+    """Why a model of these attention heads (and dense MLP width) cannot run at tensor-parallel
+    size tp, naming the sizes that can; None if it can. The launcher asks before it starts a
+    rank; the layers ask again as they are built."""
+    def fits(t: int) -> bool:
+        return _heads_split(num_heads, num_kv_heads, t) and (
+            intermediate_size is None or intermediate_size % t == 0
+        )
+
+    if tp >= 1 and fits(tp):
+        return None
+    sizes = ", ".join(str(t) for t in range(1, num_heads + 1) if fits(t))
+    if tp >= 1 and _heads_split(num_heads, num_kv_heads, tp):
+        what = f"the MLP's intermediate_size {intermediate_size} is not divisible by"
+    elif tp >= 1 and num_heads % tp == 0:
+        what = f"{num_kv_heads} KV heads cannot be split over"
+    else:
+        what = f"{num_heads} attention heads are not divisible by"
+    return f"{what} tp={tp}; use --tp {sizes}"
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Merged q, k and v projections; KV heads are replicated when tp exceeds their number."""
 
@@ -220,15 +248,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         pctx: ParallelContext,
     ):
         tp = pctx.tp_size
-
-        def splits(t: int) -> bool:  # the heads and (replicated) KV heads divide over t ranks
-            return num_heads % t == 0 and (num_kv_heads * max(1, t // num_kv_heads)) % t == 0
-
-        if not splits(tp):
-            fits = ", ".join(str(t) for t in range(1, num_heads + 1) if splits(t))
-            what = (f"{num_heads} attention heads are not divisible by" if num_heads % tp
-                    else f"{num_kv_heads} KV heads cannot be split over")  # fmt: skip
-            raise ValueError(f"{what} tp={tp}; use --tp {fits}")
+        if problem := heads_tp_problem(num_heads, num_kv_heads, tp):
+            raise ValueError(problem)
         self.kv_replicas = max(1, tp // num_kv_heads)
         self.num_heads = num_heads // tp
         self.num_kv_heads = num_kv_heads * self.kv_replicas // tp

@@ -81,6 +81,46 @@ def test_threads_up_to_the_usable_cpus_are_taken():
         set_cpu_threads(10**8, [])  # accept-rate sets its threads here: refused as well
 
 
+# ------------------------------------------------------------------------------- --tp / --dp
+
+
+def _no_ranks(monkeypatch):
+    from speculant.launch import spawn
+
+    def started(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(spawn, "launch_cli", started)
+
+
+@pytest.mark.parametrize("tp", [3, 8, 10**20])
+def test_tp_the_target_cannot_split_is_refused_before_any_rank_starts(capsys, monkeypatch, tp):
+    # the bundled target: 4 attention heads, 2 KV heads (--tp 10**20 once started ranks until
+    # the machine ran out of processes)
+    _no_ranks(monkeypatch)
+    line = error_line(*run_main(capsys, "--prompt", "x", "--tp", tp))
+    assert f"4 attention heads are not divisible by tp={tp}; use --tp 1, 2, 4" in line
+
+
+def test_tp_the_mlp_cannot_split_is_refused_naming_sizes_that_can(capsys, monkeypatch, tmp_path):
+    config = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, intermediate_size=6,
+                  vocab_size=32)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _no_ranks(monkeypatch)
+    line = error_line(*run_main(capsys, "--target", tmp_path, "--prompt", "x", "--tp", 4))
+    assert "intermediate_size 6 is not divisible by tp=4; use --tp 1, 2" in line
+
+
+def test_more_cpu_ranks_than_the_machine_takes_are_refused(capsys, monkeypatch):
+    from speculant.launch.spawn import max_cpu_ranks
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert max_cpu_ranks() == 8
+    line = error_line(*run_main(capsys, "--prompt", "x", "--tp", 2, "--dp", 5))
+    assert "10 ranks (--tp x --dp) on the CPU" in line and "at most 8; lower --tp/--dp" in line
+
+
 # -------------------------------------------------------------------------------- --page-size
 
 

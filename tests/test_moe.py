@@ -233,6 +233,16 @@ def test_missing_expert_tensor_is_named(moe_dir):
         load_weights(model, weights, str(moe_dir))
 
 
+def test_moe_draft_model_is_refused_naming_the_architecture(moe_dir):
+    """A Qwen3-MoE checkpoint as --algo draft-model's drafter: one line naming it (its experts
+    were once looked for as a dense MLP's fused tensor)."""
+    with pytest.raises(SpeculantError) as info:
+        Engine(str(moe_dir), device="cpu", algo="draft-model", draft=str(moe_dir))
+    message = str(info.value)
+    assert "\n" not in message and f"{moe_dir}/config.json is a mixture-of-experts" in message
+    assert "Qwen3MoeForCausalLM" in message and "pass a dense --draft" in message
+
+
 def test_backend_and_limit_errors(moe_dir):
     cfg, single = ModelConfig.from_dir(moe_dir), ParallelContext.single()
     with pytest.raises(SpeculantError, match="backend 'nccl' is not supported"):
