@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import json
 import logging
+import re
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -85,7 +86,16 @@ DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defau
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line, like every other speculant error."""
 
+    argv: Sequence[str] = ()  # the command line being parsed (`main` sets it), for the hint
+
     def error(self, message: str) -> NoReturn:
+        missing = re.match(r"argument (?:\S+/)?(--[\w-]+): expected one argument$", message)
+        if missing:  # a value that starts with "-", which argparse takes for a flag?
+            flag, argv = missing.group(1), list(self.argv)
+            after = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+            if after and after[-1].startswith("-"):
+                value = shown(after[-1])
+                message += f" ({value} looks like a flag); pass it as {flag}={value}"
         self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -1172,8 +1182,9 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(debug=False, output=None)
     try:
         try:
+            _Parser.argv = list(sys.argv[1:] if argv is None else argv)
             args = build_parser().parse_args(argv)
-            args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
+            args.argv = list(_Parser.argv)  # what the ranks re-run
             for stream in (sys.stdout, sys.stderr):  # a completion the terminal cannot show
                 if hasattr(stream, "reconfigure"):  # is escaped
                     stream.reconfigure(errors="backslashreplace")
