@@ -18,6 +18,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -25,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.errors import PromptError
-from speculant.executor.stop_strings import INCOMPLETE, StopStrings
+from speculant.executor.stop_strings import INCOMPLETE, StopStrings, byte_pieces
 from speculant.launch import cli
 from speculant.launch.accept_rate import bundled_prompts
 
@@ -191,6 +192,45 @@ def test_a_token_that_completes_a_stop_and_starts_a_split_character_ends_there()
         "xa" + head + "—",
     )
     assert reference_stop(tokenizer, ids, ["a" + head]) == (at, "a" + head, "x")
+
+
+def byte_level_with_added_tokens() -> Tokenizer:
+    """The bundled byte-level BPE with added tokens as published tokenizers carry them: a
+    special one (skipped by decode), plain ones of ASCII and of characters outside the byte
+    alphabet (decoded as their UTF-8)."""
+    tokenizer = bundled_tokenizer()
+    tokenizer.add_special_tokens(["<|im_start|>"])
+    tokenizer.add_tokens(["<think>", "中文词", "ünï"])
+    return tokenizer
+
+
+def test_byte_level_text_grows_by_each_tokens_bytes():
+    """A byte-level BPE's text comes from its tokens' bytes through one incremental UTF-8
+    decoder (executor/stop_strings.py `BytePieces`): equal to the tokenizer's own decode of the
+    ids so far (less trailing U+FFFD) for random ids over the whole vocabulary, added and
+    special tokens and ids past it included; and linear: 20,000 tokens of bytes that form no
+    character, then a stop string, in well under the seconds a re-decoded window took."""
+    tokenizer = byte_level_with_added_tokens()
+    assert byte_pieces(tokenizer) is not None and byte_pieces(bundled_tokenizer()) is not None
+    assert byte_pieces(llama2_style_tokenizer()) is None  # byte fallback: the window
+    vocab = tokenizer.get_vocab_size()
+    added = [tokenizer.token_to_id(t) for t in ("<|im_start|>", "<think>", "中文词", "ünï")]
+    rng = random.Random(5)
+    for _ in range(60):
+        ids = [rng.choice([*added, vocab + 7]) if rng.random() < 0.15 else rng.randrange(vocab)
+               for _ in range(rng.randrange(1, 40))]  # fmt: skip
+        watcher = StopStrings(tokenizer, [NEVER])
+        for j, token in enumerate(ids, start=1):
+            assert watcher.add(token) is None
+            assert watcher.text == tokenizer.decode(ids[:j]).rstrip(INCOMPLETE), ids[:j]
+    byte_ids = byte_level_ids(tokenizer)
+    ids = [byte_ids[0x80]] * 20000 + tokenizer.encode(" stop here").ids
+    watcher = StopStrings(tokenizer, ["stop"])
+    started = time.perf_counter()
+    taken = next(j for j, token in enumerate(ids, start=1) if watcher.add(token) is not None)
+    seconds = time.perf_counter() - started
+    assert (taken, watcher.matched, watcher.text) == (20001, "stop", INCOMPLETE * 20000 + " ")
+    assert seconds < 2.0, seconds
 
 
 class ByteTokenizer:
