@@ -19,8 +19,9 @@ output (the prompt) is not searched, as in vLLM.
 A byte-level BPE (`tokenizers`' ByteLevel decoder: GPT-2, Llama 3, Qwen) decodes ids as one
 UTF-8 decode of their tokens' bytes, so its text grows by an incremental UTF-8 decoder fed each
 token's bytes (`BytePieces`): each token costs its own bytes, however long a run of bytes that
-form no character lasts (the window above re-decodes such a run whole at every token: a model
-emitting 10,000 such tokens took minutes); trailing U+FFFD are held back alike."""
+form no character lasts (the window above re-decodes such a run whole at every token, time
+growing with its square: 8,000 such tokens 2.7 s on this project's CPU, 4 ms by their bytes);
+trailing U+FFFD are held back alike."""
 
 from __future__ import annotations
 
