@@ -261,6 +261,8 @@ def load_weights(
             # a whole tensor (shard None) fills every part, e.g. fused experts
             if (id(param), shard) not in loaded and (id(param), None) not in loaded:
                 part = name if shard is None else f"{name} (part {shard})"
+                if hint := _scale_layout_hint(name, unused):
+                    raise SpeculantError(f"{source} lacks the tensor for {part!r}: {hint}")
                 raise SpeculantError(
                     f"{source} lacks the tensor for {part!r}; the checkpoint is "
                     "incomplete or for another architecture"
@@ -283,6 +285,28 @@ def load_weights(
                 source,
                 ", ".join(shadowed),
             )
+
+
+def _scale_layout_hint(missing: str, unused: list[str]) -> str | None:
+    """Why an FP8 scale is missing when the checkpoint holds the other layout's scales (the
+    tensors it did not use): block scales (`weight_scale_inv`, quant_method fp8 with
+    weight_block_size) read as per-tensor or compressed-tensors `weight_scale`, or the
+    reverse; None otherwise."""
+    block = [n for n in unused if n.endswith(".weight_scale_inv")]
+    flat = [n for n in unused if n.endswith(".weight_scale")]
+    if missing.endswith(".weight_scale") and block:
+        return (
+            f"it holds block scales ({block[0]!r}, ...), which config.json's quantization_config "
+            'reads only as quant_method "fp8" with weight_block_size (e.g. [128, 128]); add it'
+        )
+    if missing.endswith(".weight_scale_inv") and flat:
+        return (
+            f"it holds {flat[0]!r}, ... (per-tensor, per-channel or compressed-tensors scales), "
+            "and config.json's quantization_config gives weight_block_size, which reads "
+            "weight_scale_inv block scales; remove weight_block_size (quant_method fp8) or "
+            "describe the scales' scheme (compressed-tensors)"
+        )
+    return None
 
 
 def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, source: str) -> None:

@@ -462,6 +462,33 @@ def test_fp8_tensor_into_an_unquantized_model_is_refused(tmp_path, fp8_dirs):
         Engine(str(tmp_path), **ENGINE)
 
 
+@pytest.mark.parametrize(
+    "scheme, qconfig, named",
+    [
+        # block scales (weight_scale_inv) under a config without weight_block_size
+        ("fp8_block", dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic"),
+         "holds block scales ('model.layers.0.mlp.down_proj.weight_scale_inv', ...)"),
+        ("fp8_block", SCHEMES["ct_block"][0], "with weight_block_size (e.g. [128, 128]); add it"),
+        # per-tensor weight_scale under a block config
+        ("ct_tensor_static", SCHEMES["fp8_block"][0], "remove weight_block_size"),
+    ],
+)  # fmt: skip
+def test_scales_of_another_layout_than_the_config_names_are_named(
+    tmp_path, fp8_dirs, scheme, qconfig, named
+):
+    """An FP8 checkpoint whose quantization_config describes another scale layout than its
+    tensors hold (a config edited by hand): one line saying which scales it holds and what
+    the config must say, not only that a scale is missing."""
+    src = fp8_dirs[(scheme, 320)]
+    (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpeculantError) as info:
+        Engine(str(tmp_path), **ENGINE)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
 def test_fp8_draft_model_is_refused(fp8_dirs, float_dirs):
     """Draft models are built unquantized: an FP8 one is an error, not floats without scales."""
     draft = dict(algo="draft-model", draft=str(fp8_dirs[("fp8_block", 320)]), num_draft_tokens=2)
