@@ -1168,7 +1168,12 @@ def started_by_torchrun() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `speculant` command; returns the exit status."""
-    from speculant.launch.spawn import close_progress_bars, stop_on_sigterm, stopped_line
+    from speculant.launch.spawn import (
+        close_progress_bars,
+        stop_on_sigterm,
+        stopped_line,
+        tell_torchrun,
+    )
 
     if started_by_torchrun():  # one rank of the job, set up as the torchrun module sets it up
         from speculant.launch import torchrun  # (ends with its agent, one line a failure)
@@ -1203,7 +1208,9 @@ def main(argv: list[str] | None = None) -> int:
             close_progress_bars()
             # every rank checks rank 0's prompts: rank 0's line names the --prompts line
             if not (isinstance(exc, PromptError) and not reads_inputs()):
-                print(f"speculant: error: {exc}".splitlines()[0], file=sys.stderr)
+                line = f"speculant: error: {exc}".splitlines()[0]
+                print(line, file=sys.stderr)
+                tell_torchrun(line)
             code = 2
         restore_signals()  # inside the try: a stop up to here still ends as a stop
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)

@@ -271,6 +271,26 @@ def _node_note(ranks: Sequence[int]) -> str:
     return f" (torchrun node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
 
 
+ERROR_PREFIX = "speculant: error: "
+
+
+def tell_torchrun(line: str) -> None:
+    """Under torchrun, a failing rank's one error line (less its prefix) into the error file
+    its agent reads (TORCHELASTIC_ERROR_FILE, in torch elastic's layout), so that torchrun's
+    failure summary names the cause where it would show a link to its documentation. Nothing
+    without torchrun, or when the file cannot be written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = line.removeprefix(ERROR_PREFIX)
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": {"message": message, "extraInfo": info}}, file)
+    except OSError:
+        pass
+
+
 def report_failure(exc: BaseException) -> str | None:
     """After this rank failed: tell the other ranks through the job's store (the TCPStore at
     MASTER_ADDR:MASTER_PORT that torch.distributed started from) and, when the failure is a
@@ -566,9 +586,11 @@ def cli_rank_main(argv: Sequence[str]) -> None:
             cause = report_failure(exc)
         except BaseException:  # Ctrl-C during the roll call
             cause = None
-        line = f"speculant: error: rank {os.environ.get('RANK')}: "
+        line = f"{ERROR_PREFIX}rank {os.environ.get('RANK')}: "
         line += f"{cause}: " if cause else ""
-        print(f"{line}{type(exc).__name__}: {exc}".strip().splitlines()[0], file=sys.stderr)
+        line = f"{line}{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        print(line, file=sys.stderr)
+        tell_torchrun(line)
         code = 1
     close_progress_bars()
     device = "cuda" if os.environ.get("SPECULANT_RANK_DEVICE", "cpu").startswith("cuda") else "cpu"

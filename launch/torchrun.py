@@ -49,7 +49,7 @@ from typing import NoReturn
 
 from speculant.errors import SpeculantError
 from speculant.launch.paths import adopt_parent_descriptor
-from speculant.launch.spawn import INPUT_FLAGS, cli_rank_main, end_with_parent
+from speculant.launch.spawn import INPUT_FLAGS, cli_rank_main, end_with_parent, tell_torchrun
 
 USAGE = (
     "torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] "
@@ -61,6 +61,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     """One line on the first process of each node (not once per rank), then exit."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"speculant: error: {message}", file=sys.stderr, flush=True)
+        tell_torchrun(message)  # (read by the agent when this rank's exit is the first)
     else:  # let local rank 0 print before torchrun, seeing this exit, stops it
         time.sleep(5)
     sys.exit(code)

@@ -173,6 +173,9 @@ def test_torchrun_prompt_error_is_rank0s_line_alone(flags, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if "speculant: error:" in line]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert f"{prompts}:3: the prompt has token id 99999 outside the vocabulary" in lines[0]
+    # torchrun's summary names it too (the rank's error file), not a link to its documentation
+    cause = f"traceback : {prompts}:3: the prompt has token id 99999"
+    assert cause in proc.stderr and "Root Cause" in proc.stderr, proc.stderr[-3000:]
 
 
 SLOW_RANK0 = """
