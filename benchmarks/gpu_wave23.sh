@@ -14,17 +14,7 @@ timeout 200 python3 -m pytest -q -x -m gpu tests/test_kernels.py -k top_logprobs
     tests/test_logprobs.py 2>&1 | tail -4 | tee "$OUT/wave23_pytest.log"
 case "$name" in
     *H200*)
-        for paths in splitk splitk,stream; do
-            n=${paths//,/_}
-            timeout 70 python3 benchmarks/fp8_sweep.py --ms 1 --merge --skip-decode \
-                --budget-s 55 --paths "$paths" --json "$OUT/wave23_sweep_$n.json" \
-                --table "$OUT/wave23_table_$n.json" 2>&1 | grep -v "it/s\]" \
-                | tee "$OUT/wave23_sweep_$n.log" | tail -6
-        done
-        timeout 200 python3 benchmarks/decode_ab.py --label w23 --kinds fp8 --rounds 3 \
-            --fp8-tables "$OUT/wave23_table_splitk.json;$OUT/wave23_table_splitk_stream.json" \
-            --json "$OUT/wave23_decode_ab.json" 2>&1 | grep -v "Warning\|it/s\]\|warn" \
-            | tee "$OUT/wave23_decode_ab.log" | tail -8
+        SKIP_LOGPROBS=1 bash benchmarks/gpu_wave21b.sh
         ;;
     *)
         warm_up_job
