@@ -10,8 +10,10 @@ machine_header
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 timeout 150 python3 benchmarks/logprobs_kernel.py --json "$OUT/wave23_logprobs_kernel.json" \
     2>&1 | tee "$OUT/wave23_logprobs_kernel.log" | tail -24
-timeout 200 python3 -m pytest -q -x -m gpu tests/test_kernels.py -k top_logprobs \
-    tests/test_logprobs.py 2>&1 | tail -4 | tee "$OUT/wave23_pytest.log"
+timeout 100 python3 -m pytest -q -x -m gpu tests/test_kernels.py -k top_logprobs 2>&1 | tail -2 \
+    | tee "$OUT/wave23_pytest.log"
+timeout 150 python3 -m pytest -q -x -m gpu tests/test_logprobs.py 2>&1 | tail -2 \
+    | tee -a "$OUT/wave23_pytest.log"
 case "$name" in
     *H200*)
         SKIP_LOGPROBS=1 bash benchmarks/gpu_wave21b.sh
