@@ -20,6 +20,7 @@ import torch
 
 from speculant.kernels import reference
 from speculant.kernels.runtime import (
+    HAS_TRITON,
     next_power_of_2,
     pdl_enter,
     pdl_mode,
@@ -32,7 +33,8 @@ from speculant.kernels.runtime import (
 BLOCK = 4096  # columns a part reads at a time
 WARPS = 8
 TOP_LIMIT = 32  # the most alternatives the kernels search for
-ID_NONE = tl.constexpr(2**31 - 1)  # an id no candidate has (vocabularies are far smaller)
+# an id no candidate has (vocabularies are far smaller); a kernel constant where triton is
+ID_NONE = tl.constexpr(2**31 - 1) if HAS_TRITON else 2**31 - 1
 
 
 @triton.jit
