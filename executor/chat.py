@@ -7,9 +7,13 @@ which order transformers' tokenizers read them), ending with the assistant's tur
 (`add_generation_prompt`), and tokenizes the result without adding special tokens (the template
 writes BOS itself), as transformers' `apply_chat_template(..., tokenize=True)` does. The
 template runs in jinja2's sandbox with what Hugging Face templates use: `bos_token`, `eos_token`
-and the other special tokens from tokenizer_config.json, `raise_exception`, `strftime_now`, a
-`tojson` that keeps non-ASCII text, loop controls, and the `{% generation %}` block (rendered as
-its content).
+and the other named special tokens (tokenizer_config.json's, and a model's own `*_token` keys;
+special_tokens_map.json's where the config lists no `added_tokens_decoder`, as transformers
+reads them), `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, loop
+controls, and the `{% generation %}` block (rendered as its content). Messages reach it as
+transformers 5 passes them: keys whose value is null dropped (OpenAI's `"tool_calls": null`,
+an assistant's `"content": null` beside its tool calls), and `reasoning` / `thinking` copied to
+`reasoning_content` (and the reverse for `thinking`).
 
 A message's content may also be a list of text parts (OpenAI's form: {"type": "text", "text":
 ...}, or plain strings), read as vLLM reads them: a template that loops over a message's content
@@ -31,7 +35,10 @@ from typing import Any
 
 from speculant.errors import SpeculantError
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
+)  # fmt: skip
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, in order
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ def messages_problem(messages: Any) -> str | None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             return f'message {i} has no "role" string (system, user, assistant, ...)'
+        if content is None and message.get("tool_calls"):
+            continue  # an assistant's tool calls alone (the template reads them)
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -130,12 +139,16 @@ def loops_over_content(template: str) -> bool:
 
 
 def _template_messages(template: str, chat: Chat) -> list[dict]:
-    """The messages as the template gets them: list contents as text-part objects for a
-    template that loops over content, else joined into one text (see the module doc)."""
+    """The messages as the template gets them: null keys dropped, reasoning aliased, list
+    contents as text-part objects for a template that loops over content, else joined into one
+    text (see the module doc)."""
     parts = loops_over_content(template)
     messages = []
     for message in chat.messages:
-        message = dict(message)
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         content = message.get("content")
         if isinstance(content, list):
             texts = [part_text(p) for p in content]
@@ -182,12 +195,29 @@ def _template_in(value: Any, file: Path) -> str | None:
     )
 
 
+def _special_tokens(config: dict, map_file: Path) -> dict[str, str]:
+    """The named special tokens a template gets, as transformers 5 names them: the standard
+    ones and a model's own `*_token` keys (and a dict `extra_special_tokens`) of
+    tokenizer_config.json, then, where it lists no `added_tokens_decoder` (the legacy layout),
+    special_tokens_map.json's over them."""
+    named = {k: v for k, v in config.items() if k in SPECIAL_TOKEN_KEYS or k.endswith("_token")}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        named.update(extra)
+    if "added_tokens_decoder" not in config and map_file.is_file():
+        named.update(
+            (k, v) for k, v in _read_json(map_file).items()
+            if k in SPECIAL_TOKEN_KEYS or k.endswith("_token")
+        )  # fmt: skip
+    return {k: t for k, v in named.items() if (t := _text_of(v)) is not None}
+
+
 def load_chat_template(path: str | Path) -> tuple[str, dict[str, str]] | None:
     """(template, special tokens) of a checkpoint folder, or None when it has no template."""
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"
     config = _read_json(config_file) if config_file.is_file() else {}
-    specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _text_of(config.get(k))) is not None}
+    specials = _special_tokens(config, folder / "special_tokens_map.json")
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         try:

@@ -125,6 +125,62 @@ def test_chat_ids_equal_transformers(llama_dir, tmp_path, template, where):
             engine.generate([Chat([{"role": "system", "content": "x"}])])
 
 
+# what OpenAI-style clients send and transformers 5 passes on: null keys dropped (a literal
+# "None", a `len(None)`, a refused null content otherwise), reasoning under its other names
+FIELDS = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "{% if m['name'] is defined %} name={{ m['name'] }}{% endif %}\n"
+    "{% if 'tool_calls' in m %}{{ m.tool_calls | length }} call(s):"
+    "{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}"
+    "{% endfor %}{% endif %}"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.content is defined %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ mask_token }}{{ image_token }}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+FIELD_CONVERSATIONS = [
+    [{"role": "user", "content": "hi", "name": None}],
+    [{"role": "user", "content": "hi", "tool_calls": None, "name": "ann"}],
+    [{"role": "user", "content": "add"}, {"role": "assistant", "content": None,
+                                          "tool_calls": [CALL]}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                        "reasoning": "because"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                        "thinking": "hm", "reasoning_content": None}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["config", "special_tokens_map"])
+def test_chat_fields_and_special_tokens_as_transformers_passes_them(llama_dir, tmp_path, legacy):
+    """Null message keys dropped, reasoning aliased, every named special token (mask_token, a
+    model's own `image_token`; special_tokens_map.json's in the legacy layout, with no
+    added_tokens_decoder) given to the template: ids equal transformers'."""
+    from tokenizers import Tokenizer
+
+    folder = with_template(llama_dir, tmp_path / "t", "tokenizer_config", FIELDS)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|mask|>", "<|image|>"])  # as published tokenizers hold them
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    named = {"bos_token": "<|endoftext|>", "mask_token": "<|mask|>", "image_token": "<|image|>"}
+    if legacy:  # the config names none of them; the map does
+        for key in named:
+            config.pop(key, None)
+        (folder / "special_tokens_map.json").write_text(json.dumps(named))
+    else:
+        config.update(named)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+    for messages in FIELD_CONVERSATIONS:
+        ours = engine._chat_ids(0, Chat(messages))
+        assert ours == transformers_ids(folder, messages), messages
+    ids = engine._chat_ids(0, Chat(FIELD_CONVERSATIONS[3]))
+    text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<think>because</think>" in text and "<|mask|><|image|>" in text, text
+    assert "None" not in text
+
+
 def test_engine_chat_generates_what_the_rendered_ids_give(llama_dir, tmp_path):
     folder = with_template(llama_dir, tmp_path / "t", "tokenizer_config", LLAMA3)
     engine = Engine(str(folder), device="cpu", max_num_seqs=4, max_model_len=512)
