@@ -108,9 +108,35 @@ class AcceptReport:
     output_tokens: int = 0
     seconds: float = 0.0
     date: str = ""
+    # sha256 of the prompts as read (`prompts_fingerprint`): a baseline of other prompts, even
+    # as many, is refused (a baseline written before this field is compared without it)
+    prompts_sha256: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def prompts_fingerprint(specs: list) -> str:
+    """sha256 of the prompts (texts, token ids or conversations), in order."""
+    import hashlib
+
+    def plain(prompt: Any) -> Any:
+        return {"messages": list(prompt.messages)} if hasattr(prompt, "messages") else prompt
+
+    text = json.dumps([plain(spec.prompt) for spec in specs], sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_same_prompts(baseline: dict, fingerprint: str, source: str) -> None:
+    """Refuse a baseline measured on other prompts (when it records which: written since
+    2026-12-06)."""
+    measured = baseline.get("prompts_sha256")
+    if isinstance(measured, str) and measured and measured != fingerprint:
+        raise SpeculantError(
+            f"baseline {source} was measured on other prompts (sha256 {measured[:12]}..., "
+            f"these {fingerprint[:12]}...); run with the --prompts it was measured on or write "
+            "a new baseline"
+        )
 
 
 def acceptance(outputs: list) -> tuple[float, list[float], int] | None:
@@ -195,6 +221,7 @@ def check_run_shape(baseline: dict, run: dict, source: str) -> None:
 def compare(report: AcceptReport, baseline: dict, rtol: float, source: str) -> list[Regression]:
     """Metrics that fell below baseline * (1 - rtol). Refuses a baseline of another run shape."""
     check_run_shape(baseline, {key: getattr(report, key) for key in RUN_KEYS}, source)
+    check_same_prompts(baseline, report.prompts_sha256, source)
     pairs = [("acceptance_length", baseline["acceptance_length"], report.acceptance_length)]
     pairs += [
         (f"per_position_acceptance[{i}]", b, c)
@@ -720,6 +747,7 @@ def prepare_accept(args: argparse.Namespace) -> AcceptJob:
             seed=args.seed,
         )
         check_run_shape(baseline, known, args.baseline)
+        check_same_prompts(baseline, prompts_fingerprint(specs), args.baseline)
     return AcceptJob(specs, baseline, target, draft)
 
 
@@ -881,6 +909,7 @@ def report_accept(
         output_tokens=sum(len(o.token_ids) for o in outputs),
         seconds=seconds,
         date=time.strftime("%Y-%m-%d"),
+        prompts_sha256=prompts_fingerprint(job.specs),
     )
     regressions, not_comparable = [], None
     if baseline:

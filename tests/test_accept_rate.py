@@ -504,6 +504,40 @@ def test_a_baseline_of_another_speculation_mode_or_sampling_seed_is_refused(
     assert needle in err and out == "", err
 
 
+def test_a_baseline_of_other_prompts_is_refused_and_its_own_are_compared(
+    monkeypatch, capsys, setup, llama_dir, tmp_path
+):
+    """A report records a fingerprint of its prompts; a baseline measured on other prompts (as
+    many) is refused before any model loads (it used to be compared: a false REGRESSED), one of
+    the same prompts is compared, and one written before the field existed is compared too."""
+    from speculant.launch import accept_rate as module
+    from speculant.launch.cli import read_prompts_file
+
+    root, prompts = setup
+    ours = module.prompts_fingerprint(read_prompts_file(str(prompts)))
+    other = prompts.read_text().splitlines()[::-1]  # the same lines, another order
+    assert module.prompts_fingerprint(read_prompts_file(_lines(tmp_path, other))) != ours
+    base = ["--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+            "--max-new-tokens", 8, "--baseline", tmp_path / "b.json"]  # fmt: skip
+    monkeypatch.setattr(module, "measure_in_rank", no_model)
+    (tmp_path / "b.json").write_text(json.dumps({**BASELINE, "prompts_sha256": "ab" * 32}))
+    status, out, err = accept_rate(capsys, *base)
+    assert status == 2 and out == "" and err.count("speculant: error:") == 1, err
+    assert "was measured on other prompts (sha256 abababababab..." in err, err
+    monkeypatch.setattr(module, "measure_in_rank", fake_measure([0.3, 0.1, 0.0]))
+    for fields in ({"prompts_sha256": ours}, {}):
+        (tmp_path / "b.json").write_text(json.dumps({**BASELINE, **fields}))
+        status, out, err = accept_rate(capsys, *base, "--report", tmp_path / "r.json")
+        assert status == 0 and "| acceptance_length |" in out, err
+        assert json.loads((tmp_path / "r.json").read_text())["prompts_sha256"] == ours
+
+
+def _lines(tmp_path: Path, lines: list[str]) -> str:
+    path = tmp_path / "other.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 def test_a_sampled_baseline_of_the_same_seed_is_compared(
     monkeypatch, capsys, setup, llama_dir, tmp_path
 ):
