@@ -399,16 +399,16 @@ def test_top_logprobs_matches_reference(device, rows, vocab, num_top, parts, blo
     assert ids[0, :2].tolist() == [vocab // 3, vocab - 1][:num_top]
 
 
-def test_top_logprobs_rows_with_few_finite_logits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_logprobs_rows_with_few_finite_logits(device):
     """Fewer finite logits than alternatives asked (-inf elsewhere): the finite ones, then -inf
     at id -1 (no alternative has a probability); a row of ordinary values beside it."""
     from speculant.kernels import logprobs
 
-    if not runtime.runs_triton(torch.empty(0)):
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton's import)")
     logits = torch.full((2, 2100), float("-inf"))
     logits[0, [7, 2050]] = torch.tensor([1.0, 2.0])
     logits[1] = torch.linspace(-3, 3, 2100)
+    logits = logits.to(device)
     norm, values, ids = logprobs.top_logprobs(logits, 3, parts=2)
     assert ids[0].tolist() == [2050, 7, -1] and values[0, 2] == float("-inf")
     assert ids[1].tolist() == [2099, 2098, 2097]
