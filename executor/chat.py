@@ -197,19 +197,28 @@ def _template_in(value: Any, file: Path) -> str | None:
 
 def _special_tokens(config: dict, map_file: Path) -> dict[str, str]:
     """The named special tokens a template gets, as transformers 5 names them: the standard
-    ones and a model's own `*_token` keys (and a dict `extra_special_tokens`) of
-    tokenizer_config.json, then, where it lists no `added_tokens_decoder` (the legacy layout),
-    special_tokens_map.json's over them."""
-    named = {k: v for k, v in config.items() if k in SPECIAL_TOKEN_KEYS or k.endswith("_token")}
-    extra = config.get("extra_special_tokens")
-    if isinstance(extra, dict):
-        named.update(extra)
+    ones of tokenizer_config.json, and a model's own `*_token` keys there (a dict
+    `extra_special_tokens` over them). Where the config lists no `added_tokens_decoder` (the
+    legacy layout), special_tokens_map.json's standard ones replace the config's, its dict
+    `extra_special_tokens` replaces model tokens, and its other `*_token` keys add those the
+    config lacks."""
+
+    def named(items) -> tuple[dict, dict]:
+        standard = {k: v for k, v in items if k in SPECIAL_TOKEN_KEYS}
+        own = {k: v for k, v in items if k not in SPECIAL_TOKEN_KEYS and k.endswith("_token")}
+        return standard, own
+
+    standard, own = named(config.items())
+    if isinstance(extra := config.get("extra_special_tokens"), dict):
+        own.update(extra)
     if "added_tokens_decoder" not in config and map_file.is_file():
-        named.update(
-            (k, v) for k, v in _read_json(map_file).items()
-            if k in SPECIAL_TOKEN_KEYS or k.endswith("_token")
-        )  # fmt: skip
-    return {k: t for k, v in named.items() if (t := _text_of(v)) is not None}
+        legacy = _read_json(map_file)
+        map_standard, map_own = named(legacy.items())
+        standard.update(map_standard)
+        if isinstance(extra := legacy.get("extra_special_tokens"), dict):
+            own.update(extra)
+        own = {**map_own, **own}
+    return {k: t for k, v in {**own, **standard}.items() if (t := _text_of(v)) is not None}
 
 
 def load_chat_template(path: str | Path) -> tuple[str, dict[str, str]] | None:

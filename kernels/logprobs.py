@@ -49,7 +49,10 @@ def _take_chunk(x_ptr, start, vocab, offs, slots, m_run, s_run, best_v, best_i):
     if top > tl.min(best_v, axis=0):
         v, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         while v > tl.min(best_v, axis=0):  # at most K times: each takes a kept slot
-            slot = tl.argmin(best_v, axis=0, tie_break_left=True)
+            # the slot of the smallest kept value, of the highest id among equal ones (ids come
+            # in increasing order: the lower ids of a tie stay)
+            low = tl.where(best_v == tl.min(best_v, axis=0), best_i, -1)
+            slot = tl.argmax(low, axis=0, tie_break_left=True)
             best_v = tl.where(slots == slot, v, best_v)
             best_i = tl.where(slots == slot, start + at, best_i)
             x = tl.where(offs == at, float("-inf"), x)

@@ -44,6 +44,7 @@ import contextlib
 import json
 import logging
 import re
+import shlex
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -94,8 +95,12 @@ class _Parser(argparse.ArgumentParser):
             flag, argv = missing.group(1), list(self.argv)
             after = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
             if after and after[-1].startswith("-"):
-                value = shown(after[-1])
-                message += f" ({value} looks like a flag); pass it as {flag}={value}"
+                value = after[-1]
+                if len(value) <= 40 and value.isprintable():
+                    quoted = shlex.quote(value)
+                    message += f" ({quoted} looks like a flag); pass it as {flag}={quoted}"
+                else:  # too long to print whole: the form alone
+                    message += f" ({shown(value)} looks like a flag); join it: {flag}=VALUE"
         self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
 
 

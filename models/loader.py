@@ -292,14 +292,15 @@ def _scale_layout_hint(missing: str, unused: list[str]) -> str | None:
     tensors it did not use): block scales (`weight_scale_inv`, quant_method fp8 with
     weight_block_size) read as per-tensor or compressed-tensors `weight_scale`, or the
     reverse; None otherwise."""
-    block = [n for n in unused if n.endswith(".weight_scale_inv")]
-    flat = [n for n in unused if n.endswith(".weight_scale")]
-    if missing.endswith(".weight_scale") and block:
+    # (fused experts' scales are named `..._weight_scale`, a dense layer's `....weight_scale`)
+    block = [n for n in unused if n.endswith("weight_scale_inv")]
+    flat = [n for n in unused if n.endswith("weight_scale")]
+    if missing.endswith("weight_scale") and block:
         return (
             f"it holds block scales ({block[0]!r}, ...), which config.json's quantization_config "
             'reads only as quant_method "fp8" with weight_block_size (e.g. [128, 128]); add it'
         )
-    if missing.endswith(".weight_scale_inv") and flat:
+    if missing.endswith("weight_scale_inv") and flat:
         return (
             f"it holds {flat[0]!r}, ... (per-tensor, per-channel or compressed-tensors scales), "
             "and config.json's quantization_config gives weight_block_size, which reads "

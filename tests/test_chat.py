@@ -181,6 +181,41 @@ def test_chat_fields_and_special_tokens_as_transformers_passes_them(llama_dir, t
     assert "None" not in text
 
 
+NAMED = "{% for m in messages %}{{ m.content }}{% endfor %}|img={{ image_token }}|aud={{ " \
+    "audio_token }}|bos={{ bos_token }}|mask={{ mask_token }}"
+
+
+@pytest.mark.parametrize(
+    "config, special_map",
+    [
+        ({"image_token": "<A>"}, {"image_token": "<B>"}),  # the config's own token stays
+        ({}, {"extra_special_tokens": {"image_token": "<X>"}}),
+        ({"image_token": "<A>"}, {"extra_special_tokens": {"image_token": "<X>"}}),
+        ({"extra_special_tokens": {"image_token": "<E>"}, "image_token": "<A>"}, {}),
+        ({"bos_token": "<s1>"}, {"bos_token": "<s2>", "audio_token": "<au>", "mask_token": "<m>"}),
+        ({"added_tokens_decoder": {}, "bos_token": "<s1>"}, {"bos_token": "<s2>"}),  # not legacy
+    ],
+)
+def test_named_special_tokens_take_transformers_precedence(tmp_path, config, special_map):
+    """Which file's value a template's named token takes (tokenizer_config.json's standard and
+    own `*_token` keys, its and special_tokens_map.json's `extra_special_tokens`, the map in the
+    legacy layout only): the text transformers renders."""
+    from transformers import AutoTokenizer
+
+    import speculant
+
+    shutil.copy(speculant.bundled("target") / "tokenizer.json", tmp_path / "tokenizer.json")
+    written = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": NAMED, **config}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(written))
+    if special_map:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_map))
+    messages = [{"role": "user", "content": "hi"}]
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert chat.render_chat(*chat.load_chat_template(tmp_path), Chat(messages)) == theirs
+
+
 def test_engine_chat_generates_what_the_rendered_ids_give(llama_dir, tmp_path):
     folder = with_template(llama_dir, tmp_path / "t", "tokenizer_config", LLAMA3)
     engine = Engine(str(folder), device="cpu", max_num_seqs=4, max_model_len=512)

@@ -123,10 +123,12 @@ def test_more_cpu_ranks_than_the_machine_takes_are_refused(capsys, monkeypatch):
 
 @pytest.mark.parametrize("flag", ["--prompt", "--stop"])
 def test_a_value_that_starts_with_a_dash_is_named_with_the_form_that_takes_it(capsys, flag):
-    line = error_line(*run_main(capsys, "--prompt", "def", flag, "-x"))
-    assert f"argument {flag}: expected one argument ('-x' looks like a flag)" in line
-    assert f"pass it as {flag}='-x'" in line
-    assert getattr(parsed(f"{flag}=-x"), flag[2:]) in ("-x", ["-x"])  # the form named works
+    line = error_line(*run_main(capsys, "--prompt", "def", flag, "-x;y"))
+    assert f"argument {flag}: expected one argument ('-x;y' looks like a flag)" in line
+    assert f"pass it as {flag}='-x;y'" in line  # (as a shell takes it)
+    assert getattr(parsed(f"{flag}=-x;y"), flag[2:]) in ("-x;y", ["-x;y"])  # the form works
+    line = error_line(*run_main(capsys, "--prompt", "def", flag, "-" * 50))  # too long to show
+    assert "(50 characters) looks like a flag); join it: " + f"{flag}=VALUE" in line
     line = error_line(*run_main(capsys, "--prompt", "def", "--max-new-tokens"))  # no value
     assert line.endswith("expected one argument (see `speculant generate --help`)")
 

@@ -489,6 +489,20 @@ def test_scales_of_another_layout_than_the_config_names_are_named(
     assert named in str(info.value) and "\n" not in str(info.value)
 
 
+def test_scale_layout_hint_names_fused_expert_scales_too():
+    """Fused experts' scales (`..._weight_scale`) get the hint dense layers' do."""
+    from speculant.models.loader import _scale_layout_hint
+
+    experts = "model.layers.0.mlp.experts."
+    hint = _scale_layout_hint(experts + "gate_up_proj_weight_scale",
+                              [experts + "0.gate_proj.weight_scale_inv"])  # fmt: skip
+    assert hint is not None and "with weight_block_size (e.g. [128, 128]); add it" in hint
+    hint = _scale_layout_hint(experts + "down_proj_weight_scale_inv",
+                              [experts + "0.down_proj.weight_scale"])  # fmt: skip
+    assert hint is not None and "remove weight_block_size" in hint
+    assert _scale_layout_hint(experts + "down_proj_weight_scale", ["lm_head.weight"]) is None
+
+
 def test_fp8_draft_model_is_refused(fp8_dirs, float_dirs):
     """Draft models are built unquantized: an FP8 one is an error, not floats without scales."""
     draft = dict(algo="draft-model", draft=str(fp8_dirs[("fp8_block", 320)]), num_draft_tokens=2)

@@ -393,10 +393,26 @@ def test_top_logprobs_matches_reference(device, rows, vocab, num_top, parts, blo
     assert torch.allclose(norm, ref_norm, rtol=1e-6, atol=1e-5)
     assert torch.allclose(values, ref_values, rtol=1e-6, atol=1e-5)  # the same largest values
     assert torch.equal(logits.gather(1, ids) - norm[:, None], values)  # at the ids given
-    for r in range(rows):  # most likely first, a tie to the lower id, each id once
-        pairs = list(zip((-values[r]).tolist(), ids[r].tolist(), strict=True))
-        assert pairs == sorted(pairs) and len(set(ids[r].tolist())) == num_top
+    # most likely first, a tie to the lower id: a stable sort's first num_top
+    ranked = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :num_top]
+    assert torch.equal(ids, ranked)
     assert ids[0, :2].tolist() == [vocab // 3, vocab - 1][:num_top]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_logprobs_keeps_the_lower_ids_of_a_tie_when_a_larger_value_comes(device, monkeypatch):
+    """A tie kept from one chunk, then a larger value in a later chunk of the same part: the
+    highest id of the tie makes room (the lowest one once did)."""
+    from speculant.kernels import logprobs
+
+    if device == "cpu":
+        monkeypatch.setattr(logprobs, "BLOCK", 512)
+    block = logprobs.BLOCK
+    logits = torch.full((3, 4 * block), -5.0)
+    logits[:, [1, 2, 3, 4]] = 5.0  # a four-way tie in the first chunk
+    logits[:, 2 * block + 7] = 6.0  # a larger value two chunks later
+    norm, values, ids = logprobs.top_logprobs(logits.to(device), 3, parts=1)
+    assert ids.tolist() == [[2 * block + 7, 1, 2]] * 3
 
 
 @pytest.mark.parametrize("device", DEVICES)
