@@ -1,11 +1,12 @@
 """A step's log-probability statistics on the GPU: torch's logsumexp + topk (kernels/reference.py
 `top_logprobs`, what every step ran before) against the one-read Triton kernels
 (kernels/logprobs.py), on float32 logits of bf16 values [rows, vocab] as the 8B model's lm_head
-gives them. Each is captured in a CUDA graph and replayed (us per call, median of rounds); the
-outputs are compared (values within float32 rounding, equal ids where no value ties).
+gives them. Each is timed as fp8_sweep.py times a kernel (`time_us`: 20 calls captured in a
+CUDA graph, the median of 10 replays, us per call); the outputs are compared (values within
+float32 rounding, equal ids where no value ties).
 
     python benchmarks/logprobs_kernel.py --json OUT.json [--rows 1,8,64,256,1024]
-        [--vocab 128256,151936] [--top 5,20] [--replays 50] [--rounds 5]
+        [--vocab 128256,151936] [--top 5,20]
         [--variants 1024:4,4096:8,...]
 
 `--variants`: kernel variants timed side by side, BLOCK:WARPS (kernels/logprobs.py's BLOCK,
@@ -17,34 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from speculant.kernels import logprobs, reference
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_sweep import time_us  # noqa: E402
 
-
-def replay_us(fn, replays: int, rounds: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays)
-    return statistics.median(times)
+from speculant.kernels import logprobs, reference  # noqa: E402
 
 
 def main() -> None:
@@ -53,8 +36,6 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64,256,1024")
     parser.add_argument("--vocab", default="128256,151936")
     parser.add_argument("--top", default="5,20")
-    parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", default=None)
     args = parser.parse_args()
     own = f"{logprobs.BLOCK}:{logprobs.WARPS}"
@@ -71,8 +52,7 @@ def main() -> None:
                 ref_norm, ref_values, ref_ids = reference.top_logprobs(x, top)
                 near = x.topk(top + 1).values  # a tie at the edge of the top too
                 ties = (near[:, 1:] == near[:, :-1]).any(1)
-                a = replay_us(lambda x=x, top=top: reference.top_logprobs(x, top), args.replays,
-                              args.rounds)  # fmt: skip
+                a = time_us(lambda x, top=top: reference.top_logprobs(x, top), [x], True)
                 row = dict(vocab=vocab, top=top, rows=rows, torch_us=round(a, 1), variants={})
                 cells, equal = [], True
                 for variant in variants:
@@ -85,8 +65,7 @@ def main() -> None:
                         and torch.equal(x.gather(1, ids) - norm[:, None], values)
                         and torch.equal(ids[~ties], ref_ids[~ties])
                     )
-                    b = replay_us(lambda x=x, top=top: logprobs.top_logprobs(x, top),
-                                  args.replays, args.rounds)  # fmt: skip
+                    b = time_us(lambda x, top=top: logprobs.top_logprobs(x, top), [x], True)
                     row["variants"][variant] = round(b, 1)
                     cells.append(f"{b:.1f} ({a / b:.1f}x)")
                 row["equal"] = equal

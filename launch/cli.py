@@ -87,7 +87,11 @@ DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defau
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line, like every other speculant error."""
 
-    argv: Sequence[str] = ()  # the command line being parsed (`main` sets it), for the hint
+    argv: Sequence[str] = ()  # what this parser (or subcommand's) parses, for error's hint
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         missing = re.match(r"argument (?:\S+/)?(--[\w-]+): expected one argument$", message)
@@ -1192,9 +1196,8 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(debug=False, output=None)
     try:
         try:
-            _Parser.argv = list(sys.argv[1:] if argv is None else argv)
             args = build_parser().parse_args(argv)
-            args.argv = list(_Parser.argv)  # what the ranks re-run
+            args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks re-run
             for stream in (sys.stdout, sys.stderr):  # a completion the terminal cannot show
                 if hasattr(stream, "reconfigure"):  # is escaped
                     stream.reconfigure(errors="backslashreplace")
