@@ -4,6 +4,7 @@
 # this copy of the tree, its GPU tests, then the realistic job with `--logprobs 5` vs
 # `.old_tree` (8fa7c6f, carried), after a warm-up job that compiles the kernels of both. On
 # an H200, gpu_wave23.sh's FP8 branch instead of the job. Logs and JSON under $OUT.
+# (Ran on tree 4d335eb; its `for` variants and CONSTANT_CHUNKS are gone since: results/wave23.md.)
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
