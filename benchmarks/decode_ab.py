@@ -46,6 +46,7 @@ def measure(kind: str, args) -> dict:
         for row in rows:
             engine.kv.free(row)
         for key, want_kind, wanted, run in (
+            ("lever_variants", "fp8 bf16", args.levers, lever_variants),
             ("table_variants", "fp8", args.fp8_tables, table_variants),
             ("m1_variants", "fp8", args.fp8_m1, m1_variants),
             ("free_variants", "fp8 bf16", args.free_ops, free_variants),
@@ -57,7 +58,7 @@ def measure(kind: str, args) -> dict:
             except Exception as exc:  # keep the figures above
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 print(f"  {args.label} {key}: {out[key]['error']}", flush=True)
-        if any(key in out for key in ("table_variants", "m1_variants", "free_variants")):
+        if any(key in out for key in VARIANT_KEYS):
             engine.clear_graphs()  # the last variant's graphs: capture the shipped ones
             engine.capture_graphs()
         out["graph_equals_eager"] = check_equal(engine, vocab, sizes=(1, 3))
@@ -66,6 +67,123 @@ def measure(kind: str, args) -> dict:
     medians = {bs: sorted(v)[len(v) // 2] for bs, v in out["graph_ms"].items()}
     print(f"  {args.label} {kind}: " + ", ".join(f"bs {b} {m:.3f} ms" for b, m in medians.items()))
     out["median_ms"] = medians
+    return out
+
+
+VARIANT_KEYS = ("lever_variants", "table_variants", "m1_variants", "free_variants")
+LEVERS = {  # name: what it sets (see apply_levers)
+    "base": "no launch modes of the model's own: every kernel at SPECULANT_PDL's mode",
+    "keys64": "MIN_KEYS_PER_SPLIT 64",
+    "norm2 / act2 / merge2 / attention2 / gemv2 / rope2 / plan2": "that kind at PDL mode 2",
+}
+
+
+def apply_levers(engine, variant: str | None, saved: dict) -> None:
+    """Set the target's launch modes (models/llama.py CausalLM.launch_modes) and the kernels'
+    levers as the "+"-joined names of `variant` say (LEVERS; None or "shipped": as shipped).
+    `saved` keeps the shipped values between calls."""
+    from speculant.kernels import paged_attention
+
+    model = engine.model
+    if not saved:
+        saved.update(modes=model.launch_modes, keys=paged_attention.MIN_KEYS_PER_SPLIT)
+    model.launch_modes = saved["modes"]
+    paged_attention.MIN_KEYS_PER_SPLIT = saved["keys"]
+    if variant in (None, "shipped"):
+        return
+    from speculant.kernels import runtime
+
+    model.launch_modes = {}
+    for name in variant.split("+"):
+        if name.startswith("keys"):
+            paged_attention.MIN_KEYS_PER_SPLIT = int(name[4:])
+        elif name[:-1] in runtime.PDL_KINDS and name[-1] in "12":
+            model.launch_modes[name[:-1]] = int(name[-1])
+        elif name != "base":
+            raise SystemExit(f"lever {name!r}: use {', '.join(LEVERS)}")
+
+
+def lever_variants(engine, vocab: int, args, gen) -> dict:
+    """The bs-1 and bs-64 graph steps per lever variant (apply_levers; graphs recaptured for
+    each), `--rounds` rounds with the order rotated: {variant: {bs: [ms, ...]}}."""
+    from graphs import live_rows, time_ms
+
+    saved: dict = {}
+    names = args.levers.split(";")
+    results: dict = {}
+    tokens: dict = {}
+    try:
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                apply_levers(engine, name, saved)
+                engine.clear_graphs()
+                engine.capture_graphs()
+                for bs in (1, 64):
+                    rows = live_rows(engine, bs, vocab, args.context, gen)
+                    ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
+                    results.setdefault(name, {}).setdefault(str(bs), []).append(ms)
+                    for row in rows:
+                        engine.kv.free(row)
+                if r == 0:  # graph tokens of fixed prompts: a lever must not change them
+                    tokens[name] = graph_tokens(engine, vocab)
+    finally:
+        apply_levers(engine, None, saved)
+    first = tokens[names[0]]
+    for name, by_bs in results.items():
+        medians = ", ".join(f"bs {b} {sorted(v)[len(v) // 2]:.3f} ms" for b, v in by_bs.items())
+        same = tokens[name] == first
+        by_bs["tokens_equal_first"] = same
+        print(f"  {args.label} levers {name}: {medians}, tokens == {names[0]}'s: {same}",
+              flush=True)  # fmt: skip
+    return results
+
+
+def spec_lever_variants(target: str, args) -> dict:
+    """The EAGLE-3 k=3 graph step (dummy 8B-shape head; whole step and verify, bs 1 and 64) on
+    `target` per lever variant (`--spec-levers`, as `--levers`), graphs recaptured for each,
+    `--rounds` rounds with the order rotated: {variant: {bs: [{step_ms, verify_ms}, ...]}}."""
+    from decode import build_engine, free
+    from graphs import SHAPES
+    from spec_step import timings, write_head
+
+    shape = SHAPES[args.shape]
+    spec = dict(algo="eagle3", draft=write_head(shape), num_draft_tokens=3)
+    engine = build_engine(target, "triton", args.context, [1, 64], piecewise=False, **spec)
+    names = args.spec_levers.split(";")
+    saved: dict = {}
+    results: dict = {}
+    try:
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                apply_levers(engine, name, saved)
+                engine.clear_graphs()
+                engine.capture_graphs()
+                steps = timings(engine, shape["vocab_size"], args.context, 3, (1, 64))
+                for bs, entry in steps.items():
+                    results.setdefault(name, {}).setdefault(str(bs), []).append(entry)
+        apply_levers(engine, None, saved)
+    finally:
+        free(engine)
+    for name, by_bs in results.items():
+        text = ", ".join(
+            f"bs {b} step {sorted(e['step_ms'] for e in v)[len(v) // 2]:.3f} ms"
+            for b, v in by_bs.items()
+        )
+        print(f"  {args.label} EAGLE-3 levers {name}: {text}", flush=True)
+    return results
+
+
+def graph_tokens(engine, vocab: int) -> list:
+    """Greedy tokens of 1 and then 3 fixed random prompts (16 each), graphs on."""
+    from speculant import SamplingParams
+
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for bs in (1, 3):
+        lengths = [40 + 9 * i for i in range(bs)]
+        prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        out.append([o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
     return out
 
 
@@ -204,6 +322,13 @@ def main() -> int:
         "--free-ops", default="", help='";"-separated: none | norm | silu | norm+silu (timing only)'
     )
     parser.add_argument(
+        "--levers", default="", help='";"-separated lever variants ("+"-joined names: base, '
+        "early, keys64, norm2, act2, ...; see LEVERS) timed at bs 1 and 64",
+    )
+    parser.add_argument(
+        "--spec-levers", default="", help="lever variants of the EAGLE-3 k=3 step on the FP8 target"
+    )
+    parser.add_argument(
         "--fp8-tables",
         default="",
         help='";"-separated FP8 path tables to time: shipped | PATH; "@exact" after one: '
@@ -222,7 +347,15 @@ def main() -> int:
         "context": args.context,
         "shape": args.shape,
     }
-    for kind in args.kinds.split(","):
+    if args.spec_levers:
+        from fp8_gpu import targets
+
+        try:
+            report["spec_levers"] = spec_lever_variants(targets(args.shape)["fp8"], args)
+        except Exception as exc:  # keep what the decode steps give
+            report["spec_levers"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"  {args.label} spec levers: {report['spec_levers']['error']}", flush=True)
+    for kind in filter(None, args.kinds.split(",")):
         try:
             report[kind] = measure(kind, args)
         except Exception as exc:  # keep what the other kind gives

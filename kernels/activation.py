@@ -32,6 +32,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n:
         _silu_and_mul_kernel[(n, -(-width // BLOCK))](
             gate_up, out, gate_up.stride(0), width, BLOCK=BLOCK, num_warps=4,
-            **pdl_options(pdl_mode(gate_up)),
+            **pdl_options(pdl_mode(gate_up, "act")),
         )  # fmt: skip
     return out

@@ -541,7 +541,7 @@ def fma_gemv(x2, weight, scale, mode, config=None):
     block_m = next_power_of_2(m)
     block_k = max(BLOCK, block_k // block_m)  # registers: BLOCK_M x BLOCK_N x BLOCK_K floats
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    pdl = pdl_mode(x2)
+    pdl = pdl_mode(x2, "gemv")
     even = n % block_n == 0 and k % block_k == 0
     _fma_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, scale, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
@@ -578,7 +578,7 @@ def stream_gemv(x2, weight, scale, mode, config=None):
     _stream_kernel[(n // block_n,)](
         x2, weight, scale, y, k, weight.stride(0), scale.stride(0),
         BLOCK_SCALE=mode == "block", BLOCK_N=block_n, PRE_K=pre_k, BLOCK_K=block_k,
-        num_warps=warps, num_stages=2, **pdl_options(pdl_mode(x2)),
+        num_warps=warps, num_stages=2, **pdl_options(pdl_mode(x2, "gemv")),
     )  # fmt: skip
     return y
 
@@ -607,7 +607,7 @@ def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     else:
         out = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-    pdl = pdl_mode(x2) if split == 1 else 0
+    pdl = pdl_mode(x2, "gemv") if split == 1 else 0
     _dot_kernel[(grid_n, grid_m, split)](
         x2, weight, scale, out, m, n, k, x2.stride(0), weight.stride(0), n, scale.stride(0),
         m * n, per_split, BLOCK_SCALE=mode == "block", BLOCK_M=block_m, BLOCK_N=block_n,
@@ -647,7 +647,7 @@ def splitk_gemv(x2, weight, scale, mode, config=None):
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     ws = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
     counters = _counters(x2.device) if atomic and splits > 1 else ws
-    pdl = pdl_mode(x2)
+    pdl = pdl_mode(x2, "gemv")
     _splitk_kernel[(grid_n, splits)](
         x2, weight, scale, y, ws, counters, m, n, k, x2.stride(0), weight.stride(0),
         y.stride(0), scale.stride(0), splits, SPLIT=splits > 1, BLOCK_SCALE=mode == "block",
@@ -701,7 +701,7 @@ def sk_gemm(x2, weight, scale, mode, path="sk_w8a16", config=None, quantized=Non
     else:
         ws = counters = y  # unused
     even = n % block_n == 0 and k == splits * chunks * BLOCK
-    pdl = pdl_mode(x2)
+    pdl = pdl_mode(x2, "gemv")
     _sk_kernel[(grid_n, grid_m, splits)](
         xin, xs, weight, scale, y, ws, counters, m, n, k, xin.stride(0), xs.stride(0),
         weight.stride(0), y.stride(0), scale.stride(0), chunks, splits, ACT=act,

@@ -99,7 +99,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n, k = weight.shape
     block_k, warps = gemv_plan(n, k)
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    pdl = pdl_mode(x)
+    pdl = pdl_mode(x, "gemv")
     line = 128 // weight.element_size()
     lines = _prefetch_lines(k // line, PREFETCH_BYTES // 128 // BLOCK_N) if pdl else 0
     _gemv_kernel[(n // BLOCK_N,)](

@@ -156,7 +156,7 @@ def top_logprobs(
     s = torch.empty_like(m)
     v = torch.empty((rows, parts, k), dtype=torch.float32, device=device)
     i = torch.empty((rows, parts, k), dtype=torch.int32, device=device)
-    pdl = pdl_options(pdl_mode(logits))
+    pdl = pdl_options(pdl_mode(logits, "logprobs"))
     _part_kernel[(rows, parts)](
         logits, logits.stride(0), vocab, chunks, m, s, v, i,
         K=k, KP=next_power_of_2(k), BLOCK=BLOCK, num_warps=WARPS, **pdl,

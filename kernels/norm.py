@@ -77,7 +77,7 @@ def _launch(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=max(1, min(16, block // 512)),
-            **pdl_options(pdl_mode(x)),
+            **pdl_options(pdl_mode(x, "norm")),
         )
     return out, residual_out
 

@@ -6,6 +6,8 @@ KV write; build it only with the Triton backend: it imports triton (kernels/runt
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from speculant.kernels import reference
@@ -38,6 +40,12 @@ class TorchOps:
         """(log-sum-exp [R], the `num_top` largest logits less it, their ids) of logits [R, V]."""
         return reference.top_logprobs(logits, num_top)
 
+    @staticmethod
+    def launch_modes(modes: dict[str, int] | None):
+        """A context whose kernel launches take `modes` ({kind: PDL mode}, kernels/runtime.py
+        launch_modes); nothing to set for the reference ops."""
+        return contextlib.nullcontext()
+
 
 class TritonOps(TorchOps):
     """Fused kernels; `fuses_rope` True: the attention backend's `forward(..., rope)` rotates q
@@ -46,12 +54,13 @@ class TritonOps(TorchOps):
     fuses_rope = True
 
     def __init__(self):
-        from speculant.kernels import activation, logprobs, norm
+        from speculant.kernels import activation, logprobs, norm, runtime
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
         self.silu_and_mul = activation.silu_and_mul
         self.top_logprobs = logprobs.top_logprobs
+        self.launch_modes = runtime.launch_modes
 
 
 TORCH_OPS = TorchOps()

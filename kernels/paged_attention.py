@@ -470,7 +470,7 @@ def row_plan(positions: torch.Tensor, bs: int, tokens_per_req: int, kv_len: int,
         tokens_per_req, kv_len, num_items, kv_heads, slots,
         MIN_KEYS=MIN_KEYS_PER_SPLIT, MAX_ROW_SPLITS=MAX_ROW_SPLITS,
         BLOCK_B=max(2, next_power_of_2(bs)), BLOCK_I=next_power_of_2(num_items), num_warps=4,
-        **pdl_options(pdl_mode(positions)),
+        **pdl_options(pdl_mode(positions, "plan")),
     )  # fmt: skip
     return RowPlan(bs, ranks[0], ranks[1], ranks[2], items[0], items[1], items[2], num_items,
                    merge_ranks)  # fmt: skip
@@ -549,7 +549,7 @@ def paged_attention(
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    pdl = pdl_mode(q)
+    pdl = pdl_mode(q, "attention")
     if planned:  # parts by (item, token, head)
         part_out = torch.empty(
             (plan.num_items * T * heads, d), dtype=torch.float32, device=q.device
@@ -619,7 +619,7 @@ def paged_attention(
             BLOCK_S=MAX_ROW_SPLITS,
             BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
-            **pdl_options(pdl),
+            **pdl_options(pdl_mode(q, "merge")),
         )
     elif splits > 1:
         _merge_splits_kernel[(n * heads,)](
@@ -634,6 +634,6 @@ def paged_attention(
             BLOCK_S=max(2, next_power_of_2(splits)),
             BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
-            **pdl_options(pdl),
+            **pdl_options(pdl_mode(q, "merge")),
         )
     return out

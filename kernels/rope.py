@@ -130,6 +130,6 @@ def rope_and_write_kv(
         BLOCK_KV=next_power_of_2(kv_heads),
         BLOCK_D=next_power_of_2(d),
         num_warps=4,
-        **pdl_options(pdl_mode(q)),
+        **pdl_options(pdl_mode(q, "rope")),
     )
     return q_out

@@ -5,6 +5,7 @@ their torch references. Importing this module imports triton: the package import
 modules only when a Triton backend is built, so a test can still set TRITON_INTERPRET first.
 Without triton installed the kernel modules import all the same (nothing is launched)."""
 
+import contextlib
 import functools
 import os
 
@@ -42,14 +43,50 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on
 
 # Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may start while the
 # kernel before it in the stream (or CUDA graph) still runs; it does only work that reads no
-# earlier kernel's output (L2 prefetch of weights) before `griddepcontrol.wait`, which returns
-# once that kernel has finished and its writes are visible. 0: off; 1: each kernel lets its
-# successor launch once it has passed its own wait (one kernel of look-ahead); 2: before it (a
-# chain of waiting kernels up to the next launch without PDL). Set by SPECULANT_PDL.
-_PDL_SETTING = os.environ.get("SPECULANT_PDL", "1")
-if _PDL_SETTING not in ("0", "1", "2"):
-    raise SpeculantError(f"SPECULANT_PDL={_PDL_SETTING}: use 0 (off), 1 or 2")
-PDL_MODE = int(_PDL_SETTING)
+# earlier kernel's output (weights, or step inputs written before the forward's first kernel
+# without PDL) before `griddepcontrol.wait`, which returns once that kernel has finished and its
+# writes are visible. 0: off; 1: each kernel lets its successor launch once it has passed its
+# own wait (one kernel of look-ahead); 2: before it (a chain of waiting kernels up to the next
+# launch without PDL). Set by SPECULANT_PDL: a mode for every kernel, then `kind=mode` items for
+# kinds of kernel (PDL_KINDS), e.g. "1,norm=2,act=2"; mode 0 turns PDL off for all. A model may
+# set modes for the kinds its forward launches (`launch_modes`).
+PDL_KINDS = ("gemv", "norm", "rope", "act", "attention", "merge", "plan", "logprobs")
+
+
+def parse_pdl(setting: str) -> tuple[int, dict[str, int]]:
+    """(mode, {kind: mode}) of a SPECULANT_PDL value (see above), or SpeculantError naming it."""
+    first, *items = [part.strip() for part in setting.split(",")]
+    usage = (
+        f"SPECULANT_PDL={setting}: use 0 (off), 1 or 2, optionally followed by kind=mode items "
+        f"(kinds: {', '.join(PDL_KINDS)}), e.g. 1,norm=2"
+    )
+    if first not in ("0", "1", "2"):
+        raise SpeculantError(usage)
+    kinds = {}
+    for item in items:
+        kind, _, mode = (part.strip() for part in item.partition("="))
+        if kind not in PDL_KINDS or mode not in ("1", "2"):
+            raise SpeculantError(usage)
+        kinds[kind] = int(mode)
+    return int(first), kinds
+
+
+PDL_MODE, ENV_KIND_MODES = parse_pdl(os.environ.get("SPECULANT_PDL", "1"))
+PDL_KIND_MODES: dict[str, int] = dict(ENV_KIND_MODES)  # in force now (see launch_modes)
+
+
+@contextlib.contextmanager
+def launch_modes(modes: dict[str, int] | None):
+    """Kernels launched inside take `modes` ({kind: PDL mode}) for their kinds: a model's
+    forward sets what its own projections measured best with (models/fp8.py); kinds that
+    SPECULANT_PDL names keep its modes."""
+    global PDL_KIND_MODES
+    saved = PDL_KIND_MODES
+    PDL_KIND_MODES = {**saved, **(modes or {}), **ENV_KIND_MODES}
+    try:
+        yield
+    finally:
+        PDL_KIND_MODES = saved
 
 
 def runs_triton(x: torch.Tensor) -> bool:
@@ -62,12 +99,12 @@ def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_mode(x: torch.Tensor) -> int:
-    """The PDL mode for a launch on x's device: PDL_MODE on compiled sm_90+ CUDA with a triton
-    that has it (3.3+), else 0."""
+def pdl_mode(x: torch.Tensor, kind: str = "") -> int:
+    """The PDL mode for a launch of a `kind` kernel (PDL_KINDS) on x's device: PDL_KIND_MODES'
+    or PDL_MODE on compiled sm_90+ CUDA with a triton that has it (3.3+), else 0."""
     if PDL_MODE == 0 or not (HAS_GDC and x.is_cuda) or INTERPRET:
         return 0
-    return PDL_MODE if _has_pdl(x.device) else 0
+    return PDL_KIND_MODES.get(kind, PDL_MODE) if _has_pdl(x.device) else 0
 
 
 def pdl_options(mode: int) -> dict:

@@ -165,6 +165,9 @@ class CausalLM(nn.Module):
             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pctx)
         )
         self.aux_layer_ids: tuple[int, ...] = ()
+        # {kernel kind: PDL mode} for the kernels this forward launches (attn.ops.launch_modes):
+        # set by models/fp8.py for FP8 projections, None keeps the shipped modes
+        self.launch_modes: dict[str, int] | None = None
 
     def replay_hooks(self) -> list:
         """Code to run around CUDA-graph capture and replay (executor/cuda_graph.ReplayHook);
@@ -184,6 +187,10 @@ class CausalLM(nn.Module):
         """Returns the final-norm hidden states [N, H] and the requested auxiliary states
         (`tokens_per_rank`, every rank's tokens in this forward, plans a MoE target's
         dispatches; a dense model has none to plan)."""
+        with attn.ops.launch_modes(self.launch_modes):
+            return self._forward(input_ids, positions, attn)
+
+    def _forward(self, input_ids, positions, attn) -> tuple[torch.Tensor, list[torch.Tensor]]:
         h = self.embed(input_ids)
         rope = self.model.rotary.lookup(positions, h.dtype)
         aux, residual = [], None  # the residual stream is h + residual (see forward_split)

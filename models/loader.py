@@ -19,7 +19,7 @@ from torch import nn
 from speculant.comm.groups import ParallelContext
 from speculant.config import ModelConfig, MoeConfig, read_json_object
 from speculant.errors import SpeculantError
-from speculant.models.fp8 import FP8, quantize_linears
+from speculant.models.fp8 import FP8, FP8_LAUNCH_MODES, quantize_linears
 from speculant.models.layers import RotaryEmbedding
 from speculant.models.llama import CausalLM
 from speculant.models.qwen3_moe import Qwen3MoeForCausalLM, make_dispatcher
@@ -390,7 +390,9 @@ def build_fp8_causal_lm(
     device = torch.get_default_device()
     with torch.device("meta"):
         model = make() if make is not None else CausalLM(cfg, max_positions, pctx)
-        quantize_linears(model, cfg.quantization)
+        converted = quantize_linears(model, cfg.quantization)
+    if make is None and converted:  # dense: measured (mixture-of-experts targets were not)
+        model.launch_modes = dict(FP8_LAUNCH_MODES)
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)

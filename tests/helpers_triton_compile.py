@@ -345,7 +345,7 @@ def _recording(launches: list, pdl: int):
             if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
                 saved.append((module, name, value))
                 setattr(module, name, _Capture(value, launches))
-        for name, value in (("runs_triton", lambda x: True), ("pdl_mode", lambda x: pdl)):
+        for name, value in (("runs_triton", lambda x: True), ("pdl_mode", lambda x, kind="": pdl)):
             if hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, value)

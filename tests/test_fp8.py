@@ -297,6 +297,31 @@ def test_block_split_by_tp_is_refused(fp8_dirs):
     assert "\n" not in str(exc.value)
 
 
+def test_fp8_targets_launch_their_kernels_with_their_own_pdl_modes(fp8_dirs, float_dirs):
+    """A dense FP8 target's forward runs inside its ops' launch_modes with models/fp8.py's
+    modes (the small kernels between FP8 projections launch their successor early); a float
+    target's with none. Seen through the ops the forward is given (the protocol: what it enters
+    around its kernels)."""
+    from speculant.kernels.ops import TorchOps
+    from speculant.models.fp8 import FP8_LAUNCH_MODES
+
+    entered = []
+
+    class RecordingOps(TorchOps):
+        @staticmethod
+        def launch_modes(modes):
+            entered.append(modes)
+            return TorchOps.launch_modes(modes)
+
+    for path, want in ((fp8_dirs[("fp8_block", 320)], FP8_LAUNCH_MODES), (float_dirs[320], None)):
+        engine = Engine(str(path), **ENGINE)
+        assert engine.model.launch_modes == want, path
+        engine.runner.attn.ops = RecordingOps()  # an instance attribute over the class's
+        entered.clear()
+        logits = our_logits(engine, PROMPT[:5])
+        assert entered == [want] and torch.isfinite(logits).all(), (path, entered)
+
+
 # ----------------------------------------------------------------------- Qwen3-MoE FP8 experts
 
 

@@ -492,6 +492,30 @@ def test_triton_backend_runs_fp8_layers_through_the_kernels(fp8_block_dirs, devi
     assert mlp.down_proj.fp8.kernel_scale(mlp.down_proj)[1] == "block"
 
 
+@pytest.mark.gpu
+def test_fp8_launch_modes_give_the_tokens_of_plain_launches(fp8_block_dirs, monkeypatch):
+    """An FP8 target's own PDL modes (models/fp8.py FP8_LAUNCH_MODES: the small kernels let the
+    next FP8 projection launch before their wait) in its CUDA graphs: greedy tokens equal to
+    an engine launching every kernel without PDL, for one request and for several."""
+    from test_fp8 import PROMPT
+
+    from speculant.kernels import runtime
+    from speculant.models.fp8 import FP8_LAUNCH_MODES
+
+    prompts = [PROMPT[:5], PROMPT[3:20], PROMPT[:9]]
+
+    def tokens(engine):
+        return [[o.token_ids for o in engine.generate(batch, _greedy(12))]
+                for batch in (prompts[:1], prompts)]  # fmt: skip
+
+    chained = fp8_engine(fp8_block_dirs[512], "triton", "cuda")
+    assert chained.model.launch_modes == FP8_LAUNCH_MODES
+    with_modes = tokens(chained)
+    del chained
+    monkeypatch.setattr(runtime, "PDL_MODE", 0)
+    assert with_modes == tokens(fp8_engine(fp8_block_dirs[512], "triton", "cuda"))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", kernels.MODES)
 def test_stream_gemv_tiles_and_falls_back(device, mode):

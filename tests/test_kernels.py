@@ -486,6 +486,30 @@ def test_pdl_is_off_where_it_cannot_run():
     assert runtime.pdl_options(2) == {"PDL": 2, "launch_pdl": True}
 
 
+def test_pdl_setting_by_kind_and_a_models_launch_modes(monkeypatch):
+    """SPECULANT_PDL: a mode, then kind=mode items; bad ones name the value and the kinds.
+    launch_modes: a model's modes in force inside (the kinds SPECULANT_PDL names keep its
+    modes), the previous ones back after, an exception included."""
+    from speculant import SpeculantError
+
+    assert runtime.parse_pdl("1") == (1, {})
+    assert runtime.parse_pdl("1, norm=2,act = 2") == (1, {"norm": 2, "act": 2})
+    for bad in ("3", "1,norm=3", "1,normal=2", "2,norm", ""):
+        with pytest.raises(SpeculantError, match=r"kinds: gemv, norm, rope") as exc:
+            runtime.parse_pdl(bad)
+        assert f"SPECULANT_PDL={bad}:" in str(exc.value)
+    monkeypatch.setattr(runtime, "ENV_KIND_MODES", {"norm": 1})
+    monkeypatch.setattr(runtime, "PDL_KIND_MODES", {"norm": 1})
+    with runtime.launch_modes({"norm": 2, "act": 2}):
+        assert runtime.PDL_KIND_MODES == {"norm": 1, "act": 2}
+        with runtime.launch_modes(None):
+            assert runtime.PDL_KIND_MODES == {"norm": 1, "act": 2}
+    assert runtime.PDL_KIND_MODES == {"norm": 1}
+    with pytest.raises(RuntimeError), runtime.launch_modes({"merge": 2}):
+        raise RuntimeError("a failed forward")
+    assert runtime.PDL_KIND_MODES == {"norm": 1}
+
+
 @pytest.mark.needs("triton")
 def test_bad_pdl_setting_names_the_value():
     import subprocess
