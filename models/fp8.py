@@ -21,8 +21,9 @@ FP8 = torch.float8_e4m3fn
 # PDL modes (kernels/runtime.py launch_modes) for the small kernels between a dense model's FP8
 # projections: each lets its successor launch before its own wait, so that the next FP8 GEMV
 # loads its weight rows into registers while the kernel before finishes. The 8B graph decode
-# step on one H100: 3.46-3.47 vs 3.59-3.60 ms at bs 1, bs 64 unchanged; bf16 projections are
-# slower with it (5.80-5.86 vs 5.72 ms), so only FP8 models set it (results/wave24.md).
+# step on one H100: 3.46-3.52 vs 3.58-3.60 ms at bs 1 (EAGLE-3 k=3: 5.71 vs 5.78), bs 64
+# unchanged; bf16 projections are slower with it (5.80-5.86 vs 5.72 ms), so only FP8 models set
+# it (results/wave24.md).
 FP8_LAUNCH_MODES = {"norm": 2, "act": 2, "merge": 2, "attention": 2}
 BLOCK = FP8_BLOCK[0]  # rows and columns of one scale block (128 x 128)
 # our merged projection -> the HF modules it is loaded from (see loader.STACKED_PARAMS)
