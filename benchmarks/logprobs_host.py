@@ -162,7 +162,7 @@ class Job:
             start = time.perf_counter()
             out = self.engine._output(request)
             middle = time.perf_counter()
-            out_file.write(json.dumps(out.to_json()) + "\n")  # launch/cli.py's --output line
+            out_file.write(out.json_line())  # launch/cli.py's --output line
             out_file.flush()
             self.seconds["output"] += middle - start
             self.seconds["line"] += time.perf_counter() - middle

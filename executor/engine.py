@@ -42,8 +42,8 @@ from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
 from speculant.executor.logprobs import (
+    KeptLogprobs,
     TokenLogprobs,
-    decode_entries,
     logprob_columns,
     unpack_logprobs,
 )
@@ -695,7 +695,7 @@ class Engine:
             "stop_text": StopStrings(self.tokenizer, stops, params.include_stop_str_in_output)
             if stops
             else None,
-            "logprobs": None if params.logprobs is None else [],
+            "logprobs": None if params.logprobs is None else KeptLogprobs(self.num_logprobs),
         }
 
     def _completion(self, first: Request, j: int, index: int) -> Request:
@@ -810,7 +810,7 @@ class Engine:
         }
         logprobs, cumulative = None, None
         if request.logprobs is not None:  # decoded now: a step only kept its rows
-            logprobs = decode_entries(request.logprobs, ids, request.params.logprobs)
+            logprobs = request.logprobs.entries(ids, request.params.logprobs)
             cumulative = sum(step[t] for step, t in zip(logprobs, ids, strict=True))
         return RequestOutput(
             request.prompt_index,
@@ -1233,8 +1233,9 @@ class Engine:
     def _logprobs_of(
         self, request: Request, row: list[int], width: int
     ) -> tuple[TokenLogprobs | None, list[int]]:
-        """A read-back row (of `width` token slots) of an engine computing log-probabilities,
-        split into their columns (kept only for a request that asked) and the rest."""
+        """A read-back row (of `width` token slots) of an engine computing log-probabilities:
+        its log-probability columns (the row as read, for a request that asked only) and the
+        rest of its columns."""
         kept = None
         if request.logprobs is not None:
             kept = unpack_logprobs(row, width, self.num_logprobs)

@@ -51,10 +51,10 @@ def logprob_columns(width: int, num_top: int | None) -> int:
 
 
 def unpack_logprobs(row: list[int], width: int, num_top: int) -> TokenLogprobs:
-    """A host row's `pack_logprobs` columns (its first `logprob_columns(width, num_top)`), kept
-    as read: decoded only when the request's output is made (`decode_entries`), so a step costs the
-    host a slice per row, not a decode and a dict per token (that cost the job 9%)."""
-    return TokenLogprobs(row[: logprob_columns(width, num_top)], width, num_top)
+    """A host row whose first `logprob_columns(width, num_top)` columns are `pack_logprobs`',
+    as read (no copy): the request keeps the columns of the tokens it keeps
+    (`KeptLogprobs.add`)."""
+    return TokenLogprobs(row, width, num_top)
 
 
 def widen(packed: torch.Tensor, width: int, full: int, n: int) -> torch.Tensor:
@@ -73,34 +73,52 @@ def widen(packed: torch.Tensor, width: int, full: int, n: int) -> torch.Tensor:
 
 @dataclass
 class TokenLogprobs:
-    """One step's log-probabilities for one row as read back (`pack_logprobs` columns of
-    `width` positions, n alternatives each), decoded by `decode_entries`."""
+    """One step's log-probabilities for one row as read back: the first
+    `logprob_columns(width, n)` of `columns` (`pack_logprobs`' of `width` positions, n
+    alternatives each; the row's other columns follow)."""
 
     columns: list[int]
     width: int
     n: int  # alternatives computed per position (the engine's max_logprobs)
 
 
-def decode_entries(
-    kept: list[tuple[TokenLogprobs, int]], tokens: list[int], keep: int
-) -> list[dict[int, float]]:
-    """A request's output log-probabilities: per token (its step's columns and position there,
-    `kept`), {the token: its log-probability, then the `keep` most likely: theirs} (vLLM's
-    layout; the token not repeated when among them). Every step's floats are decoded in one
-    conversion (per token that was most of a request's cost: ~3x)."""
-    bits, start = array.array("i"), {}
-    for step, _ in kept:
-        if id(step) not in start:
-            start[id(step)] = len(bits)
-            bits.extend(step.columns[: step.width * (1 + step.n)])
-    values = array.array("f", bits.tobytes()).tolist()
-    out = []
-    for (step, position), token in zip(kept, tokens, strict=True):
-        n = step.n
-        base = start[id(step)] + position * (1 + n)
-        ids = step.width * (1 + n) + position * n
-        entry = {token: values[base]}
-        for j, top in enumerate(step.columns[ids : ids + min(keep, n)]):
-            entry.setdefault(top, values[base + 1 + j])
-        out.append(entry)
-    return out
+class KeptLogprobs:
+    """A request's log-probabilities as its steps read them back, for the tokens it kept: per
+    token the chosen token's value and the n most likely ones' (float32 bits), and those n ids,
+    in two flat arrays. A step adds no object per token (a tuple and a row per token, which
+    the garbage collector scanned for the rest of the request, were most of the host's cost);
+    the entries are decoded when the request's output is made (`entries`)."""
+
+    def __init__(self, n: int):
+        self.n = n  # alternatives computed per position (the engine's max_logprobs)
+        self.bits = array.array("i")  # per token: the chosen value, then the n most likely
+        self.ids = array.array("q")  # per token: the n most likely ids, most likely first
+
+    def add(self, step: TokenLogprobs, count: int) -> None:
+        """Keep the values of a step's first `count` positions (the tokens the request kept)."""
+        n, columns = step.n, step.columns
+        self.bits.fromlist(columns[: count * (1 + n)])
+        ids = step.width * (1 + n)
+        self.ids.fromlist(columns[ids : ids + count * n])
+
+    def entries(self, tokens: list[int], keep: int) -> list[dict[int, float]]:
+        """Per kept token (`tokens`, one each), {the token: its log-probability, then the
+        `keep` most likely: theirs} (vLLM's layout; the token not repeated when among them, an
+        id repeated (a kernel's -1 for a row of fewer finite logits) kept once, with its first
+        value). Every value is decoded in one conversion."""
+        n = self.n
+        if len(self.bits) != len(tokens) * (1 + n):
+            raise ValueError(
+                f"{len(tokens)} tokens for the log-probabilities of {len(self.bits) // (1 + n)}"
+            )
+        values = array.array("f", self.bits.tobytes()).tolist()
+        ids = self.ids.tolist()
+        keep = min(keep, n)
+        out = []
+        for p, token in enumerate(tokens):
+            base, top = p * (1 + n), p * n
+            entry = {token: values[base]}
+            for j, top_id in enumerate(ids[top : top + keep], base + 1):
+                entry.setdefault(top_id, values[j])
+            out.append(entry)
+        return out

@@ -4,8 +4,10 @@ them (Request)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from numbers import Integral, Real
 from typing import TYPE_CHECKING
 
@@ -15,7 +17,7 @@ from speculant.errors import SpeculantError, shown
 from speculant.executor.stop_strings import StopStrings
 
 if TYPE_CHECKING:
-    from speculant.executor.logprobs import TokenLogprobs
+    from speculant.executor.logprobs import KeptLogprobs, TokenLogprobs
 
 # Temperatures below this sample greedily: logits / T overflows float32 long before T reaches 0
 # (a subnormal T turns every logit into inf), and so does vLLM (its _SAMPLING_EPS).
@@ -188,8 +190,9 @@ class RequestOutput:
         """(index, sample_index): one completion's place among a call's outputs."""
         return self.index, self.sample_index
 
-    def to_json(self) -> dict:
-        line = {
+    def _head(self) -> dict:
+        """The line's first fields (`to_json`), before the log-probabilities and stats."""
+        return {
             "index": self.index,
             **({"sample_index": self.sample_index} if self.n > 1 else {}),
             "token_ids": self.token_ids,
@@ -197,10 +200,42 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
         }
+
+    def to_json(self) -> dict:
+        line = self._head()
         if self.logprobs is not None:  # JSON keys are strings: pairs keep the ids integers
             line["logprobs"] = [[[t, lp] for t, lp in step.items()] for step in self.logprobs]
             line["cumulative_logprob"] = self.cumulative_logprob
         return {**line, **self.stats}
+
+    def json_line(self) -> str:
+        """Its --output line: `json.dumps(self.to_json()) + "\n"`, the same text, with the
+        log-probabilities written by `logprobs_json` (no list per [id, value] pair) between
+        the head's and the stats' json.dumps."""
+        head = self._head()
+        if self.logprobs is None or any(
+            key in head or key in ("logprobs", "cumulative_logprob") for key in self.stats
+        ):  # (a stat named like a field would take its place: to_json's merge)
+            return json.dumps(self.to_json()) + "\n"
+        stats = json.dumps(self.stats)[1:] if self.stats else "}"
+        return (
+            f'{json.dumps(head)[:-1]}, "logprobs": {logprobs_json(self.logprobs)}, '
+            f'"cumulative_logprob": {json.dumps(self.cumulative_logprob)}'
+            f"{', ' if self.stats else ''}{stats}\n"
+        )
+
+
+def logprobs_json(entries: list[dict[int, float]]) -> str:
+    """`json.dumps` of an output line's "logprobs" (`RequestOutput.to_json`: per token its
+    [id, value] pairs in the entry's order) as one %-format of every id and value, no list per
+    pair: the same text when ids are ints and values floats (%d and %r write them as json.dumps
+    does, but the infinities and NaN, renamed after: no other number's text has an "n")."""
+    pairs = {m: "[" + ", ".join(["[%d, %r]"] * m) + "]" for m in set(map(len, entries))}
+    template = "[" + ", ".join([pairs[len(entry)] for entry in entries]) + "]"
+    text = template % tuple(chain.from_iterable(chain.from_iterable(map(dict.items, entries))))
+    if "n" in text:
+        text = text.replace("inf", "Infinity").replace("nan", "NaN")
+    return text
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups must not compare token lists
@@ -230,9 +265,9 @@ class Request:
     num_preemptions: int = 0
     stop_text: StopStrings | None = None  # the output text, watched for params.stop
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it
-    # with params.logprobs: per output token its step's row as read back and its position
-    # there (RequestOutput.logprobs decodes them when the request ends)
-    logprobs: list[tuple[TokenLogprobs, int]] | None = None
+    # with params.logprobs: the output tokens' values as their steps read them back
+    # (RequestOutput.logprobs decodes them when the request ends)
+    logprobs: KeptLogprobs | None = None
     prompt_index: int = -1  # the prompt's place in the call (-1: index)
     sample_index: int = 0  # which of its params.n completions
     # the first completion of the same prompt in this run (Engine.run; None: this is it): once
@@ -270,20 +305,21 @@ class Request:
     def append(self, tokens: list[int], logprobs: TokenLogprobs | None = None) -> None:
         """Add emitted tokens, stopping at a stop token, a stop string or the length limit (in
         that order, as vLLM checks them); tokens after the one that ended it are dropped.
-        `logprobs`: the step's log-probabilities of these tokens' positions, kept (for as many
-        alternatives as the request asked) when the request keeps logprobs."""
-        for i, token in enumerate(tokens):
+        `logprobs`: the step's log-probabilities of these tokens' positions, kept for the
+        tokens kept when the request keeps logprobs."""
+        before = len(self.output_ids)
+        for token in tokens:
             self.output_ids.append(token)
-            if self.logprobs is not None:
-                self.logprobs.append((logprobs, i))
             if token in self.stop_ids:
                 self.finish_reason = "stop"
                 if token in self.params.stop_token_ids:  # EOS itself is no stop reason
                     self.stop_reason = token
-                return
+                break
             if self.stop_text is not None and (stop := self.stop_text.add(token)) is not None:
                 self.finish_reason, self.stop_reason = "stop", stop
-                return
+                break
             if len(self.output_ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
-                return
+                break
+        if self.logprobs is not None:
+            self.logprobs.add(logprobs, len(self.output_ids) - before)

@@ -980,7 +980,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         if args.output:
             with write_errors_named(args.output, "--output"):
                 out_file = out_file or open_output(args.output)
-                out_file.write(json.dumps(out.to_json()) + "\n")
+                out_file.write(out.json_line())
                 out_file.flush()
         else:
             finished.append(out)
@@ -1111,7 +1111,7 @@ def report_outputs(
             write_errors_named(args.output, "--output"),
             open_output(args.output) as out_file,
         ):
-            out_file.writelines(json.dumps(out.to_json()) + "\n" for out in outputs)
+            out_file.writelines(out.json_line() for out in outputs)
     elif not args.output:
         print_completions(outputs, stdout, specs, on_printed=on_printed)
     if getattr(args, "bundled_draft", False) and (line := bundled_drafter_line(args, outputs)):

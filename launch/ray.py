@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import re
@@ -349,7 +348,7 @@ class _Finished:
             return
         with write_errors_named(self.path, "--output"):
             self.file = self.file or open_output(self.path)
-            self.file.writelines(json.dumps(out.to_json()) + "\n" for out in batch)
+            self.file.writelines(out.json_line() for out in batch)
             self.file.flush()
         self.written += len(batch)
 

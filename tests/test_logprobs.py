@@ -21,7 +21,7 @@ from helpers_io import dp2_run, refused_in_one_line
 
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
-from speculant.executor.logprobs import decode_entries, pack_logprobs, unpack_logprobs, widen
+from speculant.executor.logprobs import KeptLogprobs, pack_logprobs, unpack_logprobs, widen
 from speculant.launch import cli
 
 TARGET = speculant.bundled("target")
@@ -199,11 +199,13 @@ def test_widened_rows_read_back_alike():
     narrow = pack_logprobs(logits, tokens, 4)
     wide = widen(narrow, 2, 5, 4)
     for row, (narrow_row, wide_row) in enumerate(zip(narrow.tolist(), wide.tolist(), strict=True)):
-        a, b = unpack_logprobs(narrow_row, 2, 4), unpack_logprobs(wide_row, 5, 4)
-        for position in range(2):
+        a, b = KeptLogprobs(4), KeptLogprobs(4)
+        a.add(unpack_logprobs(narrow_row, 2, 4), 2)
+        b.add(unpack_logprobs(wide_row, 5, 4), 2)
+        entries = a.entries(tokens[row].tolist(), 4)
+        assert entries == b.entries(tokens[row].tolist(), 4)
+        for position, entry in enumerate(entries):
             token = tokens[row, position].item()
-            entry = decode_entries([(a, position)], [token], 4)[0]
-            assert entry == decode_entries([(b, position)], [token], 4)[0]
             ref = logits[row, position].log_softmax(-1)
             assert entry[token] == pytest.approx(ref[token].item(), abs=1e-6)
             top = ref.topk(4)
