@@ -103,9 +103,9 @@ class KeptLogprobs:
 
     def entries(self, tokens: list[int], keep: int) -> list[dict[int, float]]:
         """Per kept token (`tokens`, one each), {the token: its log-probability, then the
-        `keep` most likely: theirs} (vLLM's layout; the token not repeated when among them, an
-        id repeated (a kernel's -1 for a row of fewer finite logits) kept once, with its first
-        value). Every value is decoded in one conversion."""
+        `keep` most likely: theirs} (vLLM's layout; the token not repeated when among them; the
+        Triton kernel's id -1, where a row has fewer finite logits than asked, is no token and
+        left out). Every value is decoded in one conversion."""
         n = self.n
         if len(self.bits) != len(tokens) * (1 + n):
             raise ValueError(
@@ -119,6 +119,7 @@ class KeptLogprobs:
             base, top = p * (1 + n), p * n
             entry = {token: values[base]}
             for j, top_id in enumerate(ids[top : top + keep], base + 1):
-                entry.setdefault(top_id, values[j])
+                if top_id >= 0:
+                    entry.setdefault(top_id, values[j])
             out.append(entry)
         return out
