@@ -73,6 +73,7 @@ def measure(kind: str, args) -> dict:
 VARIANT_KEYS = ("lever_variants", "table_variants", "m1_variants", "free_variants")
 LEVERS = {  # name: what it sets (see apply_levers)
     "base": "no launch modes of the model's own: every kernel at SPECULANT_PDL's mode",
+    "unfused": "as shipped, but RoPE + KV write, attention and the merge in three launches",
     "keys64": "MIN_KEYS_PER_SPLIT 64",
     "norm2 / act2 / merge2 / attention2 / gemv2 / rope2 / plan2": "that kind at PDL mode 2",
 }
@@ -82,14 +83,19 @@ def apply_levers(engine, variant: str | None, saved: dict) -> None:
     """Set the target's launch modes (models/llama.py CausalLM.launch_modes) and the kernels'
     levers as the "+"-joined names of `variant` say (LEVERS; None or "shipped": as shipped).
     `saved` keeps the shipped values between calls."""
+    from speculant.executor.triton_attention import TritonPagedAttention
     from speculant.kernels import paged_attention
 
     model = engine.model
     if not saved:
-        saved.update(modes=model.launch_modes, keys=paged_attention.MIN_KEYS_PER_SPLIT)
+        saved.update(modes=model.launch_modes, keys=paged_attention.MIN_KEYS_PER_SPLIT,
+                     fuse=TritonPagedAttention.fuse_decode)  # fmt: skip
     model.launch_modes = saved["modes"]
     paged_attention.MIN_KEYS_PER_SPLIT = saved["keys"]
-    if variant in (None, "shipped"):
+    TritonPagedAttention.fuse_decode = saved["fuse"]
+    if variant == "unfused":  # as shipped but RoPE, attention and the merge in three launches
+        TritonPagedAttention.fuse_decode = False
+    if variant in (None, "shipped", "unfused"):
         return
     from speculant.kernels import runtime
 

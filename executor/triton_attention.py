@@ -10,6 +10,7 @@ import torch
 
 from speculant.executor.attention import PoolAttention
 from speculant.executor.forward_batch import ForwardBatch
+from speculant.kernels.decode_attention import fused_decode_attention, fuses
 from speculant.kernels.ops import TritonOps
 from speculant.kernels.paged_attention import (
     longest_first,
@@ -19,7 +20,7 @@ from speculant.kernels.paged_attention import (
     varlen_tiles,
 )
 from speculant.kernels.rope import rope_and_write_kv
-from speculant.kernels.runtime import runs_triton
+from speculant.kernels.runtime import pdl_mode, runs_triton
 
 
 class TritonPagedAttention(PoolAttention):
@@ -36,6 +37,9 @@ class TritonPagedAttention(PoolAttention):
     # (batch order). A batch of mixed context lengths in batch order waits on long rows started
     # late (benchmarks/job_step.py, attention_sweep.py compare them).
     row_layout = "auto"
+    # One-token rows laid out in batch order (bs 1, or row_layout "batch") with RoPE fused: one
+    # launch for RoPE, the KV write, attention and the split merge (kernels/decode_attention.py)
+    fuse_decode = True
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Remember the step; `shared_slots` (a torch backend's gather) is not needed. A packed
@@ -58,6 +62,21 @@ class TritonPagedAttention(PoolAttention):
         KV write; without it they are already rotated."""
         batch = self.batch
         k_pool, v_pool = self.k_pools[layer_id], self.v_pools[layer_id]
+        if (
+            rope is not None
+            and self.fuse_decode
+            and batch.tokens_per_req == 1
+            and not batch.is_varlen
+            and (batch.bs == 1 or self.row_layout == "batch")
+            and fuses(q, k, rope[0], k_pool)
+        ):
+            return fused_decode_attention(
+                q, k, v, *rope, k_pool, v_pool, batch.out_cache_loc, self.req_to_page,
+                batch.req_pool_indices, batch.positions, self.page_size, batch.kv_len,
+                # the QKV projection lets this launch start only after its own wait: keys
+                # of earlier forwards are written (kernels/decode_attention.py)
+                early=pdl_mode(q, "gemv") < 2,
+            )  # fmt: skip
         if rope is not None:
             q = rope_and_write_kv(q, k, v, *rope, k_pool, v_pool, batch.out_cache_loc)
         else:

@@ -41,20 +41,26 @@ VARLEN_LAUNCH: tuple[int, int, int | None] = (64, 4, None)
 
 
 @triton.jit
-def _attend_block(
-    q, k_pool_ptr, v_pool_ptr, table, block, end, pos, kv_head, d, d_ok, m_i, l_i, acc,
-    stride_slot, stride_head, scale_log2,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def _load_kv(
+    k_pool_ptr, v_pool_ptr, table, n, load, kv_head, d, d_ok, stride_slot, stride_head,
+    PAGE_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """One block of BLOCK_N keys from `block` (online softmax update of m_i, l_i, acc)."""
-    n = block + tl.arange(0, BLOCK_N)
-    n_ok = n < end
-    page = tl.load(table + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    """K and V [len(n), BLOCK_D] of key positions n through the row's page table (0 where not
+    `load`)."""
+    page = tl.load(table + n // PAGE_SIZE, mask=load, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + n % PAGE_SIZE
     kv_offsets = slot[:, None] * stride_slot + kv_head * stride_head + d[None, :]
-    kv_mask = n_ok[:, None] & d_ok[None, :]
+    kv_mask = load[:, None] & d_ok[None, :]
     k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
     v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(
+    q, k, v, n, n_ok, pos, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr
+):  # fmt: skip
+    """Online softmax update of m_i, l_i, acc with the keys n (K, V given)."""
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -73,6 +79,20 @@ def _attend_block(
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_block(
+    q, k_pool_ptr, v_pool_ptr, table, block, end, pos, kv_head, d, d_ok, m_i, l_i, acc,
+    stride_slot, stride_head, scale_log2,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N keys from `block` (online softmax update of m_i, l_i, acc)."""
+    n = block + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    k, v = _load_kv(k_pool_ptr, v_pool_ptr, table, n, n_ok, kv_head, d, d_ok, stride_slot,
+                    stride_head, PAGE_SIZE)  # fmt: skip
+    return _attend(q, k, v, n, n_ok, pos, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
 
 
 @triton.jit(do_not_specialize=["tokens_per_req", "kv_len", "num_splits", "m_tiles"])

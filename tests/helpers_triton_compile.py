@@ -34,6 +34,7 @@ import speculant
 from speculant.kernels import (
     activation,
     catch_up,
+    decode_attention,
     fp8,
     fp8_table,
     gemv,
@@ -46,7 +47,8 @@ from speculant.kernels import (
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BF16, FP16, FP32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64
-MODULES = (activation, catch_up, fp8, gemv, logprobs, norm, paged_attention, rope)
+MODULES = (activation, catch_up, decode_attention, fp8, gemv, logprobs, norm,
+           paged_attention, rope)  # fmt: skip
 H200 = "NVIDIA H200"
 
 
@@ -138,6 +140,26 @@ def _attention(
             t(*pool, dtype=dtype), t(*pool, dtype=dtype), t(513, 64, dtype=I32),
             t(len(seq_lens) if seq_lens else bs, dtype=I64), t(n, dtype=I64), page_size,
             kv_len, tokens, varlen=varlen, plan=plan, row_order=order,
+        )  # fmt: skip
+
+    return run
+
+
+def _fused_decode(bs, heads, kv_heads, d, kv_len, dtype, early=True, page_size=16):
+    """One-token decode with RoPE, the KV write and the merge in one launch (bs 1: the engine's
+    bs-1 decode and draft steps)."""
+
+    def run():
+        qkv = t(bs, (heads + 2 * kv_heads) * d, dtype=dtype)
+        q = qkv[:, : heads * d].view(bs, heads, d)
+        k = qkv[:, heads * d : (heads + kv_heads) * d].view(bs, kv_heads, d)
+        v = qkv[:, (heads + kv_heads) * d :].view(bs, kv_heads, d)
+        cos, sin = t(bs, 1, d, dtype=dtype), t(bs, 1, d, dtype=dtype)
+        pool = (4096 * page_size, kv_heads, d)
+        decode_attention.fused_decode_attention(
+            q, k, v, cos, sin, t(*pool, dtype=dtype), t(*pool, dtype=dtype), t(bs, dtype=I64),
+            t(513, 64, dtype=I32), t(bs, dtype=I64), t(bs, dtype=I64), page_size, kv_len,
+            early=early,
         )  # fmt: skip
 
     return run
@@ -304,6 +326,9 @@ CASES = [
     ("attention bf16 tiny 4/2x64 page 32", 0, _attention(3, 2, 4, 2, 64, 512, BF16, 32)),
     ("attention bf16 tp8 8/1 decode", 1, _attention(1, 1, 8, 1, 128, 4096, BF16)),
     ("attention bf16 decode", 1, _attention(64, 1, 32, 8, 128, 256, BF16)),
+    ("fused decode bf16 8B split", 1, _fused_decode(1, 32, 8, 128, 1024, BF16)),
+    ("fused decode fp16 one split late keys", 2, _fused_decode(1, 32, 8, 128, 128, FP16, False)),
+    ("fused decode bf16 qwen3 tp2", 1, _fused_decode(1, 16, 4, 128, 8192, BF16)),
     ("attention bf16 decode plan", 1, _attention(192, 1, 32, 8, 128, 4352, BF16, layout="plan")),
     ("attention fp16 verify 4 plan", 2, _attention(96, 4, 32, 8, 128, 2048, FP16, layout="plan")),
     ("attention bf16 verify 20 plan", 0, _attention(5, 20, 32, 8, 128, 512, BF16, layout="plan")),

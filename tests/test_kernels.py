@@ -228,6 +228,49 @@ def test_row_plan_only_where_few_programs_share_a_slot():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group, head_dim", [(4, 128), (1, 64), (8, 64)])
+def test_fused_decode_attention_equals_rope_write_and_attention(device, dtype, group, head_dim):
+    """kernels/decode_attention.py (one launch: RoPE, the KV write, attention, the split merge
+    by the last split) against rope_and_write_kv then paged_attention: the same cache writes
+    bit for bit and the same output (float32 rounding of the merge), for one row and several,
+    one split and several (the merging counter left clean: launches back to back), keys read
+    before the wait or not; a row at a block's edge and the sentinel row (context 0)."""
+    from speculant.kernels.decode_attention import fused_decode_attention, fuses
+    from speculant.models.layers import RotaryEmbedding
+
+    bs_all, kv_heads, page_size, max_pages, block_n, forced = SHAPES[device]
+    heads = group * kv_heads
+    gen = generator("fused decode", device, dtype, group, head_dim)
+    rotary = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(device)
+    for bs in sorted({1, bs_all}):
+        case = PagedScenario(gen, bs, 1, kv_heads, head_dim, page_size, max_pages, dtype, device)
+        if bs > 1:
+            case.positions[0] = block_n or 64  # the new key opens a block
+        pages = case.req_to_page[torch.arange(bs, device=device), case.positions // page_size]
+        slots = pages.long() * page_size + case.positions % page_size
+        cos, sin = rotary.lookup(case.positions, dtype)
+        for splits, early in ((None, True), (1, False), (forced, True), (forced, False)):
+            qkv = randn(gen, bs, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+            q = qkv[:, : heads * head_dim].view(bs, heads, head_dim)
+            k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(bs, kv_heads, -1)
+            v = qkv[:, (heads + kv_heads) * head_dim :].view(bs, kv_heads, head_dim)
+            assert fuses(q, k, cos, case.k_pool)
+            pools = [pool.clone() for pool in (case.k_pool, case.v_pool)]
+            rotated = rope.rope_and_write_kv(q, k, v, cos, sin, *pools, slots)
+            args = (case.req_to_page, case.rows, case.positions, page_size, case.kv_len)
+            want = paged_attention(rotated, *pools, *args, 1, num_splits=splits, block_n=block_n)
+            fused_pools = [pool.clone() for pool in (case.k_pool, case.v_pool)]
+            launch = {"num_splits": splits, "block_n": block_n, "early": early}
+            got = fused_decode_attention(q, k, v, cos, sin, *fused_pools, slots, *args, **launch)
+            what = f"bs={bs} splits={splits} early={early}"
+            assert all(torch.equal(a, b) for a, b in zip(pools, fused_pools, strict=True)), what
+            assert_close(got, want, dtype, what)
+            ref = reference.paged_attention(rotated, *pools, *args, 1)
+            assert_close(got, ref, dtype, what + " vs reference")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_paged_attention_back_to_back_calls(device):
     """Consecutive launches (layers, steps) with fresh inputs, on the same and on other shapes,
     each match the reference (no state carried between calls)."""
@@ -602,6 +645,46 @@ def test_pdl_graph_chain_equals_plain_launches(mode, prefetch, monkeypatch):
         assert torch.isfinite(a[0]).all(), i
         assert all(torch.equal(p, c) for p, c in zip(a, b, strict=True)), f"replay {i} differs"
     assert not torch.equal(plain[0][0], plain[1][0])  # the inputs reach the outputs
+
+
+@pytest.mark.needs("triton")
+def test_engine_decodes_one_row_through_the_fused_kernel(monkeypatch):
+    """The Triton backend's one-row decode steps (plain, and EAGLE-3's draft steps) run
+    kernels/decode_attention.py; greedy tokens equal the unfused kernels' and the torch
+    backend's, for one request and for two (which take the unfused path)."""
+    import speculant
+    from speculant import Engine, SamplingParams
+    from speculant.executor import triton_attention
+
+    if not runtime.INTERPRET:
+        pytest.skip("the CPU engine runs Triton kernels only under TRITON_INTERPRET=1")
+    calls = []
+    fused = triton_attention.fused_decode_attention
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "fused_decode_attention", counted)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os"]
+    spec = {"algo": "eagle3", "draft": speculant.bundled("eagle3"), "num_draft_tokens": 2}
+    tokens = {}
+    for name, backend, fuse, options in (
+        ("torch", "torch", True, {}),
+        ("fused", "triton", True, {}),
+        ("unfused", "triton", False, {}),
+        ("fused eagle3", "triton", True, spec),
+    ):
+        monkeypatch.setattr(triton_attention.TritonPagedAttention, "fuse_decode", fuse)
+        engine = Engine(speculant.bundled("target"), device="cpu", dtype="float32",
+                        max_num_seqs=2, max_model_len=128, attention_backend=backend,
+                        **options)  # fmt: skip
+        calls.clear()
+        tokens[name] = [[o.token_ids for o in engine.generate(batch, params, use_tqdm=False)]
+                        for batch in (prompts[:1], prompts)]  # fmt: skip
+        assert bool(calls) == (name.startswith("fused")), (name, calls)
+        assert set(calls) <= {1}, calls
+    assert tokens["fused"] == tokens["unfused"] == tokens["torch"] == tokens["fused eagle3"]
 
 
 @pytest.mark.needs("triton")
