@@ -73,7 +73,8 @@ def measure(kind: str, args) -> dict:
 VARIANT_KEYS = ("lever_variants", "table_variants", "m1_variants", "free_variants")
 LEVERS = {  # name: what it sets (see apply_levers)
     "base": "no launch modes of the model's own: every kernel at SPECULANT_PDL's mode",
-    "unfused": "as shipped, but RoPE + KV write, attention and the merge in three launches",
+    "unfused / fused": "as shipped, RoPE + KV write, attention and the merge in three launches "
+    "or in one (kernels/decode_attention.py)",
     "keys64": "MIN_KEYS_PER_SPLIT 64",
     "norm2 / act2 / merge2 / attention2 / gemv2 / rope2 / plan2": "that kind at PDL mode 2",
 }
@@ -93,9 +94,9 @@ def apply_levers(engine, variant: str | None, saved: dict) -> None:
     model.launch_modes = saved["modes"]
     paged_attention.MIN_KEYS_PER_SPLIT = saved["keys"]
     TritonPagedAttention.fuse_decode = saved["fuse"]
-    if variant == "unfused":  # as shipped but RoPE, attention and the merge in three launches
-        TritonPagedAttention.fuse_decode = False
-    if variant in (None, "shipped", "unfused"):
+    if variant in ("unfused", "fused"):  # as shipped, RoPE, attention and the merge in three
+        TritonPagedAttention.fuse_decode = variant == "fused"  # launches or in one
+    if variant in (None, "shipped", "unfused", "fused"):
         return
     from speculant.kernels import runtime
 

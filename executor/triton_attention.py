@@ -38,8 +38,10 @@ class TritonPagedAttention(PoolAttention):
     # late (benchmarks/job_step.py, attention_sweep.py compare them).
     row_layout = "auto"
     # One-token rows laid out in batch order (bs 1, or row_layout "batch") with RoPE fused: one
-    # launch for RoPE, the KV write, attention and the split merge (kernels/decode_attention.py)
-    fuse_decode = True
+    # launch for RoPE, the KV write, attention and the split merge (kernels/decode_attention.py).
+    # Off until measured on a GPU (correct on the CPU interpreter and compiled for sm_90; the
+    # session that wrote it had no device time left: benchmarks/gpu_wave24f.sh measures it)
+    fuse_decode = False
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
         """Remember the step; `shared_slots` (a torch backend's gather) is not needed. A packed

@@ -649,9 +649,9 @@ def test_pdl_graph_chain_equals_plain_launches(mode, prefetch, monkeypatch):
 
 @pytest.mark.needs("triton")
 def test_engine_decodes_one_row_through_the_fused_kernel(monkeypatch):
-    """The Triton backend's one-row decode steps (plain, and EAGLE-3's draft steps) run
-    kernels/decode_attention.py; greedy tokens equal the unfused kernels' and the torch
-    backend's, for one request and for two (which take the unfused path)."""
+    """With `fuse_decode`, the Triton backend's one-row decode steps (plain, and EAGLE-3's
+    draft steps) run kernels/decode_attention.py; greedy tokens equal the unfused kernels' and
+    the torch backend's, for one request and for two (which take the unfused path)."""
     import speculant
     from speculant import Engine, SamplingParams
     from speculant.executor import triton_attention
