@@ -110,6 +110,13 @@ def apply_levers(engine, variant: str | None, saved: dict) -> None:
             raise SystemExit(f"lever {name!r}: use {', '.join(LEVERS)}")
 
 
+def rotations(names: list[str], rounds: int):
+    """(round, name) for `rounds` rounds over `names`, each round's order rotated by one."""
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            yield r, name
+
+
 def lever_variants(engine, vocab: int, args, gen) -> dict:
     """The bs-1 and bs-64 graph steps per lever variant (apply_levers; graphs recaptured for
     each), `--rounds` rounds with the order rotated: {variant: {bs: [ms, ...]}}."""
@@ -120,19 +127,18 @@ def lever_variants(engine, vocab: int, args, gen) -> dict:
     results: dict = {}
     tokens: dict = {}
     try:
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                apply_levers(engine, name, saved)
-                engine.clear_graphs()
-                engine.capture_graphs()
-                for bs in (1, 64):
-                    rows = live_rows(engine, bs, vocab, args.context, gen)
-                    ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
-                    results.setdefault(name, {}).setdefault(str(bs), []).append(ms)
-                    for row in rows:
-                        engine.kv.free(row)
-                if r == 0:  # graph tokens of fixed prompts: a lever must not change them
-                    tokens[name] = graph_tokens(engine, vocab)
+        for r, name in rotations(names, args.rounds):
+            apply_levers(engine, name, saved)
+            engine.clear_graphs()
+            engine.capture_graphs()
+            for bs in (1, 64):
+                rows = live_rows(engine, bs, vocab, args.context, gen)
+                ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
+                results.setdefault(name, {}).setdefault(str(bs), []).append(ms)
+                for row in rows:
+                    engine.kv.free(row)
+            if r == 0:  # graph tokens of fixed prompts: a lever must not change them
+                tokens[name] = graph_tokens(engine, vocab)
     finally:
         apply_levers(engine, None, saved)
     first = tokens[names[0]]
@@ -160,14 +166,13 @@ def spec_lever_variants(target: str, args) -> dict:
     saved: dict = {}
     results: dict = {}
     try:
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                apply_levers(engine, name, saved)
-                engine.clear_graphs()
-                engine.capture_graphs()
-                steps = timings(engine, shape["vocab_size"], args.context, 3, (1, 64))
-                for bs, entry in steps.items():
-                    results.setdefault(name, {}).setdefault(str(bs), []).append(entry)
+        for _, name in rotations(names, args.rounds):
+            apply_levers(engine, name, saved)
+            engine.clear_graphs()
+            engine.capture_graphs()
+            steps = timings(engine, shape["vocab_size"], args.context, 3, (1, 64))
+            for bs, entry in steps.items():
+                results.setdefault(name, {}).setdefault(str(bs), []).append(entry)
         apply_levers(engine, None, saved)
     finally:
         free(engine)

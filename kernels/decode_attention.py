@@ -24,6 +24,7 @@ from speculant.kernels.paged_attention import (
     choose_num_splits,
     query_tiles,
 )
+from speculant.kernels.rope import _rotate
 from speculant.kernels.runtime import (
     next_power_of_2,
     pdl_enter,
@@ -39,7 +40,8 @@ MAX_COUNTERS = 1 << 16  # (row, KV head) pairs one launch may count
 
 @triton.jit
 def _rotated(ptr, base, d, partner, d_ok, cos, sin):
-    """One head's d values at ptr + base rotated as kernels/rope.py's `_rotate` rounds them."""
+    """One head's d values at ptr + base rotated as kernels/rope.py's `_rotate` (several heads)
+    rounds them."""
     x = tl.load(ptr + base + d, mask=d_ok, other=0.0)
     rolled = tl.load(ptr + base + partner, mask=d_ok, other=0.0)
     dtype = ptr.dtype.element_ty
@@ -114,13 +116,7 @@ def _fused_decode_kernel(
     head = kv_head * GROUP + m
     pos = tl.where(m_ok, position, -1)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    x = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + d[None, :], mask=q_mask,
-                other=0.0)  # fmt: skip
-    rolled = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + partner[None, :],
-                     mask=q_mask, other=0.0)  # fmt: skip
-    act = q_ptr.dtype.element_ty
-    q = ((x.to(tl.float32) * cos[None, :]).to(act).to(tl.float32)
-         + (rolled.to(tl.float32) * sin[None, :]).to(act).to(tl.float32)).to(act)  # fmt: skip
+    q = _rotate(q_ptr, row * stride_qn, head * stride_qh, d, partner, q_mask, cos, sin)
     pool = k_pool_ptr.dtype.element_ty
     k_new = _rotated(k_ptr, row * stride_kn + kv_head * stride_kh, d, partner, d_ok, cos,
                      sin).to(pool)  # fmt: skip
