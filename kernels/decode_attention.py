@@ -198,9 +198,11 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def fuses(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether `fused_decode_attention` takes these (else rope_and_write_kv + paged_attention):
-    Triton runs here, cos in q's dtype, unit strides along the head dim, a contiguous pool."""
+    Triton runs here, a GQA group that fits one query tile (a program holds the whole group),
+    cos in q's dtype, unit strides along the head dim, a contiguous pool."""
     return (
         runs_triton(q)
+        and query_tiles(q.shape[1] // k.shape[1], 1)[1] == 1
         and cos.dtype == q.dtype
         and k_pool.is_contiguous()
         and q.stride(-1) == 1
@@ -238,10 +240,13 @@ def fused_decode_attention(
     kv_heads = k.shape[1]
     group = heads // kv_heads
     assert heads == group * kv_heads and k_pool.stride() == v_pool.stride(), (q.shape, k.shape)
+    block_m, tiles = query_tiles(group, 1)
+    if tiles != 1:  # one program holds its KV head's whole group (see `fuses`)
+        raise ValueError(f"fused decode attention: a GQA group of {group} is over {block_m}")
     out = torch.empty((bs, heads, d), dtype=q.dtype, device=q.device)
     if bs == 0:
         return out
-    block_d = next_power_of_2(d)
+    block_d = max(16, next_power_of_2(d))  # tl.dot takes K >= 16 (as paged_attention pads)
     block_n = block_n or (64 if block_d <= 128 and q.element_size() <= 2 else 32)
     splits = num_splits or choose_num_splits(bs * kv_heads, kv_len, q.device)
     if splits > 1:
@@ -258,7 +263,7 @@ def fused_decode_attention(
         v.stride(0), v.stride(1), cos.stride(0), out.stride(0), out.stride(1), k_pool.stride(0),
         k_pool.stride(1), req_to_page.stride(0), math.log2(math.e) / math.sqrt(d), kv_len, splits,
         NUM_HEADS=heads, GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=d,
-        BLOCK_M=query_tiles(group, 1)[0], BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_S=max(2, next_power_of_2(splits)), SPLIT=splits > 1, EARLY=early,
         UPCAST=not q.is_cuda, IEEE=q.dtype == torch.float32, num_warps=4,
         **pdl_options(pdl_mode(q, "attention")),

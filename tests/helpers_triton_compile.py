@@ -329,6 +329,7 @@ CASES = [
     ("fused decode bf16 8B split", 1, _fused_decode(1, 32, 8, 128, 1024, BF16)),
     ("fused decode fp16 one split late keys", 2, _fused_decode(1, 32, 8, 128, 128, FP16, False)),
     ("fused decode bf16 qwen3 tp2", 1, _fused_decode(1, 16, 4, 128, 8192, BF16)),
+    ("fused decode bf16 head_dim 8", 1, _fused_decode(1, 4, 2, 8, 2048, BF16)),
     ("attention bf16 decode plan", 1, _attention(192, 1, 32, 8, 128, 4352, BF16, layout="plan")),
     ("attention fp16 verify 4 plan", 2, _attention(96, 4, 32, 8, 128, 2048, FP16, layout="plan")),
     ("attention bf16 verify 20 plan", 0, _attention(5, 20, 32, 8, 128, 512, BF16, layout="plan")),

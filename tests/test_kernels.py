@@ -28,6 +28,7 @@ from speculant.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: 
 from speculant.executor.triton_attention import TritonPagedAttention  # noqa: E402
 from speculant.kernels import activation, norm, reference, rope, runtime  # noqa: E402
 from speculant.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
+from speculant.models.layers import RotaryEmbedding  # noqa: E402
 
 CPU = pytest.param(
     "cpu",
@@ -268,6 +269,77 @@ def test_fused_decode_attention_equals_rope_write_and_attention(device, dtype, g
             assert_close(got, want, dtype, what)
             ref = reference.paged_attention(rotated, *pools, *args, 1)
             assert_close(got, ref, dtype, what + " vs reference")
+
+
+FUSED_EDGES = {  # (bs, kv_heads, group, head_dim, page_size, max_pages, positions, splits)
+    "head_dim 96": (2, 2, 2, 96, 16, 4, [37, 16], 3),
+    "head_dim 8": (2, 2, 2, 8, 16, 4, [37, 16], 3),
+    "group 16": (1, 1, 16, 32, 16, 4, [40], 2),
+    "group 32": (1, 1, 32, 32, 16, 4, [40], 2),
+    "page 1": (2, 2, 2, 32, 1, 64, [33, 47], 3),
+    "positions at block edges": (3, 1, 2, 32, 16, 4, [32, 48, 16], 3),
+    "position 0": (2, 1, 2, 32, 16, 4, [0, 0], 4),
+    "rows in batch order": (5, 2, 4, 32, 8, 8, [0, 7, 8, 31, 63], 5),
+}
+
+
+def _fused_edge_inputs(device, dtype, bs, kv_heads, group, d, page_size, max_pages, positions):
+    gen = generator("fused edges", device, dtype, bs, group, d, page_size, *positions)
+    heads, num_pages = group * kv_heads, bs * max_pages + 1
+    pools = [randn(gen, num_pages * page_size, kv_heads, d, dtype=dtype, device=device)
+             for _ in range(2)]  # fmt: skip
+    table = (torch.randperm(num_pages - 1, generator=gen)[: bs * max_pages] + 1).int()
+    table, rows = table.view(bs, max_pages).to(device), torch.arange(bs, device=device)
+    pos = torch.tensor(positions, device=device)
+    slots = table[rows, pos // page_size].long() * page_size + pos % page_size
+    rotary = RotaryEmbedding(d, 4096, 10000.0, None).to(device)
+    cos, sin = rotary.lookup(pos, dtype)
+    qkv = randn(gen, bs, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+    q = qkv[:, : heads * d].view(bs, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(bs, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(bs, kv_heads, d)
+    args = (table, rows, pos, page_size, max_pages * page_size)
+    return q, k, v, cos, sin, pools, slots, args
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("name", list(FUSED_EDGES))
+def test_fused_decode_attention_edges(device, name):
+    """The fused decode launch at shapes the main test leaves out (head_dim not a power of two
+    or under 16, groups of 16 / 32 query heads, one-token pages, new keys opening a block or a
+    split, position 0, several rows in batch order) equals rope_and_write_kv + paged_attention,
+    keys read before the wait or not."""
+    from speculant.kernels.decode_attention import fused_decode_attention, fuses
+
+    bs, kv_heads, group, d, page_size, max_pages, positions, splits = FUSED_EDGES[name]
+    dtype = torch.float32
+    q, k, v, cos, sin, pools, slots, args = _fused_edge_inputs(
+        device, dtype, bs, kv_heads, group, d, page_size, max_pages, positions
+    )
+    assert fuses(q, k, cos, pools[0])
+    want_pools = [p.clone() for p in pools]
+    rotated = rope.rope_and_write_kv(q, k, v, cos, sin, *want_pools, slots)
+    want = paged_attention(rotated, *want_pools, *args, 1, num_splits=splits, block_n=16)
+    for early in (True, False):
+        got_pools = [p.clone() for p in pools]
+        got = fused_decode_attention(q, k, v, cos, sin, *got_pools, slots, *args,
+                                     num_splits=splits, block_n=16, early=early)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(want_pools, got_pools, strict=True)), early
+        assert_close(got, want, dtype, f"{name} early={early}")
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_fused_decode_attention_refuses_groups_over_one_tile(device):
+    """A GQA group of more than 64 query heads (two query tiles in paged_attention) is not
+    fused: one program holds one tile, and the heads past it were left unwritten."""
+    from speculant.kernels.decode_attention import fused_decode_attention, fuses
+
+    q, k, v, cos, sin, pools, slots, args = _fused_edge_inputs(
+        device, torch.float32, 1, 1, 128, 16, 16, 2, [20]
+    )
+    assert not fuses(q, k, cos, pools[0])
+    with pytest.raises(ValueError, match="group of 128"):
+        fused_decode_attention(q, k, v, cos, sin, *pools, slots, *args, num_splits=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
