@@ -335,7 +335,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--levers", default="", help='";"-separated lever variants ("+"-joined names: base, '
-        "early, keys64, norm2, act2, ...; see LEVERS) timed at bs 1 and 64",
+        "keys64, norm2, act2, ...; or unfused / fused alone; see LEVERS) timed at bs 1 and 64",
     )
     parser.add_argument(
         "--spec-levers", default="", help="lever variants of the EAGLE-3 k=3 step on the FP8 target"

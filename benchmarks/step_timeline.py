@@ -152,7 +152,7 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=7)
     parser.add_argument("--top", type=int, default=24)
     parser.add_argument("--shape", default="llama8b", choices=("llama8b", "qwen3_8b"))
-    parser.add_argument("--levers", default="", help="a decode_ab.py lever variant: early+norm2")
+    parser.add_argument("--levers", default="", help="a decode_ab.py lever variant: norm2+act2")
     args = parser.parse_args()
     report = {
         "gpu": torch.cuda.get_device_name(),
