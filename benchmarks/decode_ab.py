@@ -334,7 +334,9 @@ def main() -> int:
         "--free-ops", default="", help='";"-separated: none | norm | silu | norm+silu (timing only)'
     )
     parser.add_argument(
-        "--levers", default="", help='";"-separated lever variants ("+"-joined names: base, '
+        "--levers",
+        default="",
+        help='";"-separated lever variants ("+"-joined names: base, '
         "keys64, norm2, act2, ...; or unfused / fused alone; see LEVERS) timed at bs 1 and 64",
     )
     parser.add_argument(

@@ -75,8 +75,9 @@ class TritonPagedAttention(PoolAttention):
             return fused_decode_attention(
                 q, k, v, *rope, k_pool, v_pool, batch.out_cache_loc, self.req_to_page,
                 batch.req_pool_indices, batch.positions, self.page_size, batch.kv_len,
-                # the QKV projection lets this launch start only after its own wait: keys
-                # of earlier forwards are written (kernels/decode_attention.py)
+                # keys of earlier forwards may be read before the PDL wait while the QKV
+                # projection launches its successors after its own wait (a forward's first
+                # kernels, embedding and the rotary lookup, are torch launches without PDL)
                 early=pdl_mode(q, "gemv") < 2,
             )  # fmt: skip
         if rope is not None:

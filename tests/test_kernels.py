@@ -732,6 +732,7 @@ def test_engine_decodes_one_row_through_the_fused_kernel(monkeypatch):
         pytest.skip("the CPU engine runs Triton kernels only under TRITON_INTERPRET=1")
     calls = []
     fused = triton_attention.fused_decode_attention
+
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return fused(*args, **kwargs)
