@@ -16,6 +16,8 @@ import torch
 
 from speculant.kernels.ops import TORCH_OPS, TorchOps
 
+NEG_INF = float("-inf")
+
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ops: TorchOps = TORCH_OPS
@@ -103,9 +105,10 @@ class KeptLogprobs:
 
     def entries(self, tokens: list[int], keep: int) -> list[dict[int, float]]:
         """Per kept token (`tokens`, one each), {the token: its log-probability, then the
-        `keep` most likely: theirs} (vLLM's layout; the token not repeated when among them; the
-        Triton kernel's id -1, where a row has fewer finite logits than asked, is no token and
-        left out). Every value is decoded in one conversion."""
+        `keep` most likely: theirs} (vLLM's layout; the token not repeated when among them).
+        Alternatives of log-probability -inf are left out: the Triton kernel gives a row with
+        fewer finite logits than asked id -1 for the rest (no token), the torch reference their
+        real ids; either way the same entries. Every value is decoded in one conversion."""
         n = self.n
         if len(self.bits) != len(tokens) * (1 + n):
             raise ValueError(
@@ -119,7 +122,7 @@ class KeptLogprobs:
             base, top = p * (1 + n), p * n
             entry = {token: values[base]}
             for j, top_id in enumerate(ids[top : top + keep], base + 1):
-                if top_id >= 0:
+                if top_id >= 0 and values[j] != NEG_INF:
                     entry.setdefault(top_id, values[j])
             out.append(entry)
         return out

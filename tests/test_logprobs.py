@@ -191,6 +191,31 @@ def test_logprobs_stop_where_the_tokens_stop(plain_outputs):
             assert mine[token] == pytest.approx(theirs[token], abs=ATOL)
 
 
+@pytest.mark.needs("triton")
+def test_rows_of_few_finite_logits_give_the_same_entries_on_either_ops():
+    """A position with fewer finite logits than alternatives asked: the torch reference's top-k
+    names real ids at -inf, the Triton kernel id -1; the output entries are the same (the
+    finite ones only), and a position of finite logits keeps all it asked."""
+    from speculant.executor.logprobs import TORCH_OPS
+    from speculant.kernels import runtime
+
+    if not runtime.INTERPRET:
+        pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+    from speculant.kernels.ops import TritonOps
+
+    logits = torch.full((1, 2, 300), float("-inf"))
+    logits[0, 0, [5, 17]] = torch.tensor([1.0, 2.0])
+    logits[0, 1] = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[17, 3]])
+    entries = {}
+    for name, ops in (("torch", TORCH_OPS), ("triton", TritonOps())):
+        kept = KeptLogprobs(5)
+        kept.add(unpack_logprobs(pack_logprobs(logits, tokens, 5, ops)[0].tolist(), 2, 5), 2)
+        entries[name] = kept.entries([17, 3], 5)
+    assert entries["torch"] == entries["triton"], entries
+    assert list(entries["torch"][0]) == [17, 5] and len(entries["torch"][1]) >= 5
+
+
 def test_widened_rows_read_back_alike():
     """An extend step's verify rows narrower than k + 1 (adaptive shapes) are laid out as full
     ones: reading the widened columns gives the narrow row's values, which are torch's."""

@@ -1,8 +1,8 @@
 """The host's keeping and writing of log-probabilities (executor/logprobs.py `KeptLogprobs`,
 `RequestOutput.json_line`) give what the path before them gave, exactly: per output token its
 step's columns decoded into {the token: its value, then the `keep` most likely: theirs}, a
-repeated id kept once with its first value, the kernel's id -1 left out (`reference_entries`,
-the earlier decode less those -1 entries), and
+repeated id kept once with its first value, alternatives of -inf (the kernel's id -1) left out
+(`reference_entries`, the earlier decode less those), and
 --output lines equal to json.dumps of the earlier `to_json` of those entries (`reference_line`).
 
 Checked on fuzzed rows through `Request.append` (widths 1..5 with the row's other columns
@@ -46,8 +46,9 @@ def reference_entries(kept: list[tuple[list[int], int, int, int]], tokens, keep)
         base, ids = position * (1 + n), width * (1 + n) + position * n
         entry = {token: f32(columns[base])}
         for j, top in enumerate(columns[ids : ids + min(keep, n)]):
-            if top >= 0:  # the kernel's -1 (fewer finite logits than asked): no token
-                entry.setdefault(top, f32(columns[base + 1 + j]))
+            value = f32(columns[base + 1 + j])
+            if top >= 0 and value != float("-inf"):  # (the kernel's -1 / -inf: no entry)
+                entry.setdefault(top, value)
         out.append(entry)
     return out
 
