@@ -16,77 +16,20 @@ the output ids (as in vLLM), any later token of the same verify step is dropped,
 cut before the stop string (or after it, with `include_stop_str_in_output`). Text before the
 output (the prompt) is not searched, as in vLLM.
 
-A byte-level BPE (`tokenizers`' ByteLevel decoder: GPT-2, Llama 3, Qwen) decodes ids as one
-UTF-8 decode of their tokens' bytes, so its text grows by an incremental UTF-8 decoder fed each
-token's bytes (`BytePieces`): each token costs its own bytes, however long a run of bytes that
-form no character lasts (the window above re-decodes such a run whole at every token, time
-growing with its square: 8,000 such tokens 2.7 s on this project's CPU, 4 ms by their bytes);
-trailing U+FFFD are held back alike."""
+Where the tokenizer's decoder can be replayed token by token (executor/detokenize.py: byte-level
+BPE such as GPT-2, Llama 3, Qwen; SentencePiece style with byte fallback such as Llama 2,
+Mistral, Gemma) the text grows by each token's own text instead (`incremental_text`): each token
+costs its own text, however long a run of bytes that form no character lasts (the window above
+re-decodes such a run whole at every token, time growing with its square: 8,000 such tokens of a
+byte-level BPE 2.7 s on this project's CPU, 4 ms by their bytes; <0xE2> tokens of a byte-fallback
+tokenizer in Llama 2's layout 9.4 s, 0.03 s replayed: benchmarks/stop_strings.py); trailing
+U+FFFD are held back alike."""
 
 from __future__ import annotations
 
-import codecs
-import weakref
 from collections.abc import Sequence
 
-INCOMPLETE = "\ufffd"  # decode's stand-in for the bytes of a character not yet complete
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """The byte-level BPE's character for each byte (GPT-2's `bytes_to_unicode`), reversed."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars = {chr(b): b for b in printable}
-    extra = (b for b in range(256) if b not in printable)
-    chars.update({chr(256 + n): b for n, b in enumerate(extra)})
-    return chars
-
-
-CHAR_BYTES = _byte_alphabet()
-
-
-class BytePieces:
-    """Token id -> the bytes `tokenizers`' ByteLevel decoder makes of it: a token whose every
-    character is in the byte alphabet becomes those bytes, any other token its UTF-8; special
-    tokens and ids with no token (both skipped by `decode`) none. Computed per id when first
-    asked."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        added = tokenizer.get_added_tokens_decoder()
-        self.special = {i for i, token in added.items() if token.special}
-        self.pieces: dict[int, bytes] = {}
-
-    def __call__(self, token: int) -> bytes:
-        piece = self.pieces.get(token)
-        if piece is None:
-            text = None if token in self.special or token < 0 else self.tokenizer.id_to_token(token)
-            if text is None:
-                piece = b""
-            elif all(c in CHAR_BYTES for c in text):
-                piece = bytes(CHAR_BYTES[c] for c in text)
-            else:
-                piece = text.encode()
-            self.pieces[token] = piece
-        return piece
-
-
-_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def byte_pieces(tokenizer) -> BytePieces | None:
-    """The tokenizer's `BytePieces` when it is a `tokenizers.Tokenizer` whose decoder is
-    ByteLevel (one per tokenizer), else None."""
-    if not type(tokenizer).__module__.startswith("tokenizers"):
-        return None
-    if type(getattr(tokenizer, "decoder", None)).__name__ != "ByteLevel":
-        return None
-    try:
-        pieces = _PIECES.get(tokenizer)
-        if pieces is None:
-            pieces = _PIECES[tokenizer] = BytePieces(tokenizer)
-    except TypeError:  # no weak reference to it
-        pieces = BytePieces(tokenizer)
-    return pieces
+from speculant.executor.detokenize import INCOMPLETE, incremental_text
 
 
 class StopStrings:
@@ -101,17 +44,15 @@ class StopStrings:
         self.prefix = 0  # the window decoded for each new token starts here ...
         self.read = 0  # ... and the text of ids[prefix:read] is already in self.text
         self.matched: str | None = None  # the stop string that ended the request
-        self.pieces = byte_pieces(tokenizer)
-        if self.pieces is not None:  # a byte-level BPE: its bytes through one UTF-8 decoder
-            self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-            self.held = 0  # decoded U+FFFD at the end, not yet in text
+        self.stream = incremental_text(tokenizer)  # None: the window
+        self.held = 0  # U+FFFD the stream wrote at the end, not yet in text
 
     def add(self, token: int) -> str | None:
         """Take the next output token; the stop string its text completes, or None."""
         if self.matched is not None:
             raise RuntimeError("a request ended by a stop string took another token")
-        if self.pieces is not None:
-            decoded = self.utf8.decode(self.pieces(token))
+        if self.stream is not None:
+            decoded = self.stream.add(token)
             new = decoded.rstrip(INCOMPLETE)
             if not new:
                 self.held += len(decoded)

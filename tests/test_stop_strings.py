@@ -3,12 +3,13 @@ a request ends at the first token whose output text holds a stop string, its tex
 the stop string (or after it with include_stop_str_in_output), `stop_reason` naming it.
 
 Checked against a brute-force reference that decodes every prefix of the output whole: the
-incremental text (executor/stop_strings.py) for byte-level BPE (multi-byte characters split over
-tokens, invalid bytes) and SentencePiece-style tokenizers (a leading space stripped, byte
-fallback); the engine's greedy plain run with stops against its own run without them, cut by
-that reference; EAGLE-3, DFLASH and draft-model runs (overlap on and off, a pool small enough to
-preempt) equal to the plain run with stops, their acceptance counting only kept tokens; the CLI
-(flags, per-line stops, `--dp 2`) equal to the API; bad values refused with one line."""
+incremental text (executor/stop_strings.py, detokenize.py) for byte-level BPE (multi-byte
+characters split over tokens, invalid bytes) and SentencePiece-style tokenizers (a leading space
+stripped, byte fallback; more in tests/test_detokenize.py); the engine's greedy plain run with
+stops against its own run without them, cut by that reference; EAGLE-3, DFLASH and draft-model
+runs (overlap on and off, a pool small enough to preempt) equal to the plain run with stops,
+their acceptance counting only kept tokens; the CLI (flags, per-line stops, `--dp 2`) equal to
+the API; bad values refused with one line."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.errors import PromptError
-from speculant.executor.stop_strings import INCOMPLETE, StopStrings, byte_pieces
+from speculant.executor.detokenize import (
+    INCOMPLETE,
+    ByteLevelText,
+    incremental_text,
+)
+from speculant.executor.stop_strings import StopStrings
 from speculant.launch import cli
 from speculant.launch.accept_rate import bundled_prompts
 
@@ -206,13 +212,13 @@ def byte_level_with_added_tokens() -> Tokenizer:
 
 def test_byte_level_text_grows_by_each_tokens_bytes():
     """A byte-level BPE's text comes from its tokens' bytes through one incremental UTF-8
-    decoder (executor/stop_strings.py `BytePieces`): equal to the tokenizer's own decode of the
+    decoder (executor/detokenize.py `ByteLevelText`): equal to the tokenizer's own decode of the
     ids so far (less trailing U+FFFD) for random ids over the whole vocabulary, added and
     special tokens and ids past it included; and linear: 20,000 tokens of bytes that form no
     character, then a stop string, in well under the seconds a re-decoded window took."""
     tokenizer = byte_level_with_added_tokens()
-    assert byte_pieces(tokenizer) is not None and byte_pieces(bundled_tokenizer()) is not None
-    assert byte_pieces(llama2_style_tokenizer()) is None  # byte fallback: the window
+    assert isinstance(incremental_text(tokenizer), ByteLevelText)
+    assert isinstance(incremental_text(bundled_tokenizer()), ByteLevelText)
     vocab = tokenizer.get_vocab_size()
     added = [tokenizer.token_to_id(t) for t in ("<|im_start|>", "<think>", "中文词", "ünï")]
     rng = random.Random(5)
