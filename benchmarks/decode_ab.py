@@ -110,6 +110,13 @@ def apply_levers(engine, variant: str | None, saved: dict) -> None:
             raise SystemExit(f"lever {name!r}: use {', '.join(LEVERS)}")
 
 
+def recapture_with(engine, variant: str, saved: dict) -> None:
+    """The engine's graphs captured again with `variant`'s levers (apply_levers)."""
+    apply_levers(engine, variant, saved)
+    engine.clear_graphs()
+    engine.capture_graphs()
+
+
 def rotations(names: list[str], rounds: int):
     """(round, name) for `rounds` rounds over `names`, each round's order rotated by one."""
     for r in range(rounds):
@@ -128,9 +135,7 @@ def lever_variants(engine, vocab: int, args, gen) -> dict:
     tokens: dict = {}
     try:
         for r, name in rotations(names, args.rounds):
-            apply_levers(engine, name, saved)
-            engine.clear_graphs()
-            engine.capture_graphs()
+            recapture_with(engine, name, saved)
             for bs in (1, 64):
                 rows = live_rows(engine, bs, vocab, args.context, gen)
                 ms = time_ms(engine.graphs.graph("greedy", bs).replay, 30)
@@ -167,9 +172,7 @@ def spec_lever_variants(target: str, args) -> dict:
     results: dict = {}
     try:
         for _, name in rotations(names, args.rounds):
-            apply_levers(engine, name, saved)
-            engine.clear_graphs()
-            engine.capture_graphs()
+            recapture_with(engine, name, saved)
             steps = timings(engine, shape["vocab_size"], args.context, 3, (1, 64))
             for bs, entry in steps.items():
                 results.setdefault(name, {}).setdefault(str(bs), []).append(entry)

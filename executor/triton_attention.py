@@ -65,8 +65,8 @@ class TritonPagedAttention(PoolAttention):
         batch = self.batch
         k_pool, v_pool = self.k_pools[layer_id], self.v_pools[layer_id]
         if (
-            rope is not None
-            and self.fuse_decode
+            self.fuse_decode
+            and rope is not None
             and batch.tokens_per_req == 1
             and not batch.is_varlen
             and (batch.bs == 1 or self.row_layout == "batch")

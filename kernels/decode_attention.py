@@ -26,6 +26,8 @@ from speculant.kernels.paged_attention import (
 )
 from speculant.kernels.rope import _rotate
 from speculant.kernels.runtime import (
+    MAX_COUNTERS,
+    arrival_counters,
     next_power_of_2,
     pdl_enter,
     pdl_mode,
@@ -34,8 +36,6 @@ from speculant.kernels.runtime import (
     tl,
     triton,
 )
-
-MAX_COUNTERS = 1 << 16  # (row, KV head) pairs one launch may count
 
 
 @triton.jit
@@ -183,19 +183,6 @@ def _fused_decode_kernel(
             tl.atomic_xchg(counter, 0)  # clean for the next launch or replay
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The (row, KV head) arrival counters on `device`: zeros, left zero by every launch."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused decode attention: run it once outside graph capture first")
-        counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 def fuses(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether `fused_decode_attention` takes these (else rope_and_write_kv + paged_attention):
     Triton runs here, a GQA group that fits one query tile (a program holds the whole group),
@@ -254,7 +241,7 @@ def fused_decode_attention(
             raise ValueError(f"fused decode attention: {bs * kv_heads} counters, {MAX_COUNTERS}")
         part_out = torch.empty((bs, heads, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((bs, heads, splits), dtype=torch.float32, device=q.device)
-        counters = _counters(q.device)
+        counters = arrival_counters(q.device)
     else:
         part_out = part_lse = counters = out  # unread
     _fused_decode_kernel[(bs, kv_heads, splits)](

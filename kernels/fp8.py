@@ -53,6 +53,8 @@ import torch.nn.functional as F
 from speculant.kernels import fp8_table
 from speculant.kernels.runtime import (
     INTERPRET,
+    MAX_COUNTERS,
+    arrival_counters,
     pdl_enter,
     pdl_mode,
     pdl_options,
@@ -617,20 +619,12 @@ def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
     return out if split == 1 else out.sum(0).to(x2.dtype)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-MAX_TILES = 1 << 16  # N tiles one split-K launch may count (N <= 524288 at BLOCK_N 8)
+MAX_TILES = MAX_COUNTERS  # N tiles one split-K launch may count (N <= 524288 at BLOCK_N 8)
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The per-N-tile arrival counters of `_splitk_kernel` on `device`: zeros, and every launch
-    leaves them zero (launches on one stream take turns; concurrent streams would need their
-    own)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K FP8 GEMV: run it once outside graph capture first")
-        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counters
+    """The per-N-tile arrival counters of `_splitk_kernel` / `_sk_kernel` (runtime's)."""
+    return arrival_counters(device)
 
 
 def splitk_gemv(x2, weight, scale, mode, config=None):

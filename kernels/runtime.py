@@ -81,12 +81,32 @@ def launch_modes(modes: dict[str, int] | None):
     forward sets what its own projections measured best with (models/fp8.py); kinds that
     SPECULANT_PDL names keep its modes."""
     global PDL_KIND_MODES
+    if not modes:  # (a bf16 model's forward: nothing to set)
+        yield
+        return
     saved = PDL_KIND_MODES
-    PDL_KIND_MODES = {**saved, **(modes or {}), **ENV_KIND_MODES}
+    PDL_KIND_MODES = {**saved, **modes, **ENV_KIND_MODES}
     try:
         yield
     finally:
         PDL_KIND_MODES = saved
+
+
+MAX_COUNTERS = 1 << 16  # arrival counters one launch may use
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The int32 arrival counters of the kernels whose last program to arrive finishes the
+    work (kernels/fp8.py split-K, kernels/decode_attention.py): zeros, and every launch leaves
+    them zero, so launches on one stream share them (each touches them after its PDL wait,
+    when the launch before has finished)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("arrival counters: run the kernel once outside graph capture first")
+        counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def runs_triton(x: torch.Tensor) -> bool:
