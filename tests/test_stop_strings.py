@@ -200,6 +200,30 @@ def test_a_token_that_completes_a_stop_and_starts_a_split_character_ends_there()
     assert reference_stop(tokenizer, ids, ["a" + head]) == (at, "a" + head, "x")
 
 
+def test_each_token_costs_its_own_text_however_long_the_output():
+    """The text is kept in pieces and a stop string searched for only in the tail and the new
+    text, so a token's cost does not grow with the output: after 32 MB of text (32 added
+    tokens of a million characters), 3,000 ordinary tokens take well under what copying the
+    text per token took (~10 s here); the text is still the decode, the stop still found."""
+    tokenizer = bundled_tokenizer()
+    tokenizer.add_tokens(["ab" * 500_000])
+    big = tokenizer.token_to_id("ab" * 500_000)
+    small = tokenizer.encode(" the cat sat on the mat and").ids
+    ids = [big] * 32 + small * (3000 // len(small))
+    watcher = StopStrings(tokenizer, [NEVER, "mat and the cat sat on the mat and§"])
+    for token in ids[:32]:
+        assert watcher.add(token) is None
+    started = time.perf_counter()
+    assert all(watcher.add(token) is None for token in ids[32:])
+    seconds = time.perf_counter() - started
+    assert watcher.text == tokenizer.decode(ids)
+    assert seconds < 1.5, seconds
+    stop = " cat sat on the mat and the"
+    watcher = StopStrings(tokenizer, [stop], include=True)
+    taken = next(j for j, token in enumerate(ids, start=1) if watcher.add(token) is not None)
+    assert watcher.text == tokenizer.decode(ids[:taken]) and watcher.text.endswith(stop)
+
+
 def byte_level_with_added_tokens() -> Tokenizer:
     """The bundled byte-level BPE with added tokens as published tokenizers carry them: a
     special one (skipped by decode), plain ones of ASCII and of characters outside the byte
