@@ -897,10 +897,14 @@ class Engine:
         self._observe_cycle()
         if self.overlap:
             launched, self._launched = self._launched, None
+            start = time.perf_counter()  # a launched decode step's time is spent reading it
             if launched is not None and self._can_run_ahead(launched):
-                return self._run_ahead(launched)
+                finished = self._run_ahead(launched)
+                self.step_seconds["decode"] += time.perf_counter() - start
+                return finished
             if launched is not None:
                 self._read(launched)
+                self.step_seconds["decode"] += time.perf_counter() - start
             finished = self._finish_done()
         plan = self._choose_shape(self.scheduler.schedule())
         plan = self.dp.agree(plan, self.scheduler.has_unfinished())

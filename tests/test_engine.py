@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -313,6 +315,23 @@ def test_overlap_runs_ahead_while_requests_wait_for_rows(llama_dir):
               for n in (30, 12, 25, 18, 22, 9, 27, 15)]  # fmt: skip
     check_overlap(ahead, synchronous, prompts, params)
     assert max(waiting) > 0
+
+
+def test_overlap_counts_steps_run_ahead_in_decode_time(llama_dir):
+    """stats()'s decode_s holds the steps that ran ahead (most steps of an overlapped job):
+    each one slowed by 10 ms, decode_s grows by at least that much."""
+    ahead, _ = overlap_pair(llama_dir)
+    run_ahead, calls = ahead._run_ahead, []
+
+    def slowed(launched):
+        time.sleep(0.01)
+        calls.append(launched)
+        return run_ahead(launched)
+
+    ahead._run_ahead = slowed
+    prompts = random_prompts(ahead.model_config.vocab_size, (5, 9, 3), seed=17)
+    ahead.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert len(calls) > 5 and ahead.stats()["decode_s"] >= 0.01 * len(calls)
 
 
 @pytest.mark.parametrize("drafts", [0, 3])
