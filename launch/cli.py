@@ -1160,11 +1160,13 @@ def bundled_drafter_line(args: argparse.Namespace, outputs: list) -> str | None:
         return None
     accept_len, per_position, steps = measured
     others = "|".join(algo for algo in DRAFTER_NAMES if algo != args.algo)
+    # one request verifies once a forward; several share each forward, one row each
+    verified = f"its {steps} forwards" if len(outputs) == 1 else f"{steps} verify rows"
     return (
         f"speculant: the bundled {DRAFTER_NAMES[args.algo]} drafts {len(per_position)} tokens a "
-        f"step; the target accepted {accept_len - 1:.2f} of them on average, so each of its "
-        f"{steps} forwards emitted {accept_len:.2f} tokens instead of 1 (--algo {others}: the "
-        "other bundled drafters)"
+        f"step; the target accepted {accept_len - 1:.2f} of them on average, so each of "
+        f"{verified} emitted {accept_len:.2f} tokens instead of 1 (--algo {others}: the other "
+        "bundled drafters)"
     )
 
 

@@ -245,6 +245,8 @@ def test_output_shows_prompt_then_completion(capsys):
     assert out == "[0] def f(n):\n    return n\n[1] !\n"  # a token-id prompt shows no text
     assert "the bundled EAGLE-3 head drafts 3 tokens a step" in err
     assert "accepted 1.20 of them on average" in err and "emitted 2.20 tokens" in err
+    # two requests' 5 verify steps shared the target's forwards: not 5 forwards
+    assert "each of 5 verify rows emitted" in err and "forwards" not in err
 
 
 def test_default_run_prints_the_program_and_what_the_drafter_did(capsys, caplog, monkeypatch):
@@ -257,6 +259,7 @@ def test_default_run_prints_the_program_and_what_the_drafter_did(capsys, caplog,
     out, err = capsys.readouterr()
     assert out.startswith(f"[0] {DEFAULT_PROMPT}") and len(out) > len(DEFAULT_PROMPT) + 8
     assert "the bundled EAGLE-3 head drafts 3 tokens a step" in err
+    assert re.search(r"so each of its \d+ forwards emitted", err)  # one request: its forwards
     assert "requests:" not in err  # no progress bar for one request
     # 9: one request, one slot: a small KV cache, not 64 full-length requests' 512 MiB
     (kv,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
