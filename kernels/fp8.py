@@ -58,6 +58,7 @@ from speculant.kernels.runtime import (
     pdl_enter,
     pdl_mode,
     pdl_options,
+    prefetch_l2,
     runs_triton,
     tl,
     triton,
@@ -388,15 +389,6 @@ def _sum_splits_kernel(
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (no registers written; compiled CUDA only)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _round_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as the compiled
     cast (cvt.rn) rounds: the interpreter's own cast misrounds. Steps are 2^(e - 3) for
@@ -481,7 +473,7 @@ def _sk_kernel(
     if PDL:  # no earlier kernel writes W: its lines may come in while that kernel runs
         line_ptrs = w_ptr + tl.where(row_ok, rows, 0) * stride_w
         for i in range(0, CHUNKS):
-            _prefetch_l2(line_ptrs + tl.minimum(kc0 + i, n_chunks - 1) * 128)
+            prefetch_l2(line_ptrs + tl.minimum(kc0 + i, n_chunks - 1) * 128)
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if INTERP:  # the interpreter takes no runtime range bounds; compiled, a for loop pipelines

@@ -20,6 +20,7 @@ from speculant.kernels.runtime import (
     pdl_enter,
     pdl_mode,
     pdl_options,
+    prefetch_l2,
     runs_triton,
     tl,
     triton,
@@ -36,13 +37,6 @@ PREFETCH_BYTES = 16384
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
@@ -50,7 +44,7 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PREFETCH_LINES > 0:  # weights only: nothing an earlier kernel writes
         lines = tl.arange(0, PREFETCH_LINES) * LINE
-        _prefetch_l2(w_ptr + rows[:, None] * stride_w + lines[None, :])
+        prefetch_l2(w_ptr + rows[:, None] * stride_w + lines[None, :])
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

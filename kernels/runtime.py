@@ -143,5 +143,15 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` (no registers written; compiled CUDA only: the
+    interpreter has no inline assembly)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
