@@ -75,8 +75,6 @@ LEVERS = {  # name: what it sets (see apply_levers)
     "base": "no launch modes of the model's own: every kernel at SPECULANT_PDL's mode",
     "unfused / fused": "as shipped, RoPE + KV write, attention and the merge in three launches "
     "or in one (kernels/decode_attention.py)",
-    "pf32": "on top of the shipped modes, 32 MB a layer asked into L2 during the attention "
-    "chain (kernels/prefetch.py; TritonOps.l2_prefetch_bytes)",
     "keys64": "MIN_KEYS_PER_SPLIT 64",
     "norm2 / act2 / merge2 / attention2 / gemv2 / rope2 / plan2": "that kind at PDL mode 2",
 }
@@ -88,34 +86,27 @@ def apply_levers(engine, variant: str | None, saved: dict) -> None:
     `saved` keeps the shipped values between calls."""
     from speculant.executor.triton_attention import TritonPagedAttention
     from speculant.kernels import paged_attention
-    from speculant.kernels.ops import TritonOps
 
     model = engine.model
     if not saved:
         saved.update(modes=model.launch_modes, keys=paged_attention.MIN_KEYS_PER_SPLIT,
-                     fuse=TritonPagedAttention.fuse_decode,
-                     prefetch=TritonOps.l2_prefetch_bytes)  # fmt: skip
+                     fuse=TritonPagedAttention.fuse_decode)  # fmt: skip
     model.launch_modes = saved["modes"]
     paged_attention.MIN_KEYS_PER_SPLIT = saved["keys"]
     TritonPagedAttention.fuse_decode = saved["fuse"]
-    TritonOps.l2_prefetch_bytes = saved["prefetch"]
-    names = variant.split("+") if variant else []
-    for name in names:  # levers on top of the shipped launch modes
-        if name in ("unfused", "fused"):  # RoPE, attention and the merge in three launches
-            TritonPagedAttention.fuse_decode = name == "fused"  # or in one
-        elif name.startswith("pf") and name[2:].isdigit():  # MB a layer into L2 (prefetch.py)
-            TritonOps.l2_prefetch_bytes = int(name[2:]) << 20
-    if all(n in ("shipped", "unfused", "fused") or n.startswith("pf") for n in names):
+    if variant in ("unfused", "fused"):  # as shipped, RoPE, attention and the merge in three
+        TritonPagedAttention.fuse_decode = variant == "fused"  # launches or in one
+    if variant in (None, "shipped", "unfused", "fused"):
         return
     from speculant.kernels import runtime
 
     model.launch_modes = {}
-    for name in names:
+    for name in variant.split("+"):
         if name.startswith("keys"):
             paged_attention.MIN_KEYS_PER_SPLIT = int(name[4:])
         elif name[:-1] in runtime.PDL_KINDS and name[-1] in "12":
             model.launch_modes[name[:-1]] = int(name[-1])
-        elif name != "base" and not (name.startswith("pf") or name in ("unfused", "fused")):
+        elif name != "base":
             raise SystemExit(f"lever {name!r}: use {', '.join(LEVERS)}")
 
 

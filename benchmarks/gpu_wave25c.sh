@@ -4,7 +4,8 @@
 # (tokens with it == without, graphs), then the 8B graph decode step in one process per dtype,
 # graphs recaptured per variant, order rotated: shipped vs pf16 / pf32 / pf48 (MB a layer:
 # the o projection's weight, then gate_up's first rows), bf16 shipped vs pf32;
-# the FP8 bs-1 timeline with pf32. Results under $OUT.
+# the FP8 bs-1 timeline with pf32. Results under $OUT. Ran on tree fabfe7f: the lever was slower
+# at every budget and was removed after (results/wave25.md, call 3); check out fabfe7f to rerun.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header

@@ -46,22 +46,12 @@ class TorchOps:
         launch_modes); nothing to set for the reference ops."""
         return contextlib.nullcontext()
 
-    @staticmethod
-    def prefetching(x: torch.Tensor):
-        """A context giving a forward over x the weight prefetcher its layers call after their
-        QKV projection (kernels/prefetch.py), or None: the reference ops prefetch nothing."""
-        return contextlib.nullcontext()
-
 
 class TritonOps(TorchOps):
     """Fused kernels; `fuses_rope` True: the attention backend's `forward(..., rope)` rotates q
     and k while it writes the KV cache."""
 
     fuses_rope = True
-    # Weights asked into L2 during each layer's attention chain, per layer (bytes; 0: off, as
-    # shipped: not measured to win yet), in forwards of at most this many tokens.
-    l2_prefetch_bytes = 0
-    l2_prefetch_max_tokens = 8
 
     def __init__(self):
         from speculant.kernels import activation, logprobs, norm, runtime
@@ -71,19 +61,6 @@ class TritonOps(TorchOps):
         self.silu_and_mul = activation.silu_and_mul
         self.top_logprobs = logprobs.top_logprobs
         self.launch_modes = runtime.launch_modes
-
-    @contextlib.contextmanager
-    def prefetching(self, x: torch.Tensor):
-        if not self.l2_prefetch_bytes or x.shape[0] > self.l2_prefetch_max_tokens:
-            yield None
-            return
-        from speculant.kernels.prefetch import SideStreamPrefetch
-
-        prefetch = SideStreamPrefetch(x.device, self.l2_prefetch_bytes)
-        try:
-            yield prefetch if prefetch.enabled else None
-        finally:
-            prefetch.close()
 
 
 TORCH_OPS = TorchOps()

@@ -40,11 +40,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, rope, x: torch.Tensor, attn, after_qkv=None) -> torch.Tensor:
-        """`after_qkv`: called once the QKV projection is launched (a weight prefetch)."""
+    def forward(self, rope, x: torch.Tensor, attn) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if after_qkv is not None:
-            after_qkv()
         q, k, v = self.qkv_proj.split(qkv)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if attn.ops.fuses_rope:
@@ -107,14 +104,12 @@ class DecoderLayer(nn.Module):
         return residual + h
 
     def forward_split(
-        self, rope, h: torch.Tensor, residual: torch.Tensor | None, attn, entering=None,
-        prefetch=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self, rope, h: torch.Tensor, residual: torch.Tensor | None, attn, entering=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on a residual stream held as h + residual (residual None: h alone), so
         each residual add is fused into the next norm; returns the output the same way.
         `entering`: a list to append the residual stream entering the layer to (the sum the
-        fused norm writes anyway: an auxiliary state costs no kernel). `prefetch`: called with
-        the weights read after the attention chain, in order (ops.prefetching)."""
+        fused norm writes anyway: an auxiliary state costs no kernel)."""
         ops = attn.ops
         if residual is None:
             residual, normed = h, self.input_layernorm(h, ops)
@@ -122,13 +117,7 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm.add_forward(h, residual, ops)
         if entering is not None:
             entering.append(residual)
-        after_qkv = None
-        if prefetch is not None:
-            weights = [self.self_attn.o_proj.weight]
-            if isinstance(self.mlp, MLP):
-                weights.append(self.mlp.gate_up_proj.weight)
-            after_qkv = lambda: prefetch(weights)  # noqa: E731
-        h = self.self_attn(rope, normed, attn, after_qkv)
+        h = self.self_attn(rope, normed, attn)
         normed, residual = self.post_attention_layernorm.add_forward(h, residual, ops)
         mlp_out = self.mlp(normed, ops) if isinstance(self.mlp, MLP) else self.mlp(normed)
         return mlp_out, residual
@@ -205,10 +194,9 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         rope = self.model.rotary.lookup(positions, h.dtype)
         aux, residual = [], None  # the residual stream is h + residual (see forward_split)
-        with attn.ops.prefetching(h) as prefetch:
-            for i, layer in enumerate(self.model.layers):
-                entering = aux if i in self.aux_layer_ids else None
-                h, residual = layer.forward_split(rope, h, residual, attn, entering, prefetch)
+        for i, layer in enumerate(self.model.layers):
+            entering = aux if i in self.aux_layer_ids else None
+            h, residual = layer.forward_split(rope, h, residual, attn, entering)
         if len(self.model.layers) in self.aux_layer_ids:
             h, residual = residual + h, None
             aux.append(h)

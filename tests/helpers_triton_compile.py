@@ -41,7 +41,6 @@ from speculant.kernels import (
     logprobs,
     norm,
     paged_attention,
-    prefetch,
     rope,
 )
 
@@ -49,7 +48,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BF16, FP16, FP32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64
 MODULES = (activation, catch_up, decode_attention, fp8, gemv, logprobs, norm,
-           paged_attention, prefetch, rope)  # fmt: skip
+           paged_attention, rope)  # fmt: skip
 H200 = "NVIDIA H200"
 
 
@@ -341,10 +340,6 @@ CASES = [
     ("top logprobs 5 of 151936 bs64x4", 1, _top_logprobs(256, 151936, 5)),
     ("top logprobs 20 of 128256 bs512", 0, _top_logprobs(512, 128256, 20)),
     ("top logprobs 0 of 32000 bs3", 2, _top_logprobs(3, 32000, 0)),
-    ("l2 prefetch fp8 o_proj 16 MB", 0,
-     lambda: prefetch.prefetch_bytes(t(4096, 4096, dtype=torch.float8_e4m3fn), 32 << 20)),
-    ("l2 prefetch bf16 gate_up 24 MB", 0,
-     lambda: prefetch.prefetch_bytes(t(28672, 4096), 24 << 20)),
     ("record bf16 eagle-3 3x4096", 0, _record(5, (4096, 4096, 4096), BF16)),
     ("record fp16 dflash 2x4096", 0, _record(5, (4096, 4096), FP16, ids=False)),
     ("record draft model ids only", 0, _record(1, (), BF16)),
