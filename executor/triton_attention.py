@@ -39,8 +39,8 @@ class TritonPagedAttention(PoolAttention):
     row_layout = "auto"
     # One-token rows laid out in batch order (bs 1, or row_layout "batch") with RoPE fused: one
     # launch for RoPE, the KV write, attention and the split merge (kernels/decode_attention.py).
-    # Off until measured on a GPU (correct on the CPU interpreter and compiled for sm_90; the
-    # session that wrote it had no device time left: benchmarks/gpu_wave24f.sh measures it)
+    # Off: measured slower than the three launches (one H100, 8B bs 1: FP8 3.635 vs 3.458 ms,
+    # bf16 5.803 vs 5.683; benchmarks/results/wave25.md); a lever for work on its latency.
     fuse_decode = False
 
     def prepare(self, batch: ForwardBatch, shared_slots: torch.Tensor | None = None) -> None:
