@@ -577,7 +577,8 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_token_ids(hf, source),
-            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            # `dtype` wins over a stale `torch_dtype` beside it, as transformers reads both
+            torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
             **moe,
             quantization=parse_quantization(hf, source),
             o_proj_bias=attention_bias,

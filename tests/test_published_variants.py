@@ -398,3 +398,15 @@ def test_draft_model_window_shorter_than_the_context_is_refused(tmp_path):
     with pytest.raises(SpeculantError, match="sliding_window=16 .* shorter than the 72 positions"):
         Engine(str(target), device="cpu", dtype="float32", max_model_len=64, **options)
     Engine(str(target), device="cpu", dtype="float32", max_model_len=8, **options)
+
+
+def test_dtype_wins_over_a_stale_torch_dtype():
+    """A config.json holding both keys (transformers 4.56+ writes `dtype`; an older
+    `torch_dtype` may remain) runs in `dtype`, as transformers and vLLM read it: the stale
+    float16 would overflow bfloat16 weights on the GPU."""
+    from speculant.models.loader import resolve_dtype
+
+    hf = {"architectures": ["LlamaForCausalLM"], **SIZES}
+    cfg = ModelConfig.from_hf({**hf, "torch_dtype": "float16", "dtype": "bfloat16"})
+    assert resolve_dtype("auto", cfg.torch_dtype, "cuda") == torch.bfloat16
+    assert ModelConfig.from_hf({**hf, "torch_dtype": "float16"}).torch_dtype == "float16"
