@@ -220,7 +220,9 @@ def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
     reaches (engine: max_model_len <= max_position_embeddings): it runs as the default RoPE."""
     params = config_dict(hf, "rope_parameters", source)
     scaling = config_dict(hf, "rope_scaling", source) or None
-    theta = config_float({**params, **hf}, "rope_theta", source, 10000.0)
+    # transformers' priority: rope_scaling (which replaces rope_parameters), then the top level
+    rope = {k: v for k, v in (scaling or params).items() if v is not None}
+    theta = config_float({**hf, **rope}, "rope_theta", source, 10000.0)
     if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = params
     if scaling is None:

@@ -410,3 +410,24 @@ def test_dtype_wins_over_a_stale_torch_dtype():
     cfg = ModelConfig.from_hf({**hf, "torch_dtype": "float16", "dtype": "bfloat16"})
     assert resolve_dtype("auto", cfg.torch_dtype, "cuda") == torch.bfloat16
     assert ModelConfig.from_hf({**hf, "torch_dtype": "float16"}).torch_dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 5e5}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_theta": 5e5},
+    ],
+)  # fmt: skip
+def test_rope_theta_read_where_transformers_reads_it(fields):
+    """rope_theta inside rope_parameters (or rope_scaling, which replaces it) wins over a
+    top-level one, as transformers' config classes (and vLLM through them) read it: the other
+    theta would rotate every position differently, silently."""
+    import transformers
+
+    hf = {"architectures": ["LlamaForCausalLM"], **SIZES, **fields}
+    theirs = transformers.LlamaConfig(**json.loads(json.dumps(hf))).rope_parameters
+    assert ModelConfig.from_hf(hf).rope_theta == theirs["rope_theta"] == 5e5
