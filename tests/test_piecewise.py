@@ -272,7 +272,7 @@ def test_eager_padding_on_the_triton_backend(llama_dir):
     the padded sequence lengths): still token-equal to unpadded steps (those of the torch
     backend here: the Triton backend's unpadded steps equal them,
     test_triton_decode_row_plan_equals_the_torch_backend)."""
-    params = mixed_params(len(PROMPTS))
+    params = mixed_params(len(PROMPTS), max_new_tokens=6)  # decode steps over every length
     ref = engine(llama_dir, piecewise_sizes=[], attention_backend="torch").generate(PROMPTS, params)
     padded = engine(llama_dir, eager_padding=True, attention_backend="triton")
     out = padded.generate(PROMPTS, params)
@@ -282,13 +282,13 @@ def test_eager_padding_on_the_triton_backend(llama_dir):
 
 @pytest.mark.needs("triton")
 def test_triton_decode_row_plan_equals_the_torch_backend(llama_dir, monkeypatch, tmp_path):
-    """Decode steps of mixed context lengths (5..90 + 10) through the Triton backend's decode
+    """Decode steps of mixed context lengths (5..90 + 6) through the Triton backend's decode
     attention's RowPlan (what the default takes for batches this small) token-equal to the
     torch backend (greedy and seeded sampled requests); EAGLE-3 verify and drafting steps
     through the plan: greedy spec == greedy plain."""
     from speculant.executor.triton_attention import TritonPagedAttention
 
-    params = mixed_params(len(PROMPTS))
+    params = mixed_params(len(PROMPTS), max_new_tokens=6)  # decode steps over every length
     ref = engine(llama_dir, piecewise_sizes=[], attention_backend="torch").generate(PROMPTS, params)
     for layout in ("plan",):  # rows longest first: test_kernels' row-order test
         monkeypatch.setattr(TritonPagedAttention, "row_layout", layout)
