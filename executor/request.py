@@ -46,7 +46,7 @@ def is_number(value: object) -> bool:
 @dataclass
 class SamplingParams:
     """How to decode one request. temperature 0 is greedy (so is any below GREEDY_TEMPERATURE);
-    top_k 0 and top_p 1 are off."""
+    top_k 0 (or -1, vLLM's older default) and top_p 1 are off."""
 
     max_new_tokens: int = 64
     # completions of the prompt (vLLM's n): each its own request (own seed: independent samples
@@ -89,9 +89,10 @@ class SamplingParams:
                 f"temperature={self.temperature!r} must be a finite number in 0..{FLOAT32_MAX:.4g} "
                 "(float32; 0 is greedy)"
             )
-        if not is_integer(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+        if not is_integer(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
             raise SpeculantError(
-                f"top_k={self.top_k!r} must be an integer in 0..{INT64_MAX} (0 turns it off)"
+                f"top_k={self.top_k!r} must be an integer in 0..{INT64_MAX} (0 or -1 turns it "
+                "off, as in vLLM)"
             )
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise SpeculantError(f"top_p={self.top_p!r} must be in (0, 1] (1 turns it off)")
@@ -129,6 +130,8 @@ class SamplingParams:
                 "alternatives kept per token; 0: the chosen token's log-probability alone)"
             )
         changes = {}
+        if self.top_k == -1:  # vLLM's older "off"
+            changes["top_k"] = 0
         if 0 < self.temperature < GREEDY_TEMPERATURE:
             changes["temperature"] = 0.0
         if not isinstance(self.stop, tuple):  # None, one string or a list: a tuple of them

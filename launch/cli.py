@@ -296,7 +296,7 @@ def build_parser(
         "independent); written as N lines (sample_index 0..N-1) or printed as [i:j]",
     )
     samp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    samp.add_argument("--top-k", type=_int, default=0, metavar="K", help="0 = off")
+    samp.add_argument("--top-k", type=_int, default=0, metavar="K", help="0 (or -1) = off")
     samp.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus, in (0, 1]")
     samp.add_argument(
         "--min-p",
@@ -558,7 +558,7 @@ _SAMPLING_RULES = {
         lambda v: 0 <= v <= FLOAT32_MAX,
         f"a finite number in 0..{FLOAT32_MAX:.4g} (float32; 0 = greedy)",
     ),
-    "top_k": (int, lambda v: 0 <= v <= INT64_MAX, f"an integer in 0..{INT64_MAX} (0 = off)"),
+    "top_k": (int, lambda v: -1 <= v <= INT64_MAX, f"an integer in 0..{INT64_MAX} (0 or -1 = off)"),
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "min_p": ((int, float), lambda v: 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
     "seed": (int, lambda v: INT64_MIN <= v <= INT64_MAX, f"an integer in {INT64_MIN}..{INT64_MAX}"),

@@ -21,6 +21,7 @@ import torch
 from helpers_eagle import write_random_eagle3
 from safetensors.torch import load_file, save_file
 
+import speculant
 from speculant import Engine, ModelConfig, SamplingParams, SpeculantError
 from speculant.comm.groups import ParallelContext
 from speculant.config import SpecConfig
@@ -123,6 +124,28 @@ def test_tiny_sampling_values_generate_the_greedy_tokens(llama_dir):
         assert [o.token_ids for o in tiny] == [o.token_ids for o in greedy]
 
 
+def test_top_k_minus_one_is_off_as_in_vllm(tmp_path):
+    """vLLM's older default top_k=-1 ("all tokens") is taken as off (0), from SamplingParams,
+    --top-k and a --prompts line alike: the same seeded samples as top_k=0; -2 is refused."""
+    from speculant.launch import cli
+
+    assert SamplingParams(top_k=-1).validate().top_k == 0
+    engine = Engine(speculant.bundled("target"), device="cpu", num_draft_tokens=0)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.3, seed=s, top_k=k)
+              for k in (0, -1) for s in (1, 2)]  # fmt: skip
+    out = [o.token_ids for o in engine.generate(["def f(x):"] * 4, params)]
+    assert out[:2] == out[2:] and out[0] != out[1]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):", "top_k": -1, "seed": 2}) + "\n")
+    args = ["generate", "--device", "cpu", "--num-draft-tokens", "0", "--max-new-tokens", "12",
+            "--ignore-eos", "--temperature", "1.3", "--top-k", "-1", "--seed", "1",
+            "--prompts", str(prompts), "--output", str(tmp_path / "out")]  # fmt: skip
+    assert cli.main(args) == 0
+    assert json.loads(open(tmp_path / "out").read())["token_ids"] == out[1]
+    with pytest.raises(SpeculantError, match=re.escape("top_k=-2")):
+        SamplingParams(top_k=-2).validate()
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -131,7 +154,7 @@ def test_tiny_sampling_values_generate_the_greedy_tokens(llama_dir):
         ("top_p", math.nan),
         ("top_k", math.inf),
         ("top_k", 2**63),
-        ("top_k", -1),
+        ("top_k", -2),
         ("seed", 2**63),
         ("seed", -(2**63) - 1),
         ("seed", 1.5),
