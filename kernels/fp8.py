@@ -611,14 +611,6 @@ def dot_gemm(x2, weight, scale, mode, config=None, split_k=None):
     return out if split == 1 else out.sum(0).to(x2.dtype)
 
 
-MAX_TILES = MAX_COUNTERS  # N tiles one split-K launch may count (N <= 524288 at BLOCK_N 8)
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The per-N-tile arrival counters of `_splitk_kernel` / `_sk_kernel` (runtime's)."""
-    return arrival_counters(device)
-
-
 def splitk_gemv(x2, weight, scale, mode, config=None):
     """y [M, N] = x2 [M, K] W^T through `_splitk_kernel` (M <= 8): a grid of N tiles x K
     splits; config (BLOCK_N, BLOCK_K, num_warps, reduce) with reduce "atomic" (the last
@@ -629,10 +621,10 @@ def splitk_gemv(x2, weight, scale, mode, config=None):
     if mode == "block" and 128 % block_n:
         raise ValueError(f"split-K BLOCK_N {block_n} must divide 128")
     grid_n, splits = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    atomic = reduce == "atomic" and grid_n <= MAX_TILES
+    atomic = reduce == "atomic" and grid_n <= MAX_COUNTERS
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     ws = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
-    counters = _counters(x2.device) if atomic and splits > 1 else ws
+    counters = arrival_counters(x2.device) if atomic and splits > 1 else ws
     pdl = pdl_mode(x2, "gemv")
     _splitk_kernel[(grid_n, splits)](
         x2, weight, scale, y, ws, counters, m, n, k, x2.stride(0), weight.stride(0),
@@ -674,8 +666,8 @@ def sk_gemm(x2, weight, scale, mode, path="sk_w8a16", config=None, quantized=Non
     splits = min(splits or sk_splits(grid_n * grid_m, n_chunks), n_chunks)
     chunks = triton.cdiv(n_chunks, splits)
     splits = triton.cdiv(n_chunks, chunks)  # no empty splits
-    if splits > 1 and grid_n * grid_m > MAX_TILES:
-        raise ValueError(f"split-K FP8 GEMM: {grid_n * grid_m} tiles, at most {MAX_TILES}")
+    if splits > 1 and grid_n * grid_m > MAX_COUNTERS:
+        raise ValueError(f"split-K FP8 GEMM: {grid_n * grid_m} tiles, at most {MAX_COUNTERS}")
     if act == 2:
         xin, xs = quantized if quantized is not None else quantize_activations(x2)
     else:
@@ -683,7 +675,7 @@ def sk_gemm(x2, weight, scale, mode, path="sk_w8a16", config=None, quantized=Non
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if splits > 1:
         ws = torch.empty((splits, grid_m, n, block_m), dtype=torch.float32, device=x2.device)
-        counters = _counters(x2.device)
+        counters = arrival_counters(x2.device)
     else:
         ws = counters = y  # unused
     even = n % block_n == 0 and k == splits * chunks * BLOCK

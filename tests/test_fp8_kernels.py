@@ -158,7 +158,7 @@ def test_splitk_gemv_matches_reference_and_repeats_exactly(device, mode):
                                config=(block_n, block_k, 4, "atomic"))  # fmt: skip
         summed = kernels.splitk_gemv(x, w, scale, mode, (block_n, block_k, 4, "kernel"))
         assert torch.equal(atomic, again) and torch.equal(atomic, summed), (m, n, k)
-    assert not kernels._counters(torch.device(device)).any()
+    assert not runtime.arrival_counters(torch.device(device)).any()
 
 
 def test_tuned_table_lookup_and_fallback(tmp_path, monkeypatch):
@@ -658,7 +658,7 @@ def test_sk_gemm_matches_reference_and_repeats_exactly(device, mode, path):
             pre = kernels.sk_gemm(x, w, scale, mode, "sk_w8a8_pre", config,
                                   quantized=kernels.reference_quantize_activations(x))  # fmt: skip
             assert torch.equal(out, pre), (m, n, k, config)
-    assert not kernels._counters(torch.device(device)).any()
+    assert not runtime.arrival_counters(torch.device(device)).any()
 
 
 def test_sk_splits_fill_the_gpu():
