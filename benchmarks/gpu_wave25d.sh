@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wave 25, the #24 bar on its GPU (run through gpu_h200_only.sh): the 8B FP8 graph decode step
 # with the FP8 target's launch modes (shipped) against none (base), three rounds, order
-# rotated, and bf16 as shipped, then the shipped FP8 bs-1 step's timeline; a short form of gpu_wave24d.sh for a small device budget.
+# rotated, and bf16 as shipped, then the shipped FP8 bs-1 step's timeline; a short form of
+# gpu_wave24d.sh for a small device budget.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 machine_header
