@@ -99,6 +99,10 @@ class Scheduler:
             if request.row >= 0:
                 plan.decode.append(request)
                 budget -= width
+        # tokens kept for later completions whose prompt pages completion 0 now holds: they
+        # are admitted this step, before it can finish and free them (the prompt prefilled once)
+        held = self._held_for_completions(budget)
+        budget -= held
         for request in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
@@ -114,6 +118,7 @@ class Scheduler:
             if chunk is not None:
                 plan.chunks.append(chunk)
                 budget -= len(chunk.tokens)
+        budget += held
         free_rows = self.max_num_seqs - len(self.running)
         group = min(len(self.waiting), self.admit_group)
         if plan.decode and not plan.chunks and free_rows < group:
@@ -150,6 +155,19 @@ class Scheduler:
             plan.chunks.append(chunk)
             budget -= len(chunk.tokens)
         return self._done(plan)
+
+    def _held_for_completions(self, budget: int) -> int:
+        """The tokens (at most `budget`) that the later completions ready to take their prompt
+        pages (_prompt_pages) prefill after them, as many as rows are free."""
+        rows = self.max_num_seqs - len(self.running)
+        held = 0
+        for request in self.waiting:  # they wait ahead of the prompts not admitted yet
+            if rows <= 0 or held >= budget or request.first_completion is None:
+                break
+            if pages := self._prompt_pages(request):
+                held += len(request.prompt_ids) - len(pages) * self.kv.page_size
+                rows -= 1
+        return min(held, budget)
 
     def _prompt_pages(self, request: Request) -> list[int] | None:
         """The prompt pages a later completion of a prompt (SamplingParams.n) takes from the

@@ -143,6 +143,21 @@ def greedy_completions_of_long(engine: Engine, plain: Engine, n: int, new: int) 
     return engine.stats()
 
 
+def test_prompt_prefilled_once_under_a_small_token_budget(plain):
+    """A budget below the prompts' lengths and short outputs: later completions are admitted
+    as soon as completion 0 has prefilled the prompt, not after the next prompt's prefill,
+    by when completion 0 had ended and freed the pages (each prefilled the prompt again)."""
+    engine = Engine(TARGET, device="cpu", page_size=4, max_num_batched_tokens=16,
+                    num_draft_tokens=0)  # fmt: skip
+    params = SamplingParams(max_new_tokens=2, n=4, ignore_eos=True)
+    outs = engine.generate(LONG, params)
+    base = plain.generate(LONG, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(4)]
+    whole = [(len(o.prompt_token_ids) - 1) // 4 * 4 for o in outs[::4]]
+    assert engine.stats()["shared_prompt_tokens"] == 3 * sum(whole) > 0
+    assert_pool_whole(engine)
+
+
 def test_completions_sharing_pages_under_preemption(plain):
     """A pool that preempts completion 0 and later ones while they share the prompt's pages:
     every page comes back, the tokens are plain greedy decoding's."""
