@@ -592,10 +592,26 @@ class Engine:
         """`generate` for conversations (one, a list of {"role", "content"} messages, or a list
         of them), each rendered with the target's chat template and continued as the assistant
         (as vLLM's `LLM.chat`)."""
-        if conversations and isinstance(conversations[0], dict):
+        if isinstance(conversations, Chat) or (
+            isinstance(conversations, (list, tuple))
+            and conversations
+            and isinstance(conversations[0], dict)
+        ):
             conversations = [conversations]
+        if not isinstance(conversations, (list, tuple)):
+            raise SpeculantError(
+                f"conversations is of type {type(conversations).__name__}; give a conversation "
+                '(a list of {"role": ..., "content": ...} messages) or a list of them'
+            )
+        for i, c in enumerate(conversations):  # a text would reach generate untemplated
+            if not isinstance(c, (Chat, list, tuple)):
+                raise PromptError(
+                    i,
+                    f"is of type {type(c).__name__}, not a conversation; give a list of "
+                    '{"role": ..., "content": ...} messages (texts go to generate)',
+                )
         return self.generate(
-            [Chat(c) if isinstance(c, (list, tuple)) else c for c in conversations],
+            [c if isinstance(c, Chat) else Chat(c) for c in conversations],
             sampling_params, use_tqdm=use_tqdm, on_output=on_output,
         )  # fmt: skip
 

@@ -269,6 +269,24 @@ def test_chat_refusals(llama_dir, tmp_path):
         engine.chat([{"role": "user", "content": "a\ud800b"}])  # was the tokenizer's exception
 
 
+def test_chat_takes_only_conversations(llama_dir, tmp_path):
+    """A `Chat` is one conversation; a text (or a list of texts) is refused, not generated
+    untemplated character by character."""
+    folder = with_template(llama_dir, tmp_path / "t", "jinja", CHATML)
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    expected = engine.chat(CONVERSATIONS[0], params)
+    assert [o.token_ids for o in engine.chat(Chat(CONVERSATIONS[0]), params)] == [
+        o.token_ids for o in expected
+    ]
+    with pytest.raises(SpeculantError, match="conversations is of type str"):
+        engine.chat("hello", params)
+    with pytest.raises(SpeculantError, match="conversations is of type dict"):
+        engine.chat(CONVERSATIONS[0][0], params)
+    with pytest.raises(SpeculantError, match="prompt 1 is of type str, not a conversation"):
+        engine.chat([CONVERSATIONS[0], "hello"], params)
+
+
 @pytest.mark.parametrize(
     "template, needle",
     [
