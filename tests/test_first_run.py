@@ -304,6 +304,13 @@ def test_readme_python_example_runs():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "def fibonacci(n):" in proc.stdout
+    # the statistics it prints are the ones its comment shows (rounded to 2 places)
+    shown = re.search(r'per_position_acceptance"\]\)  # ([\d.]+) \[([\d., ]+)\]', code)
+    accept_len, rates = proc.stdout.splitlines()[-1].split(" ", 1)
+    assert round(float(accept_len), 2) == float(shown.group(1)), proc.stdout
+    assert [round(float(r), 2) for r in rates.strip("[]").split(",")] == [
+        float(r) for r in shown.group(2).split(",")
+    ], proc.stdout
     for option in ("page_size", "max_num_seqs", "num_draft_tokens", "attention_backend", "overlap"):
         assert f"`{option}`" in section, option
 
