@@ -304,13 +304,14 @@ def test_readme_python_example_runs():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "def fibonacci(n):" in proc.stdout
-    # the statistics it prints are the ones its comment shows (rounded to 2 places)
+    # the statistics it prints are the ones its comment shows (within 0.05: another CPU's
+    # float rounding may move a greedy token)
     shown = re.search(r'per_position_acceptance"\]\)  # ([\d.]+) \[([\d., ]+)\]', code)
     accept_len, rates = proc.stdout.splitlines()[-1].split(" ", 1)
-    assert round(float(accept_len), 2) == float(shown.group(1)), proc.stdout
-    assert [round(float(r), 2) for r in rates.strip("[]").split(",")] == [
-        float(r) for r in shown.group(2).split(",")
-    ], proc.stdout
+    printed = [float(accept_len)] + [float(r) for r in rates.strip("[]").split(",")]
+    expected = [float(shown.group(1))] + [float(r) for r in shown.group(2).split(",")]
+    assert len(printed) == len(expected), proc.stdout
+    assert all(abs(a - b) <= 0.05 for a, b in zip(printed, expected, strict=True)), expected
     for option in ("page_size", "max_num_seqs", "num_draft_tokens", "attention_backend", "overlap"):
         assert f"`{option}`" in section, option
 
