@@ -53,8 +53,11 @@ MAX_NAMES_SHOWN = 8  # unused tensors named in the warning; the rest are counted
 log = logging.getLogger("speculant")
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
-    """`auto` keeps the checkpoint's dtype on GPU and uses float32 on CPU."""
+def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str, device: str) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on GPU and uses float32 on CPU; a torch dtype of
+    DTYPES is taken as its name (as vLLM's `LLM(dtype=torch.bfloat16)`)."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
     if name == "auto":
         if device == "cpu":
             return torch.float32

@@ -207,8 +207,9 @@ def test_checkpoint_errors(tmp_path, llama_dir):
         Engine(broken, device="cpu")
 
 
-def test_dummy_weights_build_in_target_dtype(llama_dir):
-    engine = Engine(llama_dir, device="cpu", dtype="bfloat16", load_format="dummy")
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.bfloat16])  # a torch dtype, as vLLM takes
+def test_dummy_weights_build_in_target_dtype(llama_dir, dtype):
+    engine = Engine(llama_dir, device="cpu", dtype=dtype, load_format="dummy")
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
