@@ -260,7 +260,16 @@ def _aux_layer_ids(hf: dict, num_target_layers: int, source: str) -> tuple[int, 
     """Aux layer ids in our convention (input of layer i; i = L is the last layer's output), in
     layer order: the target captures them in that order, whatever order the config lists."""
     L = num_target_layers
-    nested = config_dict(hf, "eagle_config", source).get(AUX_IDS_KEY)
+    eagle_config = config_dict(hf, "eagle_config", source)
+    if not config_bool(eagle_config, "use_aux_hidden_state", f"eagle_config of {source}", True):
+        # vLLM and SGLang then feed the target's last hidden state without fc (gpt-oss-style
+        # heads); drafting from the aux concatenation instead would silently draft wrong
+        raise SpeculantError(
+            f"eagle_config.use_aux_hidden_state=false in {source} is not supported: the head "
+            "drafts from the target's last hidden state without fc, and only heads fed the "
+            "3 aux layers' states are"
+        )
+    nested = eagle_config.get(AUX_IDS_KEY)
     for where, listed in (("eagle_config.", nested), ("", hf.get(AUX_IDS_KEY))):
         if listed and not (
             isinstance(listed, list)

@@ -411,6 +411,18 @@ def test_aux_ids_need_three_layers(tmp_path):
     errors_for(tmp_path, tiny_target_config(), r"3 distinct", aux_ids=[1, 15])
 
 
+def test_head_fed_without_aux_states_is_refused(tmp_path):
+    # vLLM and SGLang feed such a head (nvidia's gpt-oss Eagle3-v2 style) the target's last
+    # hidden state without fc: drafting from the aux concatenation would draft wrong
+    nested = {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": False}
+    errors_for(
+        tmp_path,
+        tiny_target_config(),
+        r"eagle_config.use_aux_hidden_state=false .* not supported",
+        config_overrides={"eagle_config": nested},
+    )
+
+
 def test_vocab_mismatch_without_d2t(tmp_path):
     errors_for(
         tmp_path,
