@@ -100,8 +100,12 @@ class Scheduler:
                 plan.decode.append(request)
                 budget -= width
         # tokens kept for later completions whose prompt pages completion 0 now holds: they
-        # are admitted this step, before it can finish and free them (the prompt prefilled once)
-        held = self._held_for_completions(budget)
+        # are admitted this step, before it can finish and free them (the prompt prefilled once);
+        # only where nothing stops this step's admissions (a preemption, or the decode rows
+        # waiting for a group's rows), else the running prefills would have lost the budget
+        free_rows = self.max_num_seqs - len(self.running)
+        gated = bool(plan.decode) and free_rows < min(len(self.waiting), self.admit_group)
+        held = 0 if plan.preempted or gated else self._held_for_completions(budget)
         budget -= held
         for request in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
