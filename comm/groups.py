@@ -64,10 +64,16 @@ class ParallelContext:
 
     @classmethod
     def from_env(
-        cls, tp: int, dp: int, device: str, timeout_s: float = DEFAULT_TIMEOUT_S
+        cls,
+        tp: int,
+        dp: int,
+        device: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        options: dict[str, Any] | None = None,
     ) -> ParallelContext:
         """Join the job described by RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
-        (set by `speculant generate --tp/--dp`, torchrun or a Ray actor)."""
+        (set by `speculant generate --tp/--dp`, torchrun or a Ray actor); `options` (flag ->
+        value) must be rank 0's on every rank (`check_same_options`)."""
         missing = [v for v in ("RANK", "WORLD_SIZE") if v not in os.environ]
         if missing:
             raise SpeculantError(
@@ -84,6 +90,7 @@ class ParallelContext:
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(os.environ.get("MASTER_PORT", "29500")),
             timeout_s=timeout_s,
+            options=options,
         )
 
     @classmethod
@@ -98,8 +105,10 @@ class ParallelContext:
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        options: dict[str, Any] | None = None,
     ) -> ParallelContext:
-        """Initialise torch.distributed (unless already done) and build the (dp, tp) groups."""
+        """Initialise torch.distributed (unless already done) and build the (dp, tp) groups,
+        once every rank has the same tp, dp and `options` (`check_same_options`)."""
         check_world(world_size, tp, dp)
         if not 0 <= rank < world_size:
             raise SpeculantError(f"rank {rank} is outside world size {world_size}")
@@ -135,6 +144,7 @@ class ParallelContext:
                 ) from None
         elif dist.get_world_size() != world_size:
             check_world(dist.get_world_size(), tp, dp)
+        check_same_options(world_size, {"--tp": tp, "--dp": dp, **(options or {})})
         pctx = cls(
             tp_size=tp,
             tp_rank=rank % tp,
@@ -255,6 +265,22 @@ def resolve_context(pctx: ParallelContext | None, tp: int, dp: int, device: str)
             f"dp={pctx.dp_size}; pass one or the other"
         )
     return pctx
+
+
+def check_same_options(world_size: int, options: dict[str, Any]) -> None:
+    """Every rank's `options` must be rank 0's: ranks of a torchrun job started with other
+    flags (another --tp/--dp split, --num-draft-tokens, --seed, --dtype) would create other
+    groups (a hang until --dist-timeout), exchange mismatched tensors (a crash) or sample other
+    tokens. Each rank raises the same line, naming the first flag and rank that differ."""
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, options)  # the default group: before any group is made
+    for rank, theirs in enumerate(every[1:], start=1):
+        for flag, ours in every[0].items():
+            if theirs.get(flag) != ours:
+                raise SpeculantError(
+                    f"{flag} is {theirs.get(flag)!r} on rank {rank} but {ours!r} on rank 0; "
+                    "start every rank of the job with the same flags"
+                )
 
 
 def _my_group(rank_lists: list[list[int]], rank: int, backend: str, timeout: timedelta):

@@ -809,13 +809,15 @@ def measure_in_rank(
     Returns (outputs, plain outputs or None, seconds) on rank 0 (or the one process), None on
     the other ranks."""
     from speculant import Engine, SamplingParams
-    from speculant.launch.cli import prompts_named  # cli imports this module
+    from speculant.launch.cli import job_options, prompts_named  # cli imports this module
 
     pctx = None
     if args.tp * args.dp > 1:
         from speculant.comm.groups import ParallelContext
 
-        pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout)
+        pctx = ParallelContext.from_env(
+            args.tp, args.dp, args.device, args.dist_timeout, job_options(args)
+        )
     if args.device == "cpu":
         set_cpu_threads(args.threads, [job.target, job.draft], args.tp * args.dp)
     show = use_tqdm and (pctx is None or pctx.rank == 0)

@@ -1023,6 +1023,23 @@ def _check_tp(args: argparse.Namespace) -> None:
         raise SpeculantError(problem)
 
 
+# a rank's own (its inputs and outputs, logging, threads, timeout): the only flags whose value
+# may differ between the ranks of a job
+RANK_OWN_FLAGS = frozenset(
+    ("argv", "prompt", "prompts", "output", "baseline", "compare", "plot", "report", "rtol",
+     "write_baseline", "debug", "threads", "dist_timeout")
+)  # fmt: skip
+
+
+def job_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags every rank of a job must share, as `--flag` -> value."""
+    return {
+        "--" + key.replace("_", "-"): value
+        for key, value in sorted(vars(args).items())
+        if key not in RANK_OWN_FLAGS
+    }
+
+
 def generate_in_rank(
     args: argparse.Namespace,
     specs: list[PromptSpec],
@@ -1035,6 +1052,7 @@ def generate_in_rank(
     rank 0 (or the one process), (None, seconds) on the other ranks."""
     from speculant import Engine, SamplingParams  # after the checks: loads torch and the core
 
+    options = job_options(args)  # before --demo-model names this node's folder
     if args.demo_model:
         from speculant.launch.demo import build_demo_model
 
@@ -1052,7 +1070,7 @@ def generate_in_rank(
         from speculant.comm.groups import ParallelContext
         from speculant.launch.spawn import fault_point
 
-        pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout)
+        pctx = ParallelContext.from_env(args.tp, args.dp, args.device, args.dist_timeout, options)
     engine = Engine(target=args.target, pctx=pctx, **kwargs)
     if pctx is not None:
         fault_point(pctx.rank)

@@ -344,7 +344,10 @@ class TwoNodes:
     started first (lower pid), joins as group rank 0. Each agent runs in its own session, its
     stderr in a file; both are killed at the end."""
 
-    def __init__(self, tmp_path: Path, nproc: int, args: list[str], env: dict | None = None):
+    def __init__(
+        self, tmp_path: Path, nproc: int, args: list[str], env: dict | None = None,
+        node_args: tuple[list[str], list[str]] = ([], []),
+    ):  # fmt: skip
         port, run_id = free_port(), uuid.uuid4().hex[:8]
         self.mark = uuid.uuid4().hex
         env = {**os.environ, "SPECULANT_TEST_MARK": self.mark, **(env or {})}
@@ -354,7 +357,7 @@ class TwoNodes:
                    "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                    f"127.0.0.1:{port}", "--rdzv-id", run_id, "--rdzv-conf",
                    f"is_host={int(node == 0)}", "-m", "speculant.launch.torchrun",
-                   *args]  # fmt: skip
+                   *args, *node_args[node]]  # fmt: skip
             self.logs.append(tmp_path / f"node{node}.err")
             with open(self.logs[-1], "w") as err:
                 agent = subprocess.Popen(
@@ -387,8 +390,8 @@ class TwoNodes:
 def two_nodes(tmp_path):
     started = []
 
-    def start(nproc: int, args: list[str], env: dict | None = None) -> TwoNodes:
-        started.append(TwoNodes(tmp_path, nproc, args, env))
+    def start(nproc: int, args: list[str], env: dict | None = None, node_args=([], [])):
+        started.append(TwoNodes(tmp_path, nproc, args, env, node_args))
         return started[-1]
 
     yield start
@@ -416,6 +419,33 @@ def test_torchrun_two_nodes_equal_one_process(
     assert read_tokens(out) == expected
     assert ("some TP groups span nodes" in err) == warned, err
     assert len([line for line in err.splitlines() if line.startswith("requests=4 ")]) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "node0,node1,line",
+    [
+        (["--tp", "2"], ["--dp", "2"], "--tp is 1 on rank 1 but 2 on rank 0"),
+        (["--tp", "2", "--seed", "1"], ["--tp", "2", "--seed", "2"], "--seed is 2 on rank 1"),
+    ],
+    ids=["tp-vs-dp", "seed"],
+)
+def test_torchrun_nodes_started_with_other_flags_fail_naming_the_flag(
+    two_nodes, flags, tmp_path, node0, node1, line
+):
+    """Nodes started with other flags (the same world size): another --tp/--dp split made other
+    groups and hung until --dist-timeout; another --seed made the TP ranks sample other tokens
+    and abort in a collective. Every rank compares its flags with rank 0's on joining."""
+    out = tmp_path / "out.jsonl"
+    args = ["generate", *flags, "--output", str(out), "--temperature", "1"]
+    job = two_nodes(1, args, node_args=(node0, node1))
+    start = time.monotonic()
+    codes = job.wait(45)
+    err = job.stderr(0) + job.stderr(1)
+    assert codes == [1, 1] and time.monotonic() - start < 45, err
+    assert f"speculant: error: {line}" in job.stderr(0), err
+    assert "start every rank of the job with the same flags" in job.stderr(1), err
+    assert not out.exists()
 
 
 @pytest.mark.timeout(150)
