@@ -105,7 +105,19 @@ class _Parser(argparse.ArgumentParser):
                     message += f" ({quoted} looks like a flag); pass it as {flag}={quoted}"
                 else:  # too long to print whole: the form alone
                     message += f" ({shown(value)} looks like a flag); join it: {flag}=VALUE"
-        self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
+        from speculant.launch.spawn import tell_torchrun
+
+        line = f"speculant: error: {message} (see `{self.prog} --help`)"
+        tell_torchrun(line)
+        # every rank of a torchrun node parses the same flags: its local rank 0 says it
+        self.exit(2, line + "\n" if says_user_errors() else None)
+
+
+def says_user_errors() -> bool:
+    """Whether this process prints a user error: not another local rank of a torchrun node,
+    whose ranks all run the same checks (the node's local rank 0 says it once; the others only
+    leave it in their torchrun error file)."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -1237,7 +1249,8 @@ def main(argv: list[str] | None = None) -> int:
             # every rank checks rank 0's prompts: rank 0's line names the --prompts line
             if not (isinstance(exc, PromptError) and not reads_inputs()):
                 line = f"speculant: error: {exc}".splitlines()[0]
-                print(line, file=sys.stderr)
+                if says_user_errors():
+                    print(line, file=sys.stderr)
                 tell_torchrun(line)
             code = 2
         restore_signals()  # inside the try: a stop up to here still ends as a stop

@@ -178,6 +178,24 @@ def test_torchrun_prompt_error_is_rank0s_line_alone(flags, tmp_path):
     assert cause in proc.stderr and "Root Cause" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "bad,line",
+    [
+        (["--max-new-tokens", "abc"], "argument --max-new-tokens: 'abc' is not an integer"),
+        (["--num-draft-tokens", "99"], "num_draft_tokens=99 must be in 0..16"),
+        (["--target", "/nonexistent"], "--target '/nonexistent' is not a directory"),
+    ],
+    ids=["parse", "check", "checkpoint"],
+)
+def test_torchrun_flag_error_is_one_line(flags, bad, line):
+    """A bad flag or checkpoint, which every rank refuses alike: one `speculant: error:` line
+    (was one per rank), and torchrun's summary names it."""
+    proc = torchrun(2, ["generate", *flags, "--tp", "2", *bad])
+    lines = [x for x in proc.stderr.splitlines() if "speculant: error:" in x]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert line in lines[0] and f"traceback : {line}" in proc.stderr, proc.stderr[-3000:]
+
+
 SLOW_RANK0 = """
 import os, time
 if os.environ.get("RANK") == "0":
