@@ -144,7 +144,11 @@ class ParallelContext:
                 ) from None
         elif dist.get_world_size() != world_size:
             check_world(dist.get_world_size(), tp, dp)
-        check_same_options(world_size, {"--tp": tp, "--dp": dp, **(options or {})})
+        # Every rank creates every group, in the same order (new_group is collective): first
+        # the host group over all ranks, on which the ranks' flags are compared before any
+        # group that depends on them is made
+        cpu_group = _my_group([list(range(world_size))], rank, "gloo", timeout)
+        check_same_options(cpu_group, {"--tp": tp, "--dp": dp, **(options or {})})
         pctx = cls(
             tp_size=tp,
             tp_rank=rank % tp,
@@ -154,12 +158,11 @@ class ParallelContext:
             backend=backend,
             timeout_s=timeout_s,
         )
-        # Every rank creates every group, in the same order (new_group is collective).
         tp_ranks = [list(range(d * tp, (d + 1) * tp)) for d in range(dp)]
         dp_ranks = [list(range(t, world_size, tp)) for t in range(tp)]
+        pctx.cpu_group = cpu_group
         pctx.tp_group = _my_group(tp_ranks, rank, backend, timeout)
         pctx.dp_group = _my_group(dp_ranks, rank, backend, timeout)
-        pctx.cpu_group = _my_group([list(range(world_size))], rank, "gloo", timeout)
         pctx.dp_cpu_group = (
             pctx.dp_group if backend == "gloo" else _my_group(dp_ranks, rank, "gloo", timeout)
         )
@@ -267,13 +270,16 @@ def resolve_context(pctx: ParallelContext | None, tp: int, dp: int, device: str)
     return pctx
 
 
-def check_same_options(world_size: int, options: dict[str, Any]) -> None:
+def check_same_options(group: Any, options: dict[str, Any]) -> None:
     """Every rank's `options` must be rank 0's: ranks of a torchrun job started with other
     flags (another --tp/--dp split, --num-draft-tokens, --seed, --dtype) would create other
     groups (a hang until --dist-timeout), exchange mismatched tensors (a crash) or sample other
-    tokens. Each rank raises the same line, naming the first flag and rank that differ."""
-    every: list[Any] = [None] * world_size
-    dist.all_gather_object(every, options)  # the default group: before any group is made
+    tokens. Each rank raises the same line, naming the first flag and rank that differ.
+    `group`: a gloo group over every rank (None: one rank, nothing to compare)."""
+    if group is None:
+        return
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, options, group=group)
     for rank, theirs in enumerate(every[1:], start=1):
         for flag, ours in every[0].items():
             if theirs.get(flag) != ours:
