@@ -837,7 +837,10 @@ def test_ray_driver_prints_finished_completions_when_stopped(llama_dir, tmp_path
     rank's actor killed once the short ones have finished; the driver prints their completions
     (as one process does) before its last line: exit 130, 143 or 1."""
     rows = [{"prompt_token_ids": [5 + i, 6], "max_new_tokens": 4} for i in range(2)]
-    rows += [{"prompt_token_ids": [8 + i, 9], "max_new_tokens": 480} for i in range(24)]
+    # ~40 s of long ones when nothing stops them: the ranks' "engine ready" reaches the driver's
+    # stderr through Ray's log forwarding, seconds late on a loaded machine (with 24, a job slowed
+    # to 23 s had ended before the signal came)
+    rows += [{"prompt_token_ids": [8 + i % 90, 9], "max_new_tokens": 480} for i in range(96)]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, log = tmp_path / "driver.out", tmp_path / "driver.err"
