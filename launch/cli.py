@@ -93,6 +93,15 @@ class _Parser(argparse.ArgumentParser):
         self.argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # `--flag=--`: argparse before Python 3.13 drops a "--" value as if it ended the flags,
+        # which gave `--stop=--` the value [] (the form error() suggests for such a value)
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
     def error(self, message: str) -> NoReturn:
         missing = re.match(r"argument (?:\S+/)?(--[\w-]+): expected one argument$", message)
         if missing:  # a value that starts with "-", which argparse takes for a flag?

@@ -127,6 +127,9 @@ def test_a_value_that_starts_with_a_dash_is_named_with_the_form_that_takes_it(ca
     assert f"argument {flag}: expected one argument ('-x;y' looks like a flag)" in line
     assert f"pass it as {flag}='-x;y'" in line  # (as a shell takes it)
     assert getattr(parsed(f"{flag}=-x;y"), flag[2:]) in ("-x;y", ["-x;y"])  # the form works
+    line = error_line(*run_main(capsys, "--prompt", "def", flag, "--"))
+    assert f"pass it as {flag}=--" in line  # and that form works too (argparse < 3.13 gave [])
+    assert getattr(parsed(f"{flag}=--"), flag[2:]) in ("--", ["--"])
     line = error_line(*run_main(capsys, "--prompt", "def", flag, "-" * 50))  # too long to show
     assert "(50 characters) looks like a flag); join it: " + f"{flag}=VALUE" in line
     line = error_line(*run_main(capsys, "--prompt", "def", "--max-new-tokens"))  # no value
