@@ -349,6 +349,8 @@ ACCEPT_EXAMPLES = """examples:
 
 def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argparse.ArgumentParser:
     """Register `speculant accept-rate` on the CLI's subcommands."""
+    from speculant.launch.cli import _int  # (cli imports this module) as `generate` reads ints
+
     p = commands.add_parser(
         "accept-rate",
         help="measure acceptance rates, check losslessness, compare to a baseline",
@@ -368,13 +370,13 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
     )
     p.add_argument(
         "--num-draft-tokens",
-        type=int,
+        type=_int,
         metavar="K",
         help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt")
+    p.add_argument("--max-new-tokens", type=_int, default=64, metavar="N", help="per prompt")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="per-prompt seeds start here")
+    p.add_argument("--seed", type=_int, default=0, metavar="S", help="per-prompt seeds start here")
     p.add_argument("--baseline", metavar="B.json", help="fail (exit 1) on a regression vs this")
     p.add_argument(  # None: not given (it needs --baseline), DEFAULT_RTOL then
         "--rtol",
@@ -405,11 +407,11 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
         help="auto: the checkpoint's (float32 on the CPU)",
     )
     p.add_argument(
-        "--max-num-seqs", type=int, default=32, metavar="N", help="requests in flight at most"
+        "--max-num-seqs", type=_int, default=32, metavar="N", help="requests in flight at most"
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=_int,
         metavar="N",
         help="CPU: torch intra-op threads (default: OMP_NUM_THREADS if set, else one per 50 M "
         "parameters, at most the cores free)",
@@ -422,9 +424,9 @@ def add_parser(commands, formatter_class: type = argparse.HelpFormatter) -> argp
         help="fixed (the gate: every step drafts K) or auto (steps draft K or none; the report "
         "counts the plain steps) (default: %(default)s)",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    p.add_argument("--dist-timeout", type=int, default=300, metavar="S", help="collective timeout")
+    p.add_argument("--tp", type=_int, default=1, help="tensor-parallel size")
+    p.add_argument("--dp", type=_int, default=1, help="data-parallel size")
+    p.add_argument("--dist-timeout", type=_int, default=300, metavar="S", help="collective timeout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 

@@ -81,6 +81,19 @@ def test_a_number_of_too_many_digits_names_the_flag_and_file(capsys, tmp_path, n
     assert "(5000 characters)" in line and "Exceeds the limit" not in line
 
 
+@pytest.mark.parametrize(
+    "flag",
+    ["--num-draft-tokens", "--max-new-tokens", "--seed", "--max-num-seqs", "--threads", "--tp",
+     "--dp", "--dist-timeout"],
+)  # fmt: skip
+def test_a_flag_of_too_many_digits_is_one_short_line(capsys, no_model, flag):
+    """Was argparse's "invalid int value: '999...'", the 5000 digits printed whole in the one
+    line: read as `generate` reads its integer flags."""
+    line = error_line(*accept_rate(capsys, flag, "9" * 5000))
+    assert len(line) < 400 and f"argument {flag}: '9999" in line, line
+    assert "(5000 characters) has too many digits" in line
+
+
 # ------------------------------------------------------------------------------ output paths
 
 
