@@ -21,6 +21,9 @@ MAX_DIST_TIMEOUT_S = 1_000_000
 # --num-draft-tokens (and a drafter config's default k) at most this many: the verify row is k + 1
 # tokens, and capture sizes, buffers and the acceptance statistics are sized for it.
 MAX_DRAFT_TOKENS = 16
+# --catch-up-depth at most this many plain steps between drafter catch-ups (its buffers hold as
+# many recorded steps a row)
+MAX_CATCH_UP_DEPTH = 256
 
 log = logging.getLogger("speculant")
 

@@ -13,6 +13,7 @@ import torch
 
 from speculant.comm.groups import ParallelContext
 from speculant.config import (
+    MAX_CATCH_UP_DEPTH,
     MAX_DRAFT_TOKENS,
     MAX_PAGE_SIZE,
     CacheConfig,
@@ -104,7 +105,7 @@ def resolve_device(device: str | None) -> str:
 # the least value (None: check_spec checks the range) and whether None (the default) may be given
 INTEGER_OPTIONS = {
     "page_size": (1, False), "max_num_seqs": (1, True), "max_num_batched_tokens": (1, True),
-    "max_model_len": (2, True), "num_pages": (1, True), "max_capture_size": (1, True),
+    "max_model_len": (2, True), "num_pages": (2, True), "max_capture_size": (1, True),
     "tp": (1, False), "dp": (1, False), "moe_max_tokens_per_rank": (1, True),
     "num_draft_tokens": (None, True), "catch_up_depth": (None, True), "max_logprobs": (0, True),
 }  # fmt: skip
@@ -248,9 +249,10 @@ def check_spec(spec: SpecConfig) -> None:
             "(--sampled-verify)"
         )
     depth = spec.catch_up_depth
-    if not is_integer(depth) or not 0 <= depth <= 256:  # numpy integers too
+    if not is_integer(depth) or not 0 <= depth <= MAX_CATCH_UP_DEPTH:  # numpy integers too
         raise SpeculantError(
-            f"catch_up_depth={depth!r} must be an integer in 0..256 (0: catch up every step)"
+            f"catch_up_depth={depth!r} must be an integer in 0..{MAX_CATCH_UP_DEPTH} (0: catch up "
+            "every step)"
         )
     spec.catch_up_depth = int(depth)
     if k is not None and (not is_integer(k) or k < 0):  # numpy integers too

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from speculant import ASSETS, bundled
-from speculant.config import MAX_DIST_TIMEOUT_S
+from speculant.config import MAX_DIST_TIMEOUT_S, MAX_DRAFT_TOKENS
 from speculant.errors import SpeculantError, shown
 from speculant.executor.request import (
     FLOAT32_MAX,
@@ -440,6 +440,11 @@ def _check(args: argparse.Namespace) -> None:
         raise SpeculantError(
             f"--num-draft-tokens {args.num_draft_tokens} drafts nothing to measure; use 1 or "
             "more, or leave it out for the drafter's default"
+        )
+    if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_DRAFT_TOKENS:
+        raise SpeculantError(
+            f"--num-draft-tokens {args.num_draft_tokens} is more than the engine drafts; use "
+            f"1..{MAX_DRAFT_TOKENS}, or leave it out for the drafter's default"
         )
     if not 0 <= args.temperature <= FLOAT32_MAX:  # NaN fails too; the device takes float32
         raise SpeculantError(

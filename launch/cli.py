@@ -52,7 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from speculant.config import MAX_DIST_TIMEOUT_S, MAX_PAGE_SIZE
+from speculant.config import (
+    MAX_CATCH_UP_DEPTH,
+    MAX_DIST_TIMEOUT_S,
+    MAX_DRAFT_TOKENS,
+    MAX_PAGE_SIZE,
+)
 from speculant.errors import PromptError, SpeculantError, shown
 from speculant.executor.chat import Chat, messages_problem
 from speculant.executor.request import (
@@ -204,6 +209,23 @@ def _int_up_to(high: int, unit: str) -> Callable[[str], int]:
         if value > high:
             raise argparse.ArgumentTypeError(
                 f"{shown(text)} is too large; use an integer in 1..{high} ({unit})"
+            )
+        return value
+
+    return parse
+
+
+def _int_in(low: int, high: int | None, unit: str) -> Callable[[str], int]:
+    """An argparse type: a whole number in low..high (no upper bound when `high` is None),
+    `unit` saying what it counts: the range the engine takes, refused while parsing (before
+    any rank starts or model loads)."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < low or (high is not None and value > high):
+            allowed = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(
+                f"{shown(text)} is out of range; use {allowed} ({unit})"
             )
         return value
 
@@ -389,11 +411,14 @@ def build_parser(
         "the CPU, at least --max-num-seqs x (k + 1))",
     )
     eng.add_argument(
-        "--max-model-len", type=_positive_int, metavar="N", help="default: from the checkpoint"
+        "--max-model-len",
+        type=_int_in(2, None, "context tokens: the prompt and at least one output token"),
+        metavar="N",
+        help="default: from the checkpoint",
     )
     eng.add_argument(
         "--num-pages",
-        type=_positive_int,
+        type=_int_in(2, None, "KV pages; page 0 is reserved"),
         metavar="N",
         help="KV pages (default: CPU: --max-num-seqs full-length requests; GPU: from the "
         "memory fraction)",
@@ -443,7 +468,7 @@ def build_parser(
     )
     spec.add_argument(
         "--num-draft-tokens",
-        type=_nonnegative_int,
+        type=_int_in(0, MAX_DRAFT_TOKENS, "tokens drafted a step; 0: plain decoding"),
         metavar="K",
         help="tokens drafted per step (default: 3; dflash: the checkpoint's block size - 1; "
         "0: plain decoding)",
@@ -467,7 +492,7 @@ def build_parser(
     )
     spec.add_argument(
         "--catch-up-depth",
-        type=_nonnegative_int,
+        type=_int_in(0, MAX_CATCH_UP_DEPTH, "plain steps between catch-ups; 0: every step"),
         default=8,
         metavar="N",
         help="with --speculation auto: steps that draft nothing record the drafter's inputs "

@@ -94,6 +94,16 @@ def test_a_flag_of_too_many_digits_is_one_short_line(capsys, no_model, flag):
     assert "(5000 characters) has too many digits" in line
 
 
+@pytest.mark.parametrize("extra", [[], ["--tp", "2"]])
+def test_more_draft_tokens_than_the_engine_drafts_is_refused_before_loading(
+    capsys, no_model, extra
+):
+    """Was the engine's `num_draft_tokens=17 must be in 0..16` once torch had loaded (and,
+    with --tp/--dp, in every rank the launcher had started)."""
+    line = error_line(*accept_rate(capsys, "--num-draft-tokens", 17, *extra))
+    assert "--num-draft-tokens 17 is more than the engine drafts; use 1..16" in line, line
+
+
 # ------------------------------------------------------------------------------ output paths
 
 

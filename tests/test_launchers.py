@@ -182,7 +182,7 @@ def test_torchrun_prompt_error_is_rank0s_line_alone(flags, tmp_path):
     "bad,line",
     [
         (["--max-new-tokens", "abc"], "argument --max-new-tokens: 'abc' is not an integer"),
-        (["--num-draft-tokens", "99"], "num_draft_tokens=99 must be in 0..16"),
+        (["--max-model-len", "100000"], "max_model_len=100000 exceeds the model's"),
         (["--target", "/nonexistent"], "--target '/nonexistent' is not a directory"),
     ],
     ids=["parse", "check", "checkpoint"],

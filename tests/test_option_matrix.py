@@ -167,7 +167,9 @@ BAD_OPTIONS = [
     (dict(max_num_batched_tokens=-1), r"^max_num_batched_tokens=-1 must be an integer >= 1"),
     (dict(max_model_len=0), r"^max_model_len=0 must be an integer >= 2"),
     (dict(max_model_len=1), r"^max_model_len=1 must be an integer >= 2"),  # no room for output
-    (dict(num_pages=-2), r"^num_pages=-2 must be an integer >= 1"),
+    (dict(num_pages=-2), r"^num_pages=-2 must be an integer >= 2"),
+    # page 0 is reserved: one page holds nothing (was refused only after the model loaded)
+    (dict(num_pages=1), r"^num_pages=1 must be an integer >= 2 \(None: the default\)$"),
     (dict(max_capture_size=0), r"^max_capture_size=0 must be an integer >= 1"),
     (dict(moe_max_tokens_per_rank=0), r"^moe_max_tokens_per_rank=0 must be an integer >= 1"),
     (dict(page_size=0), r"^page_size=0 must be an integer >= 1$"),
@@ -273,6 +275,13 @@ def test_valid_sizes_still_run(sizes):
         (["--piecewise-sizes", "0"], "--piecewise-sizes: '0'"),
         (["--kv-cache-memory-fraction", "nan"], "--kv-cache-memory-fraction nan must be in (0, 1]"),
         (["--seed", str(2**64)], f"--seed {2**64} is invalid"),
+        # the engine's ranges, refused while parsing: before a model loads or --tp/--dp ranks
+        # start (were refused by each rank's Engine, naming its keyword, or after the load)
+        (["--max-model-len", "1"], "--max-model-len: '1' is out of range; use >= 2"),
+        (["--num-pages", "1"], "--num-pages: '1' is out of range; use >= 2"),
+        (["--num-draft-tokens", "17"], "--num-draft-tokens: '17' is out of range; use 0..16"),
+        (["--catch-up-depth", "257"], "--catch-up-depth: '257' is out of range; use 0..256"),
+        (["--tp", "2", "--num-draft-tokens", "99"], "--num-draft-tokens: '99' is out of range"),
         (
             ["--capture-sizes", "2", "--max-capture-size", "1", "--max-num-seqs", "4"],
             "smallest capture size is 2; raise --max-capture-size to at least 2",
