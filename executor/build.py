@@ -36,6 +36,7 @@ from speculant.drafter.tokenizer_vocab import check_draft_tokenizer
 from speculant.errors import SpeculantError
 from speculant.executor.cuda_graph import capture_sizes
 from speculant.executor.kv_cache import PagedKVCache, choose_num_pages, kv_bytes_per_token
+from speculant.executor.piecewise import CAPTURE_MODES
 from speculant.executor.request import MAX_LOGPROBS, is_bool, is_integer, is_number
 from speculant.models.layers import enable_gemv
 from speculant.models.llama import CausalLM
@@ -173,6 +174,11 @@ def check_options(options: dict) -> None:
         value = options.get(name, False)
         if not is_bool(value):
             raise SpeculantError(f"{name}={value!r} must be True or False")
+    capture = options.get("piecewise_capture", "eager")  # (before the model loads)
+    if not isinstance(capture, str) or capture not in CAPTURE_MODES:
+        raise SpeculantError(
+            f"piecewise capture {capture!r} is not supported; use {' or '.join(CAPTURE_MODES)}"
+        )
 
 
 def engine_config(target: str, **options) -> EngineConfig:

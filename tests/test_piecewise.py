@@ -11,6 +11,7 @@ clear / recapture, an uncaptured drafter shape. The `gpu` tests replay real grap
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -108,9 +109,18 @@ def test_cli_piecewise_flags():
         build_parser().parse_args(["generate", "--piecewise-sizes", "0,16"])
 
 
-def test_bad_capture_mode_is_a_clear_error(llama_dir):
-    with pytest.raises(SpeculantError, match=r"piecewise capture 'later'.*eager or lazy"):
-        engine(llama_dir, piecewise_capture="later")
+@pytest.mark.parametrize("mode", ["later", None, ["lazy"]])
+def test_bad_capture_mode_is_a_clear_error(llama_dir, monkeypatch, mode):
+    """Refused before the model loads (was after it, when the piecewise runner was built)."""
+    import speculant.executor.engine as engine_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model loaded before piecewise_capture was checked")
+
+    monkeypatch.setattr(engine_module, "build_model", refuse)
+    match = rf"piecewise capture {re.escape(repr(mode))} is not supported; use eager or lazy"
+    with pytest.raises(SpeculantError, match=match):
+        engine(llama_dir, piecewise_capture=mode)
 
 
 def make_entry(num_tokens, max_seqs, group, device="cpu"):
