@@ -1,5 +1,6 @@
 """A request's output text grown a token at a time, equal to the tokenizer's own `decode` of the
-ids so far (skip_special_tokens, as the engine decodes), for the `tokenizers.Tokenizer` decoders
+ids so far (skip_special_tokens, as the engine decodes; after a prompt, the text they add to it:
+below), for the `tokenizers.Tokenizer` decoders
 that can be replayed token by token: each token costs its own text, however long a run of bytes
 that form no character lasts (re-decoding a window of recent tokens costs time growing with the
 square of such a run). `incremental_text(tokenizer)` gives one stream per request, or None for a
@@ -21,7 +22,18 @@ token are left out), runs its decoder's steps over the list of strings, and join
   U+FFFD; no text that only grows can follow that decode, which takes back what it showed.
 
 A stream's `add(token)` returns the text the token adds, U+FFFD included (the caller holds a
-trailing one back: a later token may still turn the text before it into a stop string)."""
+trailing one back: a later token may still turn the text before it into a stop string).
+
+An output's text continues its prompt, as vLLM's detokenizer reads it (the prompt's last tokens
+as the prefix, only the new text returned): `continuation(tokenizer, tail, ids)` is
+decode(tail + ids)[len(decode(tail)):] with `tail = prompt_tail(tokenizer, prompt_ids)`, the
+prompt's last few tokens that decode keeps, ending where the text is closed: no byte-level
+character and no run of byte-fallback tokens still open, so the output's bytes decode by
+themselves and decode(tail) is a prefix of decode(tail + ids). A byte-level BPE's text is thus
+decode(ids) as before; a SentencePiece-style one keeps the space of the output's first token,
+which a decode of the output alone strips as the start of a text (`Strip`, `Metaspace`), as
+vLLM returns ' world' after 'Hello'. A stream made with `incremental_text(tokenizer, tail)`
+starts after the tail (the tail fed through it first, its text not returned)."""
 
 from __future__ import annotations
 
@@ -113,6 +125,10 @@ class ByteLevelText:
 
     def add(self, token: int) -> str:
         return self.utf8.decode(self.pieces(token))
+
+    def is_open(self) -> bool:
+        """A character's first bytes are still waiting for the rest."""
+        return bool(self.utf8.getstate()[0])
 
 
 # ------------------------------------------------------------------ SentencePiece style
@@ -307,20 +323,47 @@ class _Decoding:
         else:
             self.stages = sentencepiece_stages(config)
 
-    def stream(self) -> ByteLevelText | SentencePieceText | None:
+    def may_close(self, token: int) -> bool:
+        """Whether text may end closed after `token` (one decode keeps): no byte token that a
+        ByteFallback would join to a next one (each step of a decoder replayed here works per
+        token but ByteFallback's, per run of byte tokens, and Fuse, which joins every token),
+        no byte-level token ending in a character's first byte."""
         if self.bytes is not None:
-            return ByteLevelText(self.bytes)
+            piece = self.bytes(token)
+            return not piece or not 0xC2 <= piece[-1] <= 0xF4
+        if not BYTE_TOKEN.fullmatch(self.tokens(token)):
+            return True
+        return self.stages is not None and ByteFallback not in self.stages
+
+    def closes(self, tokenizer, tail: list[int], last: int) -> bool:
+        """Whether the text of `tail`, whose last token decode keeps is `last` (`may_close`),
+        ends closed: a byte-level BPE's bytes with no character's first bytes waiting (an ASCII
+        byte last, or the tail's bytes through the UTF-8 decoder), a decoder replayed here
+        (no run of byte tokens is open), another decoder's decode ending in no U+FFFD."""
+        if self.bytes is not None:
+            piece = self.bytes(last)
+            return not piece or piece[-1] < 0x80 or not self.stream(tail).is_open()
         if self.stages is not None:
-            return SentencePieceText(self.tokens, self.stages)
-        return None
+            return True
+        return not tokenizer.decode(tail).endswith(INCOMPLETE)
+
+    def stream(self, tail=()) -> ByteLevelText | SentencePieceText | None:
+        if self.bytes is not None:
+            stream = ByteLevelText(self.bytes)
+        elif self.stages is not None:
+            stream = SentencePieceText(self.tokens, self.stages)
+        else:
+            return None
+        for token in tail:
+            stream.add(token)
+        return stream
 
 
 _DECODINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def incremental_text(tokenizer) -> ByteLevelText | SentencePieceText | None:
-    """A new stream of output text for one request when `tokenizer` is a `tokenizers.Tokenizer`
-    whose decoder is replayed here (per tokenizer, what is read of it once), else None."""
+def _decoding(tokenizer) -> _Decoding | None:
+    """What is read of a `tokenizers.Tokenizer` once (per tokenizer); None for another kind."""
     if not type(tokenizer).__module__.startswith("tokenizers"):
         return None
     try:
@@ -329,4 +372,55 @@ def incremental_text(tokenizer) -> ByteLevelText | SentencePieceText | None:
             decoding = _DECODINGS[tokenizer] = _Decoding(tokenizer)
     except TypeError:  # no weak reference to it
         decoding = _Decoding(tokenizer)
-    return decoding.stream()
+    return decoding
+
+
+def incremental_text(tokenizer, tail=()) -> ByteLevelText | SentencePieceText | None:
+    """A new stream of output text for one request when `tokenizer` is a `tokenizers.Tokenizer`
+    whose decoder is replayed here, else None; it continues `tail` (`prompt_tail`)."""
+    decoding = _decoding(tokenizer)
+    return None if decoding is None else decoding.stream(tail)
+
+
+TAIL = 4  # the prompt tokens decode keeps that an output's text continues (vLLM reads 4-5)
+
+
+def prompt_tail(tokenizer, prompt_ids) -> list[int]:
+    """The prompt's last tokens an output's text continues: up to `TAIL` tokens that decode
+    keeps (and the special tokens among and after them), ending at the prompt's end, or, while
+    the text there is open (a byte-level character's first bytes, a run of byte-fallback
+    tokens, a decode ending in U+FFFD), before its last kept token, then the one before, ...;
+    [] when no kept token ends the text closed (the output then reads as a text's start).
+    A token that leaves the text open costs a dict look-up or a few tokens' text."""
+    decoding = _decoding(tokenizer)
+    tokens = decoding.tokens if decoding is not None else (lambda token: "")
+    prompt = list(prompt_ids)
+    end = len(prompt)
+    while end:
+        last = end - 1  # the last token decode keeps, before `end`
+        while last >= 0 and tokens(prompt[last]) is None:
+            last -= 1
+        if last < 0:
+            return []
+        if decoding is None or decoding.may_close(prompt[last]):
+            start, kept = last, 1
+            while start and kept < TAIL:
+                start -= 1
+                kept += tokens(prompt[start]) is not None
+            tail = prompt[start:end]
+            if decoding is not None:
+                if decoding.closes(tokenizer, tail, prompt[last]):
+                    return tail
+            elif not tokenizer.decode(tail).endswith(INCOMPLETE):
+                return tail
+        end = last
+    return []
+
+
+def continuation(tokenizer, tail, ids) -> str:
+    """The text of output `ids` after the prompt's `tail` (`prompt_tail`): decode(tail + ids)
+    less decode(tail) (decode(ids) when the tail is empty, or not a prefix of it)."""
+    if not tail:
+        return tokenizer.decode(list(ids))
+    head, whole = tokenizer.decode(list(tail)), tokenizer.decode([*tail, *ids])
+    return whole[len(head) :] if whole.startswith(head) else tokenizer.decode(list(ids))

@@ -37,6 +37,7 @@ from speculant.executor.build import (
 from speculant.executor.catch_up import CatchUpBuffers, PendingRows
 from speculant.executor.chat import Chat, load_chat_template, messages_problem, render_chat
 from speculant.executor.cuda_graph import GraphRunner
+from speculant.executor.detokenize import continuation, prompt_tail
 from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, request_cost
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
@@ -551,7 +552,7 @@ class Engine:
             seed=int(seed),
             max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(ids)),
             stop_ids=frozenset(stop),
-            **self._output_state(params),
+            **self._output_state(params, ids),
         )
 
     @functools.cached_property
@@ -703,14 +704,13 @@ class Engine:
                 requests.append(self._completion(first, j, len(requests)))
         return requests
 
-    def _output_state(self, params: SamplingParams) -> dict:
-        """A new request's own watchers of its output: its stop strings' text, its kept
-        log-probabilities (none unless asked)."""
+    def _output_state(self, params: SamplingParams, prompt_ids: list[int]) -> dict:
+        """A new request's own watchers of its output: its stop strings' text (continuing the
+        prompt), its kept log-probabilities (none unless asked)."""
         stops = params.stop
+        include = params.include_stop_str_in_output
         return {
-            "stop_text": StopStrings(self.tokenizer, stops, params.include_stop_str_in_output)
-            if stops
-            else None,
+            "stop_text": StopStrings(self.tokenizer, stops, include, prompt_ids) if stops else None,
             "logprobs": None if params.logprobs is None else KeptLogprobs(self.num_logprobs),
         }
 
@@ -727,7 +727,7 @@ class Engine:
             seed=seed,
             max_new_tokens=first.max_new_tokens,
             stop_ids=first.stop_ids,
-            **self._output_state(params),
+            **self._output_state(params, first.prompt_ids),
             prompt_index=first.index,
             sample_index=j,
         )
@@ -806,10 +806,12 @@ class Engine:
             text = request.stop_text.text  # cut at the stop string
         elif self.tokenizer is None:
             text = None
-        elif request.finish_reason == "stop" and not request.params.include_stop_str_in_output:
-            text = self.tokenizer.decode(ids[:-1])  # a stop token's text is left out (vLLM)
-        else:
-            text = self.tokenizer.decode(ids)
+        else:  # the text continues the prompt's (executor/detokenize.py `continuation`)
+            tail = prompt_tail(self.tokenizer, request.prompt_ids)
+            if request.finish_reason == "stop" and not request.params.include_stop_str_in_output:
+                text = continuation(self.tokenizer, tail, ids[:-1])  # a stop token's text is
+            else:  # left out (vLLM)
+                text = continuation(self.tokenizer, tail, ids)
         steps = request.num_verify_steps
         stats = {
             "num_prompt_tokens": len(request.prompt_ids),

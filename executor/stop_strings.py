@@ -1,11 +1,14 @@
 """Stop strings (`SamplingParams.stop`, vLLM's semantics): one request's output text, grown a token
 at a time as the scheduler appends tokens, watched for the first stop string.
 
-The text is the tokenizer's `decode` of the output ids, grown incrementally as vLLM grows it
-(for the usual decoders the same as one decode of them all; a request ended by a stop string
-returns this text, cut): each token decodes a window of the last tokens twice (before and after
-it) and keeps what the new token added, holding back a trailing U+FFFD (a character whose UTF-8
-bytes are split over tokens) until a later token completes it; the whole characters before it
+The text is the output's text as a continuation of the prompt (executor/detokenize.py
+`continuation`: decode(tail + output ids) less decode(tail), the tail the prompt's last few
+tokens, as vLLM reads it; a SentencePiece-style decoder's first space kept), grown incrementally
+as vLLM grows it (for the usual decoders the same as one decode of them all; a request ended by
+a stop string returns this text, cut): the window starts at the tail; each token decodes a
+window of the last tokens twice (before and after it) and keeps what the new token added,
+holding back a trailing U+FFFD (a character whose UTF-8 bytes are split over tokens) until a
+later token completes it; the whole characters before it
 are searched at once, so a stop string ends the request at the token that completes it even when
 that token also starts a split character. A stop string is searched for only where new text
 could complete it (the last `len(stop) - 1` characters before the new text, and the new text),
@@ -31,25 +34,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speculant.executor.detokenize import INCOMPLETE, incremental_text
+from speculant.executor.detokenize import INCOMPLETE, incremental_text, prompt_tail
 
 
 class StopStrings:
     """The output text of one request so far, and the stop string that ended it, if one did."""
 
-    def __init__(self, tokenizer, stops: Sequence[str], include: bool = False):
+    def __init__(
+        self, tokenizer, stops: Sequence[str], include: bool = False, prompt: Sequence[int] = ()
+    ):
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
         self.include = include
-        self.ids: list[int] = []
+        tail = prompt_tail(tokenizer, prompt) if prompt else []  # the text continues it
+        self.ids: list[int] = list(tail)  # the window's: the prompt's tail, the output's ids
         self.parts: list[str] = []  # the text so far (of ids[:read]), in pieces: `text` joins them
         self.keep = max(map(len, self.stops), default=1) - 1  # a stop string's reach back
         self.tail = ""  # the text's last `keep` characters, where a stop string can begin
         self.prefix = 0  # the window decoded for each new token starts here ...
-        self.read = 0  # ... and the text of ids[prefix:read] is already in the parts
+        self.read = len(tail)  # ... and the text of ids[prefix:read] is already read
         self.matched: str | None = None  # the stop string that ended the request
         self.cut: str | None = None  # the text once a stop string ended the request
-        self.stream = incremental_text(tokenizer)  # None: the window
+        self.stream = incremental_text(tokenizer, tail)  # None: the window
         self.held = 0  # U+FFFD the stream wrote at the end, not yet in text
 
     @property

@@ -5,7 +5,9 @@ own decode of the ids so far, at every token: tokenizer.json files in the publis
 `Metaspace` decoders; a leading space stripped or kept), fuzzed with byte tokens forming valid
 and invalid UTF-8, special tokens (skipped, also inside a run of bytes and first), added tokens
 (normalized and not), ids past the vocabulary; decoders it does not replay exactly keep the
-window; a long run of bytes that form no character costs time linear in its length."""
+window; a long run of bytes that form no character costs time linear in its length. After a
+prompt the text is what the output adds to the prompt's decode (vLLM's reading: the first space
+of a Llama 2 / Mistral output kept), grown equal to it."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from speculant.executor.detokenize import (
+    BYTE_TOKEN,
     INCOMPLETE,
     ByteLevelText,
     SentencePieceText,
+    continuation,
     incremental_text,
+    prompt_tail,
 )
 from speculant.executor.stop_strings import StopStrings
 
@@ -242,10 +247,113 @@ def test_text_grows_as_the_whole_decode(layout):
         check_grows_as_decode(tokenizer, fuzzed_ids(tokenizer, rng))
 
 
+def split_ids(tokenizer: Tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A prompt and an output: a sample's ids or fuzzed ids, cut at a random token, but not
+    inside a run of byte tokens (the output's bytes would start mid-run: a run that shows
+    characters and then turns out no UTF-8, where the text keeps what the decode takes back)."""
+    if rng.random() < 0.5:
+        ids = tokenizer.encode(rng.choice(SAMPLES)).ids
+    else:
+        ids = fuzzed_ids(tokenizer, rng) + fuzzed_ids(tokenizer, rng)
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    kind = [None if t in special or tokenizer.id_to_token(t) is None
+            else BYTE_TOKEN.fullmatch(tokenizer.id_to_token(t)) is not None
+            for t in ids]  # fmt: skip
+    cuts = []
+    for cut in range(1, len(ids)):
+        before = next((k for k in reversed(kind[:cut]) if k is not None), False)
+        after = next((k for k in kind[cut:] if k is not None), False)
+        if not (before and after):
+            cuts.append(cut)
+    cut = rng.choice(cuts or [len(ids) - 1])
+    return ids[:cut], ids[cut:]
+
+
+def ends_closed(tokenizer: Tokenizer, prompt: list[int]) -> bool:
+    """The prompt's text ends with no character or run of byte tokens open: its last token
+    decode keeps is no byte token, its decode ends in no U+FFFD."""
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    kept = [tokenizer.id_to_token(t) for t in prompt if t not in special]
+    kept = [t for t in kept if t is not None]
+    return (
+        bool(kept)
+        and not BYTE_TOKEN.fullmatch(kept[-1])
+        and not (tokenizer.decode(prompt).endswith(INCOMPLETE))
+    )
+
+
+def output_text(tokenizer: Tokenizer, prompt: list[int], out: list[int]) -> str:
+    """The engine's text of output `out` after `prompt` (Engine._output)."""
+    return continuation(tokenizer, prompt_tail(tokenizer, prompt), out)
+
+
+START_FREE = ["gemma", "metaspace-never"]  # no decoder step reads a text's start
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_output_text_continues_the_prompt(layout):
+    """The output's text is what it adds to the prompt's text, as vLLM returns it: decode(
+    prompt) + text == decode(prompt + output) whenever the prompt's text ends closed (so a
+    Llama 2 / Mistral output keeps the space of its first token, which a decode of the output
+    alone strips); the text grown a token at a time for stop strings, started after the
+    prompt, is that text at every token. Decoders that read no start: decode(output), as
+    before. (The output's text was decode(output): 'naïve' after 'the cat'.)"""
+    tokenizer = LAYOUTS[layout]()
+    rng = random.Random(layout)
+    closed = 0
+    for _ in range(150):
+        prompt, out = split_ids(tokenizer, rng)
+        text = output_text(tokenizer, prompt, out)
+        if ends_closed(tokenizer, prompt):
+            closed += 1
+            assert tokenizer.decode(prompt) + text == tokenizer.decode(prompt + out), (prompt, out)
+        if layout in START_FREE:
+            assert text == tokenizer.decode(out), (prompt, out)
+        watcher = StopStrings(tokenizer, ["§never§"], prompt=prompt)
+        for j, token in enumerate(out, start=1):
+            assert watcher.add(token) is None
+            so_far = output_text(tokenizer, prompt, out[:j])  # as check_grows_as_decode
+            if so_far.endswith(INCOMPLETE):
+                assert watcher.text.startswith(so_far.rstrip(INCOMPLETE)), (prompt, out[:j])
+            else:
+                assert watcher.text == so_far, (prompt, out[:j], so_far)
+    assert closed > 50
+
+
+@pytest.mark.parametrize("layout", ["llama2", "mistral", "unigram", "t5", "metaspace-never"])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_with_the_first_space_matches_at_the_outputs_start(layout, include):
+    """'the cat' then '▁na...': the text is ' na...' (Strip, Metaspace first / always strip
+    the first space of a text, not of one that continues a prompt; Metaspace never strips
+    none), so the stop string ' na' ends the request at its first token (before: 'na...',
+    which does not hold it). The same after special tokens ending the prompt."""
+    tokenizer = LAYOUTS[layout]()
+    prompt = tokenizer.encode("the cat").ids
+    never = layout == "metaspace-never"
+    out = tokenizer.encode(" naïve" if never else "naïve", add_special_tokens=False).ids
+    assert tokenizer.id_to_token(out[0]).startswith("▁")
+
+    def stop(before, stops):
+        watcher = StopStrings(tokenizer, stops, include, prompt=before)
+        for token in out:
+            if (matched := watcher.add(token)) is not None:
+                return matched, watcher.text
+        return None
+
+    for before in (prompt, prompt + [2, 1]):
+        text = output_text(tokenizer, before, out)
+        assert text == " naïve"
+        assert tokenizer.decode(before) + text == "the cat naïve"
+        assert stop(before, [" na", "ve"]) == (" na", " na" if include else "")
+    assert output_text(tokenizer, [1], out) == tokenizer.decode(out)  # only <s>: a text's start
+    assert stop([1], [" na"]) == ((" na", " na" if include else "") if never else None)
+
+
 @pytest.mark.parametrize("layout", ROUND_TRIP)
 def test_published_layouts_decode_as_transformers_reads_them(layout, tmp_path):
     """The layouts are read by transformers as by `tokenizers`: its decode (skipping special
-    tokens) equals the whole decode the text is checked against."""
+    tokens) equals the whole decode the text is checked against; a prompt's decode and the
+    output's text after it read as transformers' decode of the two together."""
     transformers = pytest.importorskip("transformers")
     tokenizer = LAYOUTS[layout]()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
@@ -257,6 +365,17 @@ def test_published_layouts_decode_as_transformers_reads_them(layout, tmp_path):
     for _ in range(40):
         ids = [i for i in fuzzed_ids(tokenizer, rng) if i < tokenizer.get_vocab_size()]
         assert auto.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids), ids
+    closed = 0
+    for _ in range(40):
+        prompt, out = split_ids(tokenizer, rng)
+        prompt = [i for i in prompt if i < tokenizer.get_vocab_size()]
+        out = [i for i in out if i < tokenizer.get_vocab_size()]
+        if prompt and ends_closed(tokenizer, prompt):
+            closed += 1
+            whole = auto.decode(prompt + out, skip_special_tokens=True)
+            head = auto.decode(prompt, skip_special_tokens=True)
+            assert head + output_text(tokenizer, prompt, out) == whole, (prompt, out)
+    assert closed > 10
 
 
 def test_first_space_and_added_tokens():
@@ -334,6 +453,11 @@ def test_decoders_not_replayed_keep_the_window(decoder):
         for token in ids:
             watcher.add(token)
         assert watcher.text == tokenizer.decode(ids).rstrip(INCOMPLETE)
+        prompt = [i for i in fuzzed_ids(tokenizer, rng) if i not in bytes_like]
+        watcher = StopStrings(tokenizer, ["§never§"], prompt=prompt)  # the window starts at
+        for token in ids:  # the prompt's tail
+            watcher.add(token)
+        assert watcher.text == output_text(tokenizer, prompt, ids).rstrip(INCOMPLETE)
 
 
 def test_byte_level_added_token_decodes_as_normalized():

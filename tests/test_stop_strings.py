@@ -9,7 +9,9 @@ stripped, byte fallback; more in tests/test_detokenize.py); the engine's greedy 
 stops against its own run without them, cut by that reference; EAGLE-3, DFLASH and draft-model
 runs (overlap on and off, a pool small enough to preempt) equal to the plain run with stops,
 their acceptance counting only kept tokens; the CLI (flags, per-line stops, `--dp 2`) equal to
-the API; bad values refused with one line."""
+the API; bad values refused with one line. The output text continues the prompt: byte-level
+BPE's is decode(output) after any prompt; a SentencePiece-style checkpoint's (Llama 2 / Mistral
+layouts) keeps its first token's space, its stops, stop tokens and CLI line reading whole."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ from speculant.errors import PromptError
 from speculant.executor.detokenize import (
     INCOMPLETE,
     ByteLevelText,
+    continuation,
     incremental_text,
+    prompt_tail,
 )
 from speculant.executor.stop_strings import StopStrings
 from speculant.launch import cli
@@ -310,6 +314,23 @@ def test_long_pending_runs_never_split_a_character():
     assert watch(llama, ids, ["x"]) == (len(ids), "x", INCOMPLETE * 30)
 
 
+def test_byte_level_output_text_is_its_own_decode_after_any_prompt():
+    """Byte-level BPE: the output's text after a prompt (the engine's `continuation`, the text
+    grown for stop strings) is decode(output) as before, whatever the prompt: one ending in a
+    character's first bytes included (its tail stops before them)."""
+    tokenizer = bundled_tokenizer()
+    rng = random.Random(4)
+    sequences = token_sequences(tokenizer, rng)
+    for out in sequences:
+        for prompt in (rng.choice(sequences), [rng.randrange(512) for _ in range(5)]):
+            text = continuation(tokenizer, prompt_tail(tokenizer, prompt), out)
+            assert text == tokenizer.decode(out), (prompt, out)
+            watcher = StopStrings(tokenizer, [NEVER], prompt=prompt)
+            for token in out:
+                watcher.add(token)
+            assert watcher.text == text.rstrip(INCOMPLETE)
+
+
 # ------------------------------------------------------------------ the engine
 
 NEVER = "§never§"  # a stop no output holds
@@ -437,6 +458,76 @@ def test_bad_stop_values_are_refused(plain, qwen2_dir):
     no_tokenizer = Engine(str(qwen2_dir), device="cpu")
     with pytest.raises(PromptError, match="has stop strings .* has no tokenizer.json"):
         no_tokenizer.generate([[1, 2]], SamplingParams(stop=["a"]))
+
+
+SP_PROMPTS = ["naïve guests", "北京 are", "東京 and", "done class", "the café", "hello there,"]
+
+
+@pytest.fixture(scope="module", params=["llama2", "metaspace"])
+def sentencepiece_target(request, tmp_path_factory):
+    """A tiny random Llama whose tokenizer.json is SentencePiece style (Llama 2's layout:
+    Strip of the first space; the newer Metaspace one), and the tokenizer. Its lm_head rows
+    of byte tokens are zero: the random model's argmax is then mostly a piece, often one
+    starting with '▁', not <0xXX>."""
+    import helpers_ckpt
+    from safetensors.torch import load_file, save_file
+
+    tokenizer = TOKENIZERS[request.param]()
+    out = tmp_path_factory.mktemp(f"sp-{request.param}")
+    helpers_ckpt.save_hf_model(out, "llama", vocab_size=tokenizer.get_vocab_size())
+    tokenizer.save(str(out / "tokenizer.json"))
+    weights = load_file(str(out / "model.safetensors"))
+    weights["lm_head.weight"][[i for t, i in tokenizer.get_vocab().items() if "<0x" in t]] = 0
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out, tokenizer
+
+
+def test_sentencepiece_output_text_continues_the_prompt(sentencepiece_target, capsys):
+    """Llama 2 / Mistral-style tokenizers, whose decode strips a text's first space: the output
+    text is what it adds to the prompt (vLLM's), so the prompt and it read whole: decode(prompt)
+    + text == decode(prompt + output), its first token's space kept (it was decode(output),
+    'the cat' + 'naïve'); a stop string starting with that space ends the request at the start;
+    a stop token's text is left out of that same text (kept with include_stop_str_in_output);
+    the CLI prints `[0] PROMPT+TEXT` reading whole."""
+    target, tokenizer = sentencepiece_target
+    engine = Engine(str(target), device="cpu")
+    base = engine.generate(SP_PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    spaced = 0
+    for prompt, out in zip(SP_PROMPTS, base, strict=True):
+        ids = tokenizer.encode(prompt).ids
+        assert tokenizer.decode(ids) == prompt
+        assert prompt + out.text == tokenizer.decode(ids + out.token_ids), prompt
+        if not out.text.startswith(" ") or len(out.text.rstrip(INCOMPLETE)) < 3:
+            continue
+        spaced += 1
+        stop = out.text[:3]  # a space, then the first characters
+        assert not tokenizer.decode(out.token_ids).startswith(stop)  # the old text missed it
+        for include in (False, True):
+            params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop=[stop, NEVER],
+                                    include_stop_str_in_output=include)  # fmt: skip
+            cut = engine.generate([prompt], params)[0]
+            j = next(j for j in range(1, 9) if stop in tokenizer.decode(ids + out.token_ids[:j]))
+            assert (cut.token_ids, cut.text, cut.finish_reason, cut.stop_reason) == (
+                out.token_ids[:j], stop if include else "", "stop", stop
+            )  # fmt: skip
+        token = out.token_ids[2]
+        first = out.token_ids.index(token)
+        for include in (False, True):
+            params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[token],
+                                    include_stop_str_in_output=include)  # fmt: skip
+            cut = engine.generate([prompt], params)[0]
+            kept = out.token_ids[: first + include]
+            assert cut.token_ids == out.token_ids[: first + 1]
+            assert prompt + cut.text == tokenizer.decode(ids + kept)
+            assert out.text.startswith(cut.text)
+    assert spaced >= 2
+    prompt, out = next((p, o) for p, o in zip(SP_PROMPTS, base, strict=True) if o.text[0] == " ")
+    capsys.readouterr()
+    argv = ["generate", "--target", str(target), "--device", "cpu", "--max-new-tokens", "8",
+            "--ignore-eos", "--prompt", prompt]  # fmt: skip
+    assert cli.main(argv) == 0
+    whole = tokenizer.decode(tokenizer.encode(prompt).ids + out.token_ids)
+    assert f"[0] {prompt}{out.text}\n" == f"[0] {whole}\n" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ the CLI
