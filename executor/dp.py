@@ -2,11 +2,13 @@
 own steps (executor/scheduler.py); this module settles what must agree across DP ranks.
 
 Global rank 0 holds the user's prompts: it sends them to every rank, each DP rank takes its
-share (balanced by tokens, `assign_requests`), runs it, and rank 0 gathers the outputs back in
-input order (Engine.generate). Rank 0's progress bar counts every DP rank's finished requests
+share (balanced by tokens, `assign_requests`), runs it, taking requests another rank has not
+started when its own queue runs dry (`DPShares`), and rank 0 gathers the outputs back in input
+order (Engine.generate). Rank 0's progress bar counts every DP rank's finished requests
 through a counter in the job's store (`JobProgress`), outside the step protocol.
 
-The per-step protocol. Every step each DP rank sends (mode, tokens, rows, has_work): mode is
+The per-step protocol. Every step each DP rank sends (mode, tokens, rows, has_work; and its
+queue for DPShares.plan_moves): mode is
 DECODE (a pure decode step of `rows` requests, `tokens` = rows * (k + 1)), EXTEND (an eager
 forward over prefill chunks and verify rows, `tokens` of them) or IDLE. From the same table
 every rank derives what it runs:
@@ -36,7 +38,7 @@ from speculant.comm.store_call import bounded_call
 from speculant.executor.cuda_graph import GraphRunner, dp_can_use_graph, dp_graph_batch_size
 from speculant.executor.request import Request
 from speculant.executor.speculation import DraftShape
-from speculant.executor.step_plan import DPStepSizes, StepPlan
+from speculant.executor.step_plan import DPStepSizes, Move, StepPlan
 
 IDLE, DECODE, EXTEND = 0, 1, 2  # what a DP rank runs in a step, as exchanged
 PROGRESS_INTERVAL_S = 0.2  # a DP rank touches the job's progress counter at most this often
@@ -75,6 +77,64 @@ def assign_requests(
         loads[rank] += sum(costs[i] for i in unit)
         shares[rank] += unit
     return [sorted(share) for share in shares]
+
+
+class DPShares:
+    """Which requests each DP rank runs in one generate call, the same value on every rank: the
+    static shares of `assign_requests` (balanced by prompt + max_new_tokens), then the moves that
+    the per-step exchange settles (`plan_moves`). Outputs end early (EOS, stop strings), so ranks
+    drain their queues unevenly: once a rank has free rows and nothing waiting while another has
+    more requests waiting than free rows, it takes half of that surplus from the tail of that
+    rank's list, requests never started there (no output, no pages), so nothing is computed
+    twice. Every rank applies the same moves from the same table: no other message.
+
+    `lists[d]` is DP rank d's requests in the order it runs them; a rank reports how many of its
+    list's last entries it has not started (`unstarted_tail`), and only those move, cut at a
+    prompt's boundary so a prompt's completions stay together (they share its pages)."""
+
+    def __init__(self, shares: Sequence[Sequence[int]], requests: Sequence[Request]):
+        self.lists = [list(share) for share in shares]
+        self.requests = {r.index: r for r in requests}
+
+    def unstarted_tail(self, dp_rank: int) -> int:
+        """How many of DP rank `dp_rank`'s last requests it has not started (this rank's own
+        requests: it reads their state)."""
+        count = 0
+        for index in reversed(self.lists[dp_rank]):
+            request = self.requests[index]
+            started = request.row >= 0 or request.output_ids or request.num_preemptions
+            if started or request.finish_reason is not None:
+                break
+            count += 1
+        return count
+
+    def plan_moves(self, queues: Sequence[Sequence[int]]) -> list[Move]:
+        """The moves for every rank's (unstarted tail, waiting, free rows), in DP-rank order: each
+        rank with nothing waiting and a free row (in rank order) takes from the rank whose
+        surplus (waiting past its free rows, at most its unstarted tail) is largest, half of it
+        (at least one). Applied to `lists` here; the caller moves the requests themselves."""
+        surplus = [min(q[0], q[1] - q[2]) for q in queues]
+        moves = []
+        for dst, (_, waiting, free) in enumerate(queues):
+            if waiting or free <= 0:
+                continue
+            src = max(range(len(queues)), key=lambda d: (surplus[d], -d))
+            if surplus[src] <= 0:
+                break
+            own = self.lists[src]
+            cut = len(own) - max(1, surplus[src] // 2)
+            while 0 < cut < len(own) and self._prompt(own[cut]) == self._prompt(own[cut - 1]):
+                cut += 1  # a prompt's completions stay together
+            if cut >= len(own):
+                continue
+            indices, own[cut:] = own[cut:], []
+            self.lists[dst] += indices
+            surplus[src] -= len(indices)
+            moves.append(Move(src, dst, indices))
+        return moves
+
+    def _prompt(self, index: int) -> int:
+        return self.requests[index].prompt_index
 
 
 def request_cost(request: Request) -> int:
@@ -168,8 +228,9 @@ class JobProgress:
 
 class DPCoordinator:
     """Settles each step's plan across DP ranks (graph or eager, padded size, every rank's
-    forward). At dp=1 it exchanges nothing. It records the padded sizes this rank's decode steps
-    ran (`decode_sizes`) and how many dummy steps it ran (`dummy_steps`)."""
+    forward) and the requests that move between DP ranks (`shares`). At dp=1 it exchanges nothing.
+    It records the padded sizes this rank's decode steps ran (`decode_sizes`), how many dummy
+    steps it ran (`dummy_steps`) and how many requests moved (`moved`)."""
 
     def __init__(
         self,
@@ -185,9 +246,15 @@ class DPCoordinator:
         self.dummy_steps = 0
         self.exchanges = 0
         self.last = StepPlan(all_idle=True)
+        self.shares: DPShares | None = None  # the generate call's requests per DP rank
+        self.moved = 0  # requests moved between DP ranks (every rank counts every move)
 
-    def agree(self, plan: StepPlan, has_work: bool) -> StepPlan:
-        """Complete this rank's scheduled `plan` (in place, and returned)."""
+    def agree(
+        self, plan: StepPlan, has_work: bool, queue: tuple[int, int, int] = (0, 0, 0)
+    ) -> StepPlan:
+        """Complete this rank's scheduled `plan` (in place, and returned). `queue` is this rank's
+        (unstarted tail, waiting, free rows) after scheduling it: with `shares` set, the moves
+        they settle go in `plan.moves` (DPShares.plan_moves)."""
         if plan.shape is None:  # no draft shape chosen: every step at (k, k)
             k = self.tokens_per_req - 1
             plan.shape, plan.tokens_per_req = DraftShape(k, k), k + 1
@@ -203,12 +270,16 @@ class DPCoordinator:
             return plan
         chunk_tokens = plan.num_tokens - len(plan.decode) * plan.tokens_per_req
         exchanged = [mode, chunk_tokens, len(plan.decode), rows, int(has_work), *plan.shape]
-        gathered = self.pctx.all_gather_dp(exchanged)
+        table = self.pctx.all_gather_dp([*exchanged, *queue])
+        gathered = [g[: len(exchanged)] for g in table]
         self.exchanges += 1
         self.last = plan
         if not any(work for _, _, _, _, work, _, _ in gathered):
             plan.all_idle = True
             return plan
+        if self.shares is not None:
+            plan.moves = self.shares.plan_moves([g[len(exchanged) :] for g in table])
+            self.moved += sum(len(move.indices) for move in plan.moves)
         if not self.collectives_across_dp:  # dense: each rank its own step (case 2)
             if mode == DECODE:
                 self._pad_own(plan)

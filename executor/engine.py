@@ -38,7 +38,13 @@ from speculant.executor.catch_up import CatchUpBuffers, PendingRows
 from speculant.executor.chat import Chat, load_chat_template, messages_problem, render_chat
 from speculant.executor.cuda_graph import GraphRunner
 from speculant.executor.detokenize import continuation, prompt_tail
-from speculant.executor.dp import DPCoordinator, JobProgress, assign_requests, request_cost
+from speculant.executor.dp import (
+    DPCoordinator,
+    DPShares,
+    JobProgress,
+    assign_requests,
+    request_cost,
+)
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.input_buffers import PendingResults, Readback, ReadResults
 from speculant.executor.kv_cache import kv_bytes_per_token, rows_that_fit
@@ -67,7 +73,7 @@ from speculant.executor.speculation import (
     shapes_for,
     step_shape,
 )
-from speculant.executor.step_plan import DPStepSizes, StepPlan
+from speculant.executor.step_plan import DPStepSizes, Move, StepPlan
 from speculant.executor.stop_strings import StopStrings
 from speculant.models.loader import iter_safetensors, load_weights, resolve_dtype
 
@@ -740,17 +746,26 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
         progress: JobProgress | None = None,
+        shares: DPShares | None = None,
     ) -> list[RequestOutput]:
         """Step until these requests (and, under DP, every other DP rank's) have finished;
         outputs in the order of `requests`. `on_step` gets each step's finished outputs (every
         rank calls it every step: the DP ranks stream outputs to rank 0 through it). Under DP,
         `progress` counts the whole job's finished requests (executor/dp.JobProgress): the bar
-        then counts them, not this rank's."""
+        then counts them, not this rank's; with `shares` (every DP rank's requests, this rank's
+        being `requests`) requests not started move between ranks as the steps' exchanges settle
+        (executor/dp.DPShares), and the outputs are of those this rank ran, moved ones last."""
         leads: dict[int, Request] = {}  # each prompt's first completion in this run (rank)
-        for request in requests:
+        order = list(requests)  # this rank's requests, with those moved in and out
+
+        def take(request: Request) -> None:
             lead = leads.setdefault(request.prompt_index, request)
             request.first_completion = None if lead is request else lead
             self.scheduler.add(request)
+
+        for request in requests:
+            take(request)
+        self.dp.shares = shares
         self._cycle = None  # the time since an earlier run's last step is no step's
         self._cycles_before.clear()
         results: dict[int, RequestOutput] = {}  # by request index (unique in the call)
@@ -773,6 +788,9 @@ class Engine:
                         bar.update(count - bar.n)
                 if on_step is not None:
                     on_step(finished)
+                moves, self.dp.last.moves = self.dp.last.moves, []
+                for move in moves:
+                    self._move(move, order, take)
                 if self.dp.last.all_idle:
                     break
             if progress is not None:
@@ -784,7 +802,22 @@ class Engine:
             raise
         finally:
             bar.close()
-        return [results[r.index] for r in requests]
+            self.dp.shares = None
+        return [results[r.index] for r in order]
+
+    def _move(self, move: Move, order: list[Request], take: Callable[[Request], None]) -> None:
+        """Apply one DP move to this rank: its requests leave this rank's queue (never started
+        here) or join it, `take`n as the run's own."""
+        me = self.pctx.dp_rank
+        moved = [self.dp.shares.requests[index] for index in move.indices]
+        if move.src == me:
+            self.scheduler.withdraw(moved)
+            gone = set(move.indices)
+            order[:] = [r for r in order if r.index not in gone]
+        if move.dst == me:
+            for request in moved:
+                take(request)
+                order.append(request)
 
     def _abandon(self) -> None:
         """Drop what a run that stopped part way left: the step in flight (waited for, its
@@ -868,9 +901,14 @@ class Engine:
             (prompts, sampling_params, on_output is not None, key)
         )
         requests = self.make_requests(prompts, sampling_params)  # every rank checks every prompt
-        share = assign_requests(
-            [request_cost(r) for r in requests], pctx.dp_size, [r.prompt_index for r in requests]
-        )[pctx.dp_rank]
+        shares = DPShares(
+            assign_requests(
+                [request_cost(r) for r in requests],
+                pctx.dp_size,
+                [r.prompt_index for r in requests],
+            ),
+            requests,
+        )
         progress = None  # one counter per DP rank: its TP rank 0 adds
         if key is not None and store is not None and pctx.dp_size > 1 and pctx.tp_rank == 0:
             progress = JobProgress(store, key, len(requests), reads=pctx.rank == 0)
@@ -884,10 +922,11 @@ class Engine:
                     on_output(out)
 
         local = self.run(
-            [requests[i] for i in share],
+            [requests[i] for i in shares.lists[pctx.dp_rank]],
             use_tqdm=use_tqdm and pctx.rank == 0,
             on_step=stream_to_rank0 if stream else None,
             progress=progress,
+            shares=shares if pctx.dp_size > 1 else None,
         )
         gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
         if gathered is None:
@@ -925,7 +964,7 @@ class Engine:
                 self.step_seconds["decode"] += time.perf_counter() - start
             finished = self._finish_done()
         plan = self._choose_shape(self.scheduler.schedule())
-        plan = self.dp.agree(plan, self.scheduler.has_unfinished())
+        plan = self.dp.agree(plan, self.scheduler.has_unfinished(), self._queue())
         self._settle_catch_up(plan)
         self.num_steps += 1
         self.decode_rows += len(plan.decode)
@@ -943,6 +982,15 @@ class Engine:
             self.runner.buffers.fill([], [], [], [], [], [], plan.padded_bs, self.kv.sentinel_row)
             self.graphs.run(0, plan.padded_bs, GREEDY, plan.use_graph, plan.sizes, plan.shape)
         return finished + self._finish_done()
+
+    def _queue(self) -> tuple[int, int, int]:
+        """This rank's (unstarted tail, waiting, free rows) for the DP exchange's moves."""
+        shares = self.dp.shares
+        if shares is None:
+            return (0, 0, 0)
+        scheduler = self.scheduler
+        free = scheduler.max_num_seqs - len(scheduler.running)
+        return (shares.unstarted_tail(self.pctx.dp_rank), len(scheduler.waiting), free)
 
     def _observe_cycle(self) -> None:
         """A step starts: the time since the last one started is a step's cycle, host
@@ -1275,6 +1323,7 @@ class Engine:
             "decode_s": round(self.step_seconds["decode"], 2),
             "extend_s": round(self.step_seconds["extend"], 2),
             "steps_ahead": self.steps_ahead,
+            **({"dp_moved_requests": self.dp.moved} if self.pctx.dp_size > 1 else {}),
             **(
                 {
                     "prefix_cache_hit_tokens": self.kv.prefix.hit_tokens,

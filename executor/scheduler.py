@@ -244,6 +244,14 @@ class Scheduler:
         self.kv.commit()
         return True
 
+    def withdraw(self, requests: list[Request]) -> None:
+        """Take waiting requests that were never started out of the queue (moved to another DP
+        rank: executor/dp.DPShares)."""
+        gone = set(requests)
+        if any(r.row >= 0 or r.output_ids for r in gone) or gone - set(self.waiting):
+            raise RuntimeError("a DP move took a request this rank has started")
+        self.waiting = deque(r for r in self.waiting if r not in gone)
+
     def abort_all(self) -> list[Request]:
         """Drop every waiting and running request, freeing the pages and rows they hold
         (a run that stopped part way: the engine starts the next one empty). Returns them."""

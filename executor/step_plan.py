@@ -21,6 +21,15 @@ class DPStepSizes(NamedTuple):
     bs_per_rank: list[int]
 
 
+class Move(NamedTuple):
+    """Requests (indices) that DP rank `src` has not started and DP rank `dst` runs instead
+    (executor/dp.DPShares)."""
+
+    src: int
+    dst: int
+    indices: list[int]
+
+
 @dataclass
 class Chunk:
     """Prefill of tokens [start, start + len(tokens)) of a request's context (its prompt, and
@@ -51,6 +60,8 @@ class StepPlan:
     dummy: bool = False  # this rank has no work but runs a padded dummy step for its DP peers
     all_idle: bool = False  # no DP rank has work left: the generation loop ends
     sizes: DPStepSizes | None = None  # every rank's forward this step (None: this rank only)
+    # requests moved between DP ranks after this step (the next one schedules them)
+    moves: list[Move] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,10 @@ from helpers_eagle import write_random_eagle3
 
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.comm.groups import ParallelContext, check_world
-from speculant.executor.dp import assign_requests
+from speculant.executor.dp import DPShares, assign_requests
 from speculant.executor.model_runner import ModelRunner
+from speculant.executor.request import Request
+from speculant.executor.step_plan import Move
 from speculant.launch.spawn import RankFailure, run_ranks
 
 COLLECTIVE_TIMEOUT_S = 60  # a rank waits this long for the others before failing
@@ -121,8 +124,16 @@ def generate_in_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
     recorder, seen = DecodeRecorder(), {}
     for name, target, options, prompts, params in cases:
         recorder.engine = None
-        engine = Engine(str(target), pctx=pctx, **ENGINE, **options)
+        engine = Engine(str(target), pctx=pctx, **{**ENGINE, **options})
         capture, recorder.engine, plans = recorder.take(), engine, PlanLog(engine)
+        ran, run = [], engine.run  # the (prompt, completion) keys of the outputs this rank ran
+
+        def recorded_run(*args, run=run, ran=ran, **kwargs):
+            outs = run(*args, **kwargs)
+            ran.extend(out.key for out in outs)
+            return outs
+
+        engine.run = recorded_run
         is_source = pctx.rank == 0
         outs = engine.generate(prompts if is_source else None, params if is_source else None)
         seen[name] = dict(
@@ -136,6 +147,9 @@ def generate_in_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
             dummy_steps=engine.dp.dummy_steps,
             pages_returned=len(engine.kv.free_pages) == engine.kv.num_pages - 1,
             dp_rank=pctx.dp_rank,
+            by_key={o.key: o.token_ids for o in outs},  # (prompt, completion): with n > 1
+            moved=engine.dp.moved,
+            ran=ran,
         )
     pctx.close()
     return seen
@@ -145,7 +159,7 @@ def reference(cases: list[tuple]) -> dict[str, dict[int, list[int]]]:
     """Each case on one in-process rank."""
     out = {}
     for name, target, options, prompts, params in cases:
-        outs = Engine(str(target), **ENGINE, **options).generate(prompts, params)
+        outs = Engine(str(target), **{**ENGINE, **options}).generate(prompts, params)
         out[name] = {o.index: o.token_ids for o in outs}
     return out
 
@@ -264,6 +278,72 @@ def test_dp2_shares_are_uneven_and_the_idle_rank_sits_out(dp2_run):
     sizes = [{step: bs for step, bs, *_ in rank["uneven"]["decodes"]} for rank in ranks]
     both = sizes[0].keys() & sizes[1].keys()
     assert any(sizes[0][step] != sizes[1][step] for step in both)  # 1 row next to 4
+
+
+@pytest.fixture(scope="module")
+def moved_run(llama_dir):
+    """DP rank 0's share (the even prompts: equal costs alternate) ends after one token each
+    (every id a stop id), so rank 0 soon has free rows and nothing waiting while rank 1's queue
+    (two rows a rank) still waits: requests rank 1 has not started move to rank 0. With n = 2
+    a prompt's completions move together."""
+    vocab = 512
+    stop_early = SamplingParams(max_new_tokens=12, stop_token_ids=list(range(vocab)))
+    full = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    options = dict(max_num_seqs=2, enforce_eager=True)
+    cases = [
+        ("moved", llama_dir, options, prompts_of([5] * 16, seed=8), [stop_early, full] * 8),
+        (
+            "moved_n",
+            llama_dir,
+            options,
+            prompts_of([5] * 10, seed=9),
+            [replace(stop_early, n=2), replace(full, n=2, temperature=0.8, seed=3)] * 5,
+        ),
+    ]
+    expected = {}
+    for name, target, options, prompts, params in cases:
+        outs = Engine(str(target), **{**ENGINE, **options}).generate(prompts, params)
+        expected[name] = {o.key: o.token_ids for o in outs}
+    return expected, launch(1, 2, cases)
+
+
+@pytest.mark.parametrize("case", ["moved", "moved_n"])
+def test_dp2_moves_requests_a_rank_has_not_started_to_a_rank_with_nothing_waiting(moved_run, case):
+    expected, ranks = moved_run
+    assert ranks[0][case]["by_key"] == expected[case]  # every request once, as on one rank
+    assert ranks[0][case]["moved"] == ranks[1][case]["moved"] > 0
+    ran = [set(rank[case]["ran"]) for rank in ranks]
+    assert not ran[0] & ran[1] and len(ran[0] | ran[1]) == len(expected[case])
+    odd = {key for key in ran[0] if key[0] % 2}  # rank 1's share, run by rank 0
+    assert odd, "no request moved to the rank with nothing waiting"
+    for rank in ranks:
+        assert rank[case]["pages_returned"]
+        # a prompt's completions ran on one rank
+        prompts = [key[0] for key in rank[case]["ran"]]
+        assert all(prompts.count(p) == (2 if case == "moved_n" else 1) for p in prompts)
+
+
+def test_dp_shares_move_half_the_surplus_from_the_tail_never_splitting_a_prompt():
+    def requests(groups):
+        return [Request(i, [1], SamplingParams(), 0, 4, frozenset(), prompt_index=g)
+                for i, g in enumerate(groups)]  # fmt: skip
+
+    shares = DPShares([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9]], requests(range(10)))
+    # rank 0: 6 not started at its tail, 7 waiting, 1 row free; rank 1: nothing waiting
+    moves = shares.plan_moves([(6, 7, 1), (0, 0, 2)])
+    assert moves == [Move(0, 1, [5, 6, 7])] and shares.lists == [[0, 1, 2, 3, 4], [8, 9, 5, 6, 7]]
+    assert shares.plan_moves([(3, 4, 4), (3, 3, 0)]) == []  # nobody waits past its free rows
+    assert shares.plan_moves([(2, 2, 0), (0, 0, 0)]) == []  # no free row to take one into
+    # a surplus of 1 moves it; the cut moves forward to a prompt's first completion
+    # the cut moves forward to a prompt's first completion (n > 1), or nothing moves
+    groups = [0, 0, 1, 1, 1, 2, 2, 2]
+    shares = DPShares([list(range(8)), []], requests(groups))
+    assert shares.plan_moves([(1, 2, 1), (0, 0, 2)]) == []  # 7 alone would split prompt 2
+    assert shares.plan_moves([(8, 8, 0), (0, 0, 2)]) == [Move(0, 1, [5, 6, 7])]
+    # several ranks with nothing waiting take from the largest surplus in turn
+    shares = DPShares([list(range(12)), [], []], requests(range(12)))
+    moves = shares.plan_moves([(12, 12, 0), (0, 0, 1), (0, 0, 1)])
+    assert moves == [Move(0, 1, [6, 7, 8, 9, 10, 11]), Move(0, 2, [3, 4, 5])]
 
 
 def test_assign_requests_balances_tokens():
