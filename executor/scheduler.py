@@ -106,23 +106,7 @@ class Scheduler:
         free_rows = self.max_num_seqs - len(self.running)
         gated = bool(plan.decode) and free_rows < min(len(self.waiting), self.admit_group)
         held = 0 if plan.preempted or gated else self._held_for_completions(budget)
-        budget -= held
-        for request in [r for r in self.running if not r.is_decoding]:
-            if budget <= 0:
-                break
-            if request.row < 0:  # preempted this step
-                continue
-            chunk = self._chunk(request, budget)
-            while chunk is None:  # a prompt in progress must not wait for pages forever
-                victim = self.running[-1]
-                self.preempt(victim, plan)
-                if victim is request:
-                    break
-                chunk = self._chunk(request, budget)
-            if chunk is not None:
-                plan.chunks.append(chunk)
-                budget -= len(chunk.tokens)
-        budget += held
+        budget = self._extend_running(plan, budget - held) + held
         free_rows = self.max_num_seqs - len(self.running)
         group = min(len(self.waiting), self.admit_group)
         if plan.decode and not plan.chunks and free_rows < group:
@@ -158,7 +142,31 @@ class Scheduler:
                 kv.prefix.hit_tokens += 0 if pages is shared else request.num_cached
             plan.chunks.append(chunk)
             budget -= len(chunk.tokens)
+        if held and not plan.requests:
+            # the completions held for found no free page: the prompts in progress take the
+            # budget (preempting if need be), else they would wait for them forever
+            self._extend_running(plan, budget)
         return self._done(plan)
+
+    def _extend_running(self, plan: StepPlan, budget: int) -> int:
+        """Add the next chunks of the running requests' unfinished prompts, in arrival order,
+        within `budget` tokens; returns the budget left."""
+        for request in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
+                break
+            if request.row < 0:  # preempted this step
+                continue
+            chunk = self._chunk(request, budget)
+            while chunk is None:  # a prompt in progress must not wait for pages forever
+                victim = self.running[-1]
+                self.preempt(victim, plan)
+                if victim is request:
+                    break
+                chunk = self._chunk(request, budget)
+            if chunk is not None:
+                plan.chunks.append(chunk)
+                budget -= len(chunk.tokens)
+        return budget
 
     def _held_for_completions(self, budget: int) -> int:
         """The tokens (at most `budget`) that the later completions ready to take their prompt

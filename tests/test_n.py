@@ -158,6 +158,30 @@ def test_prompt_prefilled_once_under_a_small_token_budget(plain):
     assert_pool_whole(engine)
 
 
+def test_completions_waiting_for_pages_leave_the_prompts_in_progress_the_budget(plain):
+    """Completions ready to take completion 0's prompt pages were held the whole token budget
+    even when the pool had no page for them: with every running request still prefilling,
+    each step was empty and the job never ended. The prompts in progress now take the budget
+    (preempting a later completion when they need its pages)."""
+    engine = Engine(TARGET, device="cpu", num_draft_tokens=0, max_model_len=48, page_size=16,
+                    num_pages=5, max_num_seqs=3, max_num_batched_tokens=2)  # fmt: skip
+    prompt = [3 + i * 7 % 250 for i in range(47)]  # pool: one request's 4 pages
+    params = SamplingParams(max_new_tokens=1, n=3, ignore_eos=True)
+    requests = engine.make_requests([prompt], params)
+    for request in requests:  # as Engine.run does, stepped here to bound the steps
+        request.first_completion = None if request is requests[0] else requests[0]
+        engine.scheduler.add(request)
+    done = []
+    for _ in range(500):  # 47 prompt tokens, 2 a step, 3 times at most: about 80 steps
+        done += engine.step()
+        if not engine.scheduler.has_unfinished():
+            break
+    assert not engine.scheduler.has_unfinished(), "no step made progress"
+    expected = plain.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert [r.output_ids for r in done] == [expected[0].token_ids] * 3
+    assert_pool_whole(engine)
+
+
 def test_completions_sharing_pages_under_preemption(plain):
     """A pool that preempts completion 0 and later ones while they share the prompt's pages:
     every page comes back, the tokens are plain greedy decoding's."""
