@@ -51,7 +51,8 @@ def run(tree: Path, prompts: Path, args: argparse.Namespace) -> dict:
         "steps": int(stats["steps"]),
         "moved": int(stats.get("dp_moved_requests", 0)),
         "tokens": sum(len(o["token_ids"]) for o in outputs),
-        "ids": [o["token_ids"] for o in outputs],
+        # the file holds outputs as they finish (on either rank): compared by prompt
+        "ids": {o["index"]: o["token_ids"] for o in outputs},
     }
 
 
