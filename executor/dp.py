@@ -96,11 +96,13 @@ class DPShares:
         self.lists = [list(share) for share in shares]
         self.requests = {r.index: r for r in requests}
 
-    def unstarted_tail(self, dp_rank: int) -> int:
-        """How many of DP rank `dp_rank`'s last requests it has not started (this rank's own
-        requests: it reads their state)."""
+    def unstarted_tail(self, dp_rank: int, limit: int) -> int:
+        """How many of DP rank `dp_rank`'s last requests it has not started, counted up to
+        `limit` (this rank's own requests: it reads their state)."""
         count = 0
         for index in reversed(self.lists[dp_rank]):
+            if count >= limit:
+                break
             request = self.requests[index]
             started = request.row >= 0 or request.output_ids or request.num_preemptions
             if started or request.finish_reason is not None:

@@ -989,8 +989,9 @@ class Engine:
         if shares is None:
             return (0, 0, 0)
         scheduler = self.scheduler
-        free = scheduler.max_num_seqs - len(scheduler.running)
-        return (shares.unstarted_tail(self.pctx.dp_rank), len(scheduler.waiting), free)
+        waiting, free = len(scheduler.waiting), scheduler.max_num_seqs - len(scheduler.running)
+        # only a surplus (waiting past the free rows) can move: the tail counted up to it
+        return (shares.unstarted_tail(self.pctx.dp_rank, waiting - free), waiting, free)
 
     def _observe_cycle(self) -> None:
         """A step starts: the time since the last one started is a step's cycle, host
