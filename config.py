@@ -220,7 +220,9 @@ def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
     scaling dict comes back with its `rope_type` set (older configs say `type`) and, for yarn, its
     `factor` (transformers' default: max_position_embeddings / original_max_position_embeddings).
     `dynamic` (NTK) rescales only positions past max_position_embeddings, which the context never
-    reaches (engine: max_model_len <= max_position_embeddings): it runs as the default RoPE."""
+    reaches (engine: max_model_len <= max_position_embeddings): it runs as the default RoPE.
+    llama3 and yarn take a top-level `original_max_position_embeddings` over the scaling dict's,
+    as transformers' standardize_rope_params does (Phi-3 style configs keep it there)."""
     params = config_dict(hf, "rope_parameters", source)
     scaling = config_dict(hf, "rope_scaling", source) or None
     # transformers' priority: rope_scaling (which replaces rope_parameters), then the top level
@@ -240,6 +242,11 @@ def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
         )
     where = f"rope scaling of {source}"
     scaling = {**scaling, "rope_type": kind}
+    if kind in ("llama3", "yarn") and hf.get("original_max_position_embeddings") is not None:
+        # transformers overwrites the scaling's own value with the top-level one
+        scaling["original_max_position_embeddings"] = config_int(
+            hf, "original_max_position_embeddings", source
+        )
     if kind == "yarn":  # without an original length transformers takes max_position_embeddings
         positions = config_int(hf, "max_position_embeddings", source, 4096)
         original = config_int(scaling, "original_max_position_embeddings", where, positions)

@@ -431,3 +431,33 @@ def test_rope_theta_read_where_transformers_reads_it(fields):
     hf = {"architectures": ["LlamaForCausalLM"], **SIZES, **fields}
     theirs = transformers.LlamaConfig(**json.loads(json.dumps(hf))).rope_parameters
     assert ModelConfig.from_hf(hf).rope_theta == theirs["rope_theta"] == 5e5
+
+
+TOP_LEVEL_ORIGINAL = {
+    # the scaling dict says nothing; the top-level field is the pretraining length
+    "yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0}),
+    # both say one: transformers overwrites the dict's with the top-level one
+    "yarn_both": (
+        "qwen2",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    ),
+    # llama3 was refused for lacking the field the config holds at its top level
+    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TOP_LEVEL_ORIGINAL))
+def test_top_level_original_max_position_embeddings(tmp_path, name):
+    """A top-level `original_max_position_embeddings` (Phi-3 style) is the pretraining length a
+    llama3 / yarn scaling uses, over the scaling dict's own (transformers'
+    standardize_rope_params); yarn used to take max_position_embeddings, silently rotating
+    otherwise, and llama3 was refused."""
+    arch, scaling = TOP_LEVEL_ORIGINAL[name]
+    path = save_variant(tmp_path, arch, 5)
+    config = json.loads((path / "config.json").read_text())
+    config.update(rope_scaling=scaling, original_max_position_embeddings=64)
+    (path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_dir(path).rope_scaling["original_max_position_embeddings"] == 64
+    prompts = prompts_of((90, 5), seed=1)
+    assert our_greedy(path, prompts, n=8) == hf_greedy(path, prompts, 8)
