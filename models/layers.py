@@ -263,11 +263,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
         index = {"q": 0, "k": 1, "v": 2}[shard]
-        if index > 0 and self.kv_replicas > 1:
+        if index > 0 and self.kv_replicas > 1:  # whole heads (weight rows, bias entries)
             loaded = (
-                loaded.repeat_interleave(self.kv_replicas, dim=0)
-                if loaded.dim() == 1
-                else loaded.view(-1, self.head_dim, *loaded.shape[1:])
+                loaded.view(-1, self.head_dim, *loaded.shape[1:])
                 .repeat_interleave(self.kv_replicas, dim=0)
                 .flatten(0, 1)
             )

@@ -461,3 +461,32 @@ def test_top_level_original_max_position_embeddings(tmp_path, name):
     assert ModelConfig.from_dir(path).rope_scaling["original_max_position_embeddings"] == 64
     prompts = prompts_of((90, 5), seed=1)
     assert our_greedy(path, prompts, n=8) == hf_greedy(path, prompts, 8)
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(1, 2), (2, 4)])
+def test_replicated_kv_heads_keep_their_biases(tmp_path, kv_heads, tp):
+    """tp above the KV head count replicates each KV head on tp / kv ranks: a rank's k and v
+    biases must be its head's whole bias vector (Qwen2 / attention_bias checkpoints). They were
+    repeated element by element, so every rank but the first held the wrong bias values and
+    Qwen2.5 under --tp 4 (2 KV heads) generated other tokens than transformers."""
+    from speculant.comm.groups import ParallelContext
+    from speculant.models.llama import CausalLM
+    from speculant.models.loader import iter_safetensors, load_weights
+
+    path = save_variant(tmp_path, "qwen2", 13, num_key_value_heads=kv_heads)
+    cfg = ModelConfig.from_dir(path)
+    full = dict(iter_safetensors(path))
+    d, per_rank = cfg.head_dim, max(1, kv_heads // tp)
+    for rank in range(tp):
+        model = CausalLM(cfg, 64, ParallelContext(tp_size=tp, tp_rank=rank))
+        load_weights(model, iter_safetensors(path), str(path))
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        q_size, kv_size = qkv.shard_sizes[0], qkv.shard_sizes[1]
+        assert kv_size == per_rank * d
+        head = rank * kv_heads // tp  # the KV head this rank's query heads read
+        for i, name in ((1, "k"), (2, "v")):
+            start = q_size + (i - 1) * kv_size
+            expected = full[f"model.layers.0.self_attn.{name}_proj.bias"][head * d :][:kv_size]
+            torch.testing.assert_close(qkv.bias[start : start + kv_size], expected, rtol=0, atol=0)
+            weight = full[f"model.layers.0.self_attn.{name}_proj.weight"][head * d :][:kv_size]
+            torch.testing.assert_close(qkv.weight[start : start + kv_size], weight, rtol=0, atol=0)
