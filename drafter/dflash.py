@@ -481,7 +481,7 @@ def build_block_drafter(
     if rename is not None:
         weights = rename(weights)
     require_tensors(weights, keys, source, "drafter", what)
-    load_weights(model, iter(weights.items()), source)
+    load_weights(model, iter(weights.items()), source, refuse_dropped=head)
     return model.eval()
 
 

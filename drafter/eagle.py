@@ -631,6 +631,6 @@ def load_eagle3(
     # the vocabulary maps are buffers; a head as wide as its target embeds with the target's table
     skip = {"d2t", "t2d"} | (set() if cfg.own_embeddings else {"embed_tokens.weight"})
     tensors = ((k, t) for k, t in weights.items() if k not in skip)
-    load_weights(head, tensors, source, rename=our_name)
+    load_weights(head, tensors, source, rename=our_name, refuse_dropped="EAGLE-3 head")
     head.set_vocab_map(d2t.to(device))
     return head.eval()

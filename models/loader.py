@@ -196,13 +196,17 @@ def load_weights(
     weights: Iterator[tuple[str, torch.Tensor]],
     source: str,
     rename: Callable[[str], str] = lambda name: name,
+    refuse_dropped: str | None = None,
 ) -> None:
     """Copy checkpoint tensors into `model`, merging q/k/v and gate/up, checking that every
     parameter was loaded exactly once, that shapes match and that float weights come from float
-    tensors; tensors the model does not use are named in one warning. A tied parameter (the
-    lm_head of tie_word_embeddings) loads from its own name (model.embed_tokens.weight): a
-    checkpoint's copy under the other name (lm_head.weight) is used only when that is missing,
-    whatever the order of the files, as vLLM does."""
+    tensors; tensors the model does not use are named in one warning. With `refuse_dropped` (a
+    drafter: "EAGLE-3 head", ...) an unused weight or bias under one of the model's own modules
+    (a bias its config does not switch on, a layer past num_hidden_layers) is refused instead:
+    dropping it would draft with other weights than the drafter was trained with. A tied
+    parameter (the lm_head of tie_word_embeddings) loads from its own name
+    (model.embed_tokens.weight): a checkpoint's copy under the other name (lm_head.weight) is
+    used only when that is missing, whatever the order of the files, as vLLM does."""
     params = dict(model.named_parameters(remove_duplicate=False))
     owner = {id(param): name for name, param in model.named_parameters()}  # a tied one's 1st name
     loaded: set[tuple[int, object]] = set()
@@ -245,6 +249,8 @@ def load_weights(
                     name, shard = name.replace(hf_part, our_part), shard_id
                     break
         if name not in params:
+            if refuse_dropped is not None:
+                _refuse_dropped(model, name, hf_name, source, refuse_dropped)
             unused.append(hf_name)
             continue
         param = params[name]
@@ -334,6 +340,19 @@ def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, so
         "FP8 loads in a target's decoder linear layers when config.json has its "
         "quantization_config (not in embeddings, lm_head, routers or drafters); use bf16 weights"
     )
+
+
+def _refuse_dropped(model: nn.Module, name: str, hf_name: str, source: str, what: str) -> None:
+    """Raise for tensor `hf_name` (our `name`) that `model` has no parameter for, when it is a
+    weight or bias under one of the model's top-level modules (see `load_weights`)."""
+    modules = {child for child, _ in model.named_children()}
+    if name.split(".")[0] in modules and name.endswith((".weight", ".bias")):
+        raise SpeculantError(
+            f"{file_holding(source, hf_name)} holds {hf_name!r}, but the {what} built from its "
+            "config.json has no such parameter (a bias, norm or layer the config does not switch "
+            "on); running without it would draft wrong tokens: fix config.json (attention_bias, "
+            "bias, num_hidden_layers, ...) or remove the tensor"
+        )
 
 
 def unused_tensors_line(names: list[str], source: str) -> str:

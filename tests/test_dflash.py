@@ -388,3 +388,23 @@ def test_cli_dflash_reports_acceptance(capsys, llama_dir, dflash_dir, tmp_path):
                 assert len(per_position) == (2 if k else 7), err
     assert out["dflash", 0]["token_ids"] == out["plain", 0]["token_ids"]
     assert out["dflash", 2]["token_ids"] == out["plain", 0]["token_ids"]
+
+
+@pytest.mark.parametrize("extra", ["layers.0.self_attn.q_proj.bias", "layers.2.mlp.up_proj.weight"])
+def test_dflash_tensors_the_drafter_would_drop_are_refused(tmp_path, llama_dir, extra):
+    """A bias attention_bias does not switch on, or a layer past num_hidden_layers, would be
+    dropped and draft wrong tokens: refused naming the tensor. Tensors of modules the drafter
+    shares with the target (embed_tokens, lm_head) are still only warned about."""
+    from safetensors.torch import save_file
+
+    tensors = write_random_dflash(tmp_path, llama_dir, block_size=4, target_layer_ids=[0, 1])
+    H = ModelConfig.from_dir(llama_dir).hidden_size
+    shared = {"embed_tokens.weight": torch.zeros(8, H, dtype=torch.bfloat16)}
+    save_file({**tensors, **shared}, str(tmp_path / "model.safetensors"))
+    engine(llama_dir, algo="dflash", draft=str(tmp_path))
+    save_file(
+        {**tensors, extra: torch.ones(H, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors")
+    )
+    with pytest.raises(SpeculantError, match=f"holds '{extra}', but the DFLASH drafter") as info:
+        engine(llama_dir, algo="dflash", draft=str(tmp_path))
+    assert "\n" not in str(info.value)

@@ -697,3 +697,34 @@ def test_head_shapes_are_checked_against_tp(tmp_path, heads, kv_heads, intermedi
         load_eagle3(*args)
     assert str(err.value).startswith(f"EAGLE-3 head {str(tmp_path)!r}: ")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "midlayer.0.self_attn.q_proj.bias",  # vLLM builds q/k/v/o biases for `bias: true`
+        "midlayer.0.mlp.down_proj.bias",
+        "fc.bias",  # without `bias: true`
+        "midlayer.1.input_layernorm.weight",  # a layer past num_hidden_layers
+    ],
+)
+def test_tensors_the_head_would_drop_are_refused(tmp_path, extra):
+    """A weight or bias under one of the head's own modules that the config builds no parameter
+    for would be dropped (drafting with other weights than trained): refused in one line. The
+    head is written with two layers and its config says one."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target_config()
+    write_random_eagle3(tmp_path, target, draft_vocab=32, num_layers=2)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    if not extra.startswith("midlayer.1."):
+        tensors = {k: t for k, t in tensors.items() if not k.startswith("midlayer.1.")}
+        tensors[extra] = torch.ones(target.hidden_size, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        SpeculantError, match=f"holds {re.escape(repr(extra))}, but the EAGLE-3"
+    ) as info:
+        load(tmp_path, target)
+    assert "\n" not in str(info.value)
