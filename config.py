@@ -35,6 +35,7 @@ DENSE_ARCHITECTURES = (
 )
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QWEN3_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config, when config.json has no head_dim
 # transformers reads `attention_bias` (q/k/v and o_proj biases) for these; Qwen2 has q/k/v biases
 # and none on o_proj whatever the config says, Mistral none at all
 ATTENTION_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -556,12 +557,15 @@ class ModelConfig:
                 f"num_attention_heads={heads} in {source} is not a multiple of "
                 f"num_key_value_heads={kv_heads}; fix config.json"
             )
-        if hf.get("head_dim") is None and hidden < heads:
+        # transformers' Qwen3Config (which the DFLASH and Qwen3 EAGLE-3 references read drafters
+        # with) defaults head_dim to 128; the other config classes to hidden // heads
+        default_head_dim = QWEN3_DEFAULT_HEAD_DIM if arch == "Qwen3ForCausalLM" else hidden // heads
+        if hf.get("head_dim") is None and default_head_dim == 0:
             raise SpeculantError(
                 f"hidden_size={hidden} in {source} is smaller than num_attention_heads={heads} "
                 "and no head_dim is given; fix config.json"
             )
-        head_dim = config_int(hf, "head_dim", source, hidden // heads)
+        head_dim = config_int(hf, "head_dim", source, default_head_dim)
         if head_dim % 2:
             raise SpeculantError(
                 f"head_dim={head_dim} in {source} is odd; rotary embeddings need an even size"

@@ -490,3 +490,22 @@ def test_replicated_kv_heads_keep_their_biases(tmp_path, kv_heads, tp):
             torch.testing.assert_close(qkv.bias[start : start + kv_size], expected, rtol=0, atol=0)
             weight = full[f"model.layers.0.self_attn.{name}_proj.weight"][head * d :][:kv_size]
             torch.testing.assert_close(qkv.weight[start : start + kv_size], weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+)
+def test_absent_head_dim_defaults_as_transformers_reads_it(arch):
+    """Without head_dim, transformers' Qwen3Config takes 128 (every DFLASH drafter and Qwen3
+    EAGLE-3 head is read through it by the z-lab and vLLM references); the others take
+    hidden_size // num_attention_heads. Another width would refuse the checkpoint's q/k norms
+    and projections as the wrong shape."""
+    import transformers
+
+    hf = {"architectures": [arch], **SIZES, "num_experts": 4, "num_experts_per_tok": 2}
+    hf.pop("head_dim", None)
+    kind = {"Llama": "LlamaConfig", "Qwen2": "Qwen2Config", "Qwen3Moe": "Qwen3MoeConfig"}
+    config_class = getattr(transformers, kind.get(arch.removesuffix("ForCausalLM"), "Qwen3Config"))
+    theirs = config_class(**hf)
+    expected = getattr(theirs, "head_dim", None) or hf["hidden_size"] // hf["num_attention_heads"]
+    assert ModelConfig.from_hf(hf).head_dim == expected
