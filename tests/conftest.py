@@ -17,6 +17,13 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's `-n 2`) each worker process takes its share of the cores:
+# torch would start a thread per core in every worker, and the workers' threads then wait on each
+# other. Subprocesses the tests start choose their own (the command's rule, or OMP_NUM_THREADS=1).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # tests/ has no __init__.py; make `import helpers_ckpt` work whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
