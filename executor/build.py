@@ -90,6 +90,19 @@ def load_tokenizer(path: str | Path):
         raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export the tokenizer") from exc
 
 
+def tokenizer_eos_id(path: str | Path, tokenizer) -> int | None:
+    """The id of the tokenizer's own end-of-sequence token (`eos_token` of
+    tokenizer_config.json, or of special_tokens_map.json in the legacy layout, as transformers
+    reads it), or None. vLLM stops on it besides generation_config.json's ids: a ChatML
+    fine-tune of a base model may name <|im_end|> there and keep the base's </s> in config.json."""
+    from speculant.executor.chat import named_special_tokens
+
+    if tokenizer is None:
+        return None
+    eos = named_special_tokens(path).get("eos_token")
+    return None if eos is None else tokenizer.token_to_id(eos)
+
+
 def resolve_device(device: str | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -221,12 +221,21 @@ def _special_tokens(config: dict, map_file: Path) -> dict[str, str]:
     return {k: t for k, v in {**own, **standard}.items() if (t := _text_of(v)) is not None}
 
 
+def named_special_tokens(path: str | Path) -> dict[str, str]:
+    """The named special tokens of a checkpoint folder (`bos_token`, `eos_token`, ...; as
+    `_special_tokens` reads them), {} without tokenizer files."""
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    config = _read_json(config_file) if config_file.is_file() else {}
+    return _special_tokens(config, folder / "special_tokens_map.json")
+
+
 def load_chat_template(path: str | Path) -> tuple[str, dict[str, str]] | None:
     """(template, special tokens) of a checkpoint folder, or None when it has no template."""
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"
     config = _read_json(config_file) if config_file.is_file() else {}
-    specials = _special_tokens(config, folder / "special_tokens_map.json")
+    specials = named_special_tokens(folder)
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         try:

@@ -33,6 +33,7 @@ from speculant.executor.build import (
     engine_config,
     load_tokenizer,
     resolve_device,
+    tokenizer_eos_id,
 )
 from speculant.executor.catch_up import CatchUpBuffers, PendingRows
 from speculant.executor.chat import Chat, load_chat_template, messages_problem, render_chat
@@ -178,6 +179,9 @@ class Engine:
         self.model = build_model(setup)
         self.pctx.one_shot = build_one_shot(self.pctx, self.dtype, self.device)
         self.tokenizer = load_tokenizer(cfg.target)
+        eos = tokenizer_eos_id(cfg.target, self.tokenizer)
+        if eos is not None and eos not in mc.eos_token_ids:  # as vLLM stops on it
+            mc.eos_token_ids += (eos,)
         # the peak memory of a step at the token budget, profiled on a two-page cache, is kept
         # out of the KV pool: no budget or batch can then run out of memory mid-job
         scratch = build_kv_cache(setup, self.model, num_pages=2)

@@ -1,9 +1,10 @@
 """Checkpoint variants in published Hugging Face layouts that the shared fixtures do not cover,
 against transformers (CPU, float32): attention_bias (o_proj has a bias too), linear / dynamic /
 yarn RoPE scaling, sliding windows (Mistral, Qwen2 use_sliding_window), end-of-sequence ids
-listed in generation_config.json, a non-SiLU hidden_act, and a tied checkpoint that also holds
-lm_head.weight. Biases and norm weights are random (transformers initialises them to 0 and 1,
-which would hide a bias or norm that is never loaded)."""
+listed in generation_config.json (and the tokenizer's eos_token), a non-SiLU hidden_act, and a
+tied checkpoint that also holds lm_head.weight. Biases and norm weights are random
+(transformers initialises them to 0 and 1, which would hide a bias or norm that is never
+loaded)."""
 
 from __future__ import annotations
 
@@ -296,6 +297,47 @@ def test_generation_config_eos_list(tmp_path):
     expected = hf_greedy(path, prompts, NEW_TOKENS, eos="config")
     assert len(expected[0]) == 6  # it stops at `stop`
     assert our_greedy(path, prompts, ignore_eos=False) == expected
+
+
+def word_tokenizer(path: Path, vocab: int, specials: dict[int, str]) -> None:
+    """A tokenizer.json of `vocab` word tokens ("t0", "t1", ...), `specials` added as special
+    tokens in place of theirs (the layout of a chat fine-tune's <|im_end|>)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = {specials.get(i, f"t{i}"): i for i in range(vocab)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in specials.values()])
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "special_tokens_map"])
+def test_the_tokenizers_eos_token_ends_a_request_as_in_vllm(tmp_path, where):
+    """A tokenizer whose eos_token is none of config.json's / generation_config.json's ids (a
+    ChatML fine-tune of a base model: <|im_end|> there, </s> in the configs): vLLM stops on
+    the tokenizer's eos_token_id too, so a request ends at it (stop, no stop_reason) unless
+    ignore_eos; its text is left out."""
+    path = save_variant(tmp_path, "llama", 11)
+    prompts = prompts_of()
+    plain = our_greedy(path, prompts)
+    stop = plain[0][5]
+    word_tokenizer(path, 256, {stop: "<|im_end|>", 2: "</s>"})
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "</s>"}
+    if where == "tokenizer_config":
+        config["eos_token"] = {"__type": "AddedToken", "content": "<|im_end|>", "special": True}
+    else:  # the legacy layout: the config lists no added_tokens_decoder
+        (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(path)).eos_token_id == stop
+    assert stop not in ModelConfig.from_dir(path).eos_token_ids
+    engine = Engine(str(path), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4)
+    out = engine.generate(prompts[:1], SamplingParams(max_new_tokens=NEW_TOKENS))[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (plain[0][:6], "stop", None)
+    assert "<|im_end|>" not in out.text
+    kept = engine.generate(prompts[:1], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert kept[0].token_ids == plain[0]
 
 
 def test_generation_config_that_is_not_an_object_is_refused(tmp_path):
