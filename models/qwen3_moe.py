@@ -255,6 +255,12 @@ def make_dispatcher(
                 "ranks; use all2all or deepep"
             )
         return LocalDispatcher(cfg.num_experts, limit)
+    if ep_size == 1 and (backend == "all2all" or str(device).startswith("cuda")):
+        # no process group joins one rank: its first dispatch would fail in torch
+        raise SpeculantError(
+            f"--moe-backend {backend} moves tokens between ranks but this job has one; use "
+            "local (or auto) on one rank, or start several with --tp/--dp"
+        )
     if backend == "all2all":
         # pctx.ep_group: every rank, on the device backend (None outside a job: the default group)
         return AllToAllDispatcher(

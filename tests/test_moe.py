@@ -251,6 +251,10 @@ def test_backend_and_limit_errors(moe_dir):
         make_dispatcher(cfg, single, MoeConfig(backend="deepep"), 4, "cpu")
     with pytest.raises(SpeculantError, match="--moe-backend local keeps every expert"):
         make_dispatcher(cfg, ParallelContext(dp_size=2), MoeConfig(backend="local"), 4, "cpu")
+    # all2all on one rank had no process group: torch's "Default process group has not been
+    # initialized" at the first MoE forward
+    with pytest.raises(SpeculantError, match="--moe-backend all2all moves tokens between ranks"):
+        make_dispatcher(cfg, single, MoeConfig(backend="all2all"), 4, "cpu")
     with pytest.raises(SpeculantError, match=r"max_tokens_per_rank=4 .* at least 8"):
         make_dispatcher(cfg, single, MoeConfig(max_tokens_per_rank=4), 8, "cpu")
     with pytest.raises(SpeculantError, match="not divisible by the 3 expert-parallel ranks"):
