@@ -97,18 +97,27 @@ class DPShares:
         self.requests = {r.index: r for r in requests}
 
     def unstarted_tail(self, dp_rank: int, limit: int) -> int:
-        """How many of DP rank `dp_rank`'s last requests it has not started, counted up to
-        `limit` (this rank's own requests: it reads their state)."""
+        """How many of DP rank `dp_rank`'s last requests it has not started and could give away,
+        counted up to `limit` (this rank's own requests: it reads their state). The later
+        completions of a prompt whose first ones started here stay with them (they take its
+        pages): they are not counted, else a surplus that cannot move could be the largest and
+        keep another rank's from moving."""
+        own = self.lists[dp_rank]
         count = 0
-        for index in reversed(self.lists[dp_rank]):
-            if count >= limit:
-                break
-            request = self.requests[index]
-            started = request.row >= 0 or request.output_ids or request.num_preemptions
-            if started or request.finish_reason is not None:
-                break
+        while count < limit and count < len(own) and not self._started(own[-1 - count]):
             count += 1
+        # a prompt whose completions reach past the front of that tail (the first ones started,
+        # or beyond `limit`) cannot move from its front: plan_moves never splits a prompt
+        if 0 < count < len(own) and self._prompt(own[-count - 1]) == self._prompt(own[-count]):
+            prompt = self._prompt(own[-count])
+            while count and self._prompt(own[-count]) == prompt:
+                count -= 1
         return count
+
+    def _started(self, index: int) -> bool:
+        request = self.requests[index]
+        started = request.row >= 0 or request.output_ids or request.num_preemptions
+        return bool(started) or request.finish_reason is not None
 
     def plan_moves(self, queues: Sequence[Sequence[int]]) -> list[Move]:
         """The moves for every rank's (unstarted tail, waiting, free rows), in DP-rank order: each

@@ -344,6 +344,13 @@ def test_dp_shares_move_half_the_surplus_from_the_tail_never_splitting_a_prompt(
     shares = DPShares([list(range(12)), [], []], requests(range(12)))
     moves = shares.plan_moves([(12, 12, 0), (0, 0, 1), (0, 0, 1)])
     assert moves == [Move(0, 1, [6, 7, 8, 9, 10, 11]), Move(0, 2, [3, 4, 5])]
+    # a prompt's completions waiting behind its first ones (started: they hold its pages) cannot
+    # move: they are not counted as a surplus, so another rank's movable surplus moves
+    shares = DPShares([list(range(8)), [8, 9, 10, 11], []], requests([0] * 8 + [1, 2, 3, 4]))
+    shares.requests[0].row, shares.requests[1].row = 0, 1  # prompt 0's first two run on rank 0
+    assert shares.unstarted_tail(0, 6) == 0 and shares.unstarted_tail(1, 4) == 4
+    moves = shares.plan_moves([(0, 6, 0), (4, 4, 0), (0, 0, 2)])
+    assert moves == [Move(1, 2, [10, 11])]
 
 
 def test_assign_requests_balances_tokens():
