@@ -123,21 +123,24 @@ class DPShares:
         """The moves for every rank's (unstarted tail, waiting, free rows), in DP-rank order: each
         rank with nothing waiting and a free row (in rank order) takes from the rank whose
         surplus (waiting past its free rows, at most its unstarted tail) is largest, half of it
-        (at least one). Applied to `lists` here; the caller moves the requests themselves."""
+        (at least one; a surplus whose half would split a prompt gives none, and the next largest
+        is taken from). Applied to `lists` here; the caller moves the requests themselves."""
         surplus = [min(q[0], q[1] - q[2]) for q in queues]
         moves = []
         for dst, (_, waiting, free) in enumerate(queues):
             if waiting or free <= 0:
                 continue
-            src = max(range(len(queues)), key=lambda d: (surplus[d], -d))
-            if surplus[src] <= 0:
-                break
-            own = self.lists[src]
-            cut = len(own) - max(1, surplus[src] // 2)
-            while 0 < cut < len(own) and self._prompt(own[cut]) == self._prompt(own[cut - 1]):
-                cut += 1  # a prompt's completions stay together
-            if cut >= len(own):
-                continue
+            while True:
+                src = max(range(len(queues)), key=lambda d: (surplus[d], -d))
+                if surplus[src] <= 0:
+                    return moves
+                own = self.lists[src]
+                cut = len(own) - max(1, surplus[src] // 2)
+                while 0 < cut < len(own) and self._prompt(own[cut]) == self._prompt(own[cut - 1]):
+                    cut += 1  # a prompt's completions stay together
+                if cut < len(own):
+                    break
+                surplus[src] = 0  # its half would split a prompt: the next largest surplus
             indices, own[cut:] = own[cut:], []
             self.lists[dst] += indices
             surplus[src] -= len(indices)

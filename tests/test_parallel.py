@@ -351,6 +351,9 @@ def test_dp_shares_move_half_the_surplus_from_the_tail_never_splitting_a_prompt(
     assert shares.unstarted_tail(0, 6) == 0 and shares.unstarted_tail(1, 4) == 4
     moves = shares.plan_moves([(0, 6, 0), (4, 4, 0), (0, 0, 2)])
     assert moves == [Move(1, 2, [10, 11])]
+    # a largest surplus whose half would split a prompt does not keep the next from moving
+    shares = DPShares([[0, 1, 2, 3], [4, 5, 6], []], requests([0, 1, 1, 1, 2, 3, 4]))
+    assert shares.plan_moves([(4, 4, 0), (3, 3, 0), (0, 0, 2)]) == [Move(1, 2, [6])]
 
 
 def test_assign_requests_balances_tokens():
