@@ -147,6 +147,13 @@ class Engine:
                 f"max_num_seqs={cache.max_num_seqs} is less than dp={cfg.parallel.dp}; raise "
                 "--max-num-seqs (it counts requests over all DP ranks)"
             )
+        rank0 = self.pctx.tp_rank == 0 and self.pctx.dp_rank == 0
+        if cache.max_num_seqs % cfg.parallel.dp and rank0:
+            log.warning(
+                "max_num_seqs=%d is not a multiple of dp=%d: each DP rank runs %d requests at "
+                "once (%d in all); pass a multiple of %d", cache.max_num_seqs, cfg.parallel.dp,
+                self.max_num_seqs, self.max_num_seqs * cfg.parallel.dp, cfg.parallel.dp,
+            )
         rows = rows_that_fit(
             self.max_num_seqs,
             cache.page_size,

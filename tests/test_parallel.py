@@ -964,3 +964,17 @@ def test_one_shot_all_reduce_stays_off_across_hosts(monkeypatch):
     monkeypatch.setattr(pctx, "all_gather_object", lambda obj: gathered.append(obj) or list("aabc"))
     assert all_reduce.build_one_shot(pctx, torch.bfloat16, "cuda") is None
     assert len(gathered) == 1  # the host names only: no buffer, no probe, no error exchange
+
+
+def test_max_num_seqs_not_a_multiple_of_dp_is_said_once():
+    """--max-num-seqs counts requests over all DP ranks and each rank takes its floor share:
+    3 over dp=2 ran one request per rank, 2 in all, without a word; rank 0 now says so once."""
+    run = subprocess.run(
+        [sys.executable, "-m", "speculant", "generate", "--device", "cpu", "--dp", "2",
+         "--max-num-seqs", "3", "--prompt", "x", "--max-new-tokens", "2", "--num-draft-tokens",
+         "0", "--dist-timeout", "60"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = [line for line in run.stderr.splitlines() if "is not a multiple of dp=2" in line]
+    assert len(said) == 1 and "max_num_seqs=3" in said[0] and "2 in all" in said[0], run.stderr
