@@ -1005,14 +1005,14 @@ def test_ray_job_submit(flags, expected, prompts_file, tmp_path):
     job_flags = [*flags[: flags.index("--prompts")], "--prompts", "prompts.jsonl",
                  *flags[flags.index("--prompts") + 2 :], "--tp", "2", "--dp", "2"]  # fmt: skip
     with ray_head(head, env) as head_process:
-        ok = run([*submit, *driver, *job_flags, "--output", str(out)], env=env)
+        ok = submit_job([*submit, *driver, *job_flags, "--output", str(out)], env)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "4 rank(s) on 1 node(s) (STRICT_PACK)" in ok.stdout + ok.stderr
         assert read_tokens(out) == expected
 
         start = time.monotonic()
         killed = [*submit, "env", "SPECULANT_TEST_KILL_RANK=1", *driver, *job_flags]
-        failed = run([*killed, "--dp", "1", "--dist-timeout", "20"], env=env)
+        failed = submit_job([*killed, "--dp", "1", "--dist-timeout", "20"], env)
         assert time.monotonic() - start < KILL_BOUND_S + 30  # with the job's own start-up
         log = failed.stdout + failed.stderr
         assert failed.returncode != 0, log
@@ -1022,6 +1022,19 @@ def test_ray_job_submit(flags, expected, prompts_file, tmp_path):
         while actor_processes(head_process.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert actor_processes(head_process.pid) == []
+
+
+def submit_job(cmd: list[str], env: dict, within_s: float = 90):
+    """`ray job submit ...`, tried again while the head's job agent is not yet up (the
+    dashboard answers "No available agent to submit job, please try again later" for a while
+    after `ray start --head` prints that it is up, longer on a loaded machine; no job ran)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        done = run(cmd, env=env)
+        if "No available agent to submit job" not in done.stdout + done.stderr:
+            return done
+        assert time.monotonic() < deadline, done.stdout + done.stderr
+        time.sleep(1)
 
 
 @contextlib.contextmanager
