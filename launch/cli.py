@@ -77,6 +77,7 @@ from speculant.launch.paths import (
     read_input,
     same_file,
     write_errors_named,
+    write_lines,
 )
 from speculant.launch.threads import check_threads, set_cpu_threads
 
@@ -1026,8 +1027,7 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         if args.output:
             with write_errors_named(args.output, "--output"):
                 out_file = out_file or open_output(args.output)
-                out_file.write(out.json_line())
-                out_file.flush()
+                write_lines(out_file, [out.json_line()])
         else:
             finished.append(out)
             if spool is not None:  # the launcher prints it if this rank cannot
@@ -1175,7 +1175,7 @@ def report_outputs(
             write_errors_named(args.output, "--output"),
             open_output(args.output) as out_file,
         ):
-            out_file.writelines(out.json_line() for out in outputs)
+            write_lines(out_file, (out.json_line() for out in outputs))
     elif not args.output:
         print_completions(outputs, stdout, specs, on_printed=on_printed)
     if getattr(args, "bundled_draft", False) and (line := bundled_drafter_line(args, outputs)):

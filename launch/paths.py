@@ -17,7 +17,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -208,6 +208,31 @@ def open_output(path: str) -> TextIO:
             os.set_blocking(fd, True)
             return os.fdopen(fd, "w", encoding="utf-8")
     return open(path, "w", encoding="utf-8")
+
+
+def write_lines(file: TextIO, lines: Iterable[str]) -> None:
+    """Write whole `lines` (each ending in a newline) to `file`, an output from open_output,
+    straight to its descriptor (nothing stays buffered). A write that fails part way (a full
+    disk, a file size limit) or is interrupted leaves a regular file ending at its last whole
+    line, so what was written before stays valid JSONL; the error is raised."""
+    data = "".join(lines).encode("utf-8")
+    if not data:
+        return
+    file.flush()  # anything written through `file` itself goes first
+    fd = file.fileno()
+    regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    start = os.lseek(fd, 0, os.SEEK_CUR) if regular else 0
+    done = 0
+    try:
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except BaseException:
+        if regular and done < len(data):  # cut the line the failure left half written
+            whole = data.rfind(b"\n", 0, done) + 1
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start + whole)
+                os.lseek(fd, start + whole, os.SEEK_SET)
+        raise
 
 
 def check_writable(path: str, flag: str, example: str = "out.jsonl") -> None:

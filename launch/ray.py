@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from speculant.errors import PromptError, SpeculantError
-from speculant.launch.paths import open_output, write_errors_named
+from speculant.launch.paths import open_output, write_errors_named, write_lines
 from speculant.launch.spawn import GRACE_S, Terminated, close_progress_bars, stopped_line
 
 log = logging.getLogger("speculant")
@@ -348,8 +348,7 @@ class _Finished:
             return
         with write_errors_named(self.path, "--output"):
             self.file = self.file or open_output(self.path)
-            self.file.writelines(out.json_line() for out in batch)
-            self.file.flush()
+            write_lines(self.file, (out.json_line() for out in batch))
         self.written += len(batch)
 
     def close(self) -> None:

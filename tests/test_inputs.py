@@ -713,3 +713,29 @@ def test_a_text_prompt_without_a_tokenizer_says_the_same_everywhere(capsys, tmp_
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [5]}, {"prompt": "hi"}])
     line = error_line(*run_main(capsys, "--target", folder, "--prompts", prompts))
     assert f"{prompts}:2: the prompt is text but '{folder}' has no tokenizer.json; add one" in line
+
+
+def test_output_that_fills_up_keeps_whole_lines(llama_dir, tmp_path):
+    """A write that fails part way through a line (a full disk; here a file size limit, which
+    fails the same way: the bytes up to it are written) leaves --output ending at its last whole
+    line, valid JSONL, with the one-line error and exit 2."""
+    import resource
+
+    rows = [{"prompt_token_ids": [5 + i, 6, 7], "max_new_tokens": 3} for i in range(12)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, limit = tmp_path / "out.jsonl", 1500  # a few lines of ~500 bytes, the last cut
+
+    def small_files() -> None:  # Python ignores SIGXFSZ: the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, "-m", "speculant", "generate", "--device", "cpu", "--target",
+           str(llama_dir), "--prompts", "p.jsonl", "--output", str(out),
+           "--max-num-seqs", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          preexec_fn=small_files)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"speculant: error: --output '{out}': writing failed" in proc.stderr.splitlines()[-1]
+    text = out.read_text()
+    assert text and text.endswith("\n") and len(text) < limit, text[-200:]
+    indices = [json.loads(line)["index"] for line in text.splitlines()]
+    assert indices == sorted(set(indices)) and len(indices) < len(rows)
