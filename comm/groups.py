@@ -11,6 +11,7 @@ stuck rank makes the others fail instead of hanging."""
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -233,6 +234,29 @@ class ParallelContext:
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
         dist.gather_object(obj, out, dst=dst, group=self.cpu_group)
         return out
+
+    def gather_with_flag(self, obj: Any, flag: int, dst: int = 0) -> tuple[list[Any] | None, int]:
+        """`obj` of every rank on global rank `dst` (None elsewhere; a falsy obj arrives as None)
+        and, on every rank, the largest of the ranks' `flag`s: one all-gather of two ints a rank,
+        then a gather of the pickled objects only when some rank has one."""
+        if self.world_size == 1:
+            return [obj], flag
+        data = pickle.dumps(obj) if obj else b""
+        head = torch.tensor([len(data), flag], dtype=torch.int64)
+        heads = [torch.empty_like(head) for _ in range(self.world_size)]
+        dist.all_gather(heads, head, group=self.cpu_group)
+        sizes, top = [int(h[0]) for h in heads], max(int(h[1]) for h in heads)
+        if max(sizes) == 0:
+            return ([None] * self.world_size if self.rank == dst else None), top
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in sizes] if self.rank == dst else None
+        dist.gather(mine, parts, dst=dst, group=self.cpu_group)
+        if parts is None:
+            return None, top
+        return [pickle.loads(p[:n].numpy().tobytes()) if n else None
+                for p, n in zip(parts, sizes, strict=True)], top  # fmt: skip
 
     def store(self) -> Any:
         """The job's key-value store (the default process group's TCPStore or FileStore), or None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -76,6 +77,7 @@ from speculant.executor.speculation import (
 )
 from speculant.executor.step_plan import DPStepSizes, Move, StepPlan
 from speculant.executor.stop_strings import StopStrings
+from speculant.executor.stops import DeferredStops
 from speculant.models.loader import iter_safetensors, load_weights, resolve_dtype
 
 log = logging.getLogger("speculant")
@@ -924,22 +926,29 @@ class Engine:
         if key is not None and store is not None and pctx.dp_size > 1 and pctx.tp_rank == 0:
             progress = JobProgress(store, key, len(requests), reads=pctx.rank == 0)
         emitted: set[tuple[int, int]] = set()
+        # while streaming, a Ctrl-C or SIGTERM on any rank stops every rank at the step boundary
+        # after rank 0 took that step's outputs (executor/stops.py): none finished is lost
+        stops = DeferredStops() if stream else contextlib.nullcontext()
 
         def stream_to_rank0(finished: list[RequestOutput]) -> None:
-            parts = pctx.gather_object(finished if pctx.tp_rank == 0 else None)
+            mine = finished if pctx.tp_rank == 0 else None
+            parts, stop = pctx.gather_with_flag(mine, stops.pending)
             for out in (out for part in parts or [] if part for out in part):
                 if out.key not in emitted:
                     emitted.add(out.key)
                     on_output(out)
+            if stop:
+                stops.stop(stop)
 
-        local = self.run(
-            [requests[i] for i in shares.lists[pctx.dp_rank]],
-            use_tqdm=use_tqdm and pctx.rank == 0,
-            on_step=stream_to_rank0 if stream else None,
-            progress=progress,
-            shares=shares if pctx.dp_size > 1 else None,
-        )
-        gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
+        with stops:
+            local = self.run(
+                [requests[i] for i in shares.lists[pctx.dp_rank]],
+                use_tqdm=use_tqdm and pctx.rank == 0,
+                on_step=stream_to_rank0 if stream else None,
+                progress=progress,
+                shares=shares if pctx.dp_size > 1 else None,
+            )
+            gathered = pctx.gather_object(local if pctx.tp_rank == 0 else None)
         if gathered is None:
             return local
         outputs = sorted((out for part in gathered if part for out in part), key=lambda o: o.key)

@@ -414,6 +414,54 @@ def progress_in_rank(target: str, calls: list[tuple]) -> list[tuple] | None:
     return bars if pctx.rank == 0 else None
 
 
+def interrupted_in_rank(target: str, stopper: int) -> dict:
+    """The body of every rank of a DP=2 job that streams its outputs to rank 0 (on_output):
+    rank `stopper` gets Ctrl-C's SIGINT (Python's default handler) right after its first step
+    that finished requests, before that step's outputs are gathered. Returns the requests this
+    rank finished, what rank 0's on_output got and the exception that ended generate."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    pctx = ParallelContext.from_env(1, 2, "cpu", timeout_s=20)
+    engine = Engine(target, pctx=pctx, **ENGINE, enforce_eager=True)
+    finished, written, step = [], [], engine.step
+
+    def step_then_ctrl_c():
+        done = step()
+        finished.extend(r.index for r in done)
+        if done and pctx.rank == stopper and len(finished) == len(done):
+            signal.raise_signal(signal.SIGINT)
+        return done
+
+    engine.step = step_then_ctrl_c
+    short = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    # each DP rank one short and one long request of the same lengths: the short ones end in
+    # the same step on both ranks
+    prompts = prompts_of((5, 5, 5, 5), seed=11) if pctx.rank == 0 else None
+    params = [short, short, long, long] if pctx.rank == 0 else None
+    try:
+        engine.generate(prompts, params, on_output=lambda out: written.append(out.index))
+        ended = None
+    except BaseException as exc:  # noqa: BLE001 - what ended it is the result
+        ended = type(exc).__name__
+    return dict(finished=finished, written=written, ended=ended)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stopper", [0, 1])
+def test_ctrl_c_under_dp_keeps_what_any_rank_finished(llama_dir, stopper):
+    """Ctrl-C reaching a DP rank between a step that finished requests there and that step's
+    gather to rank 0 lost them: every rank now stops at the step boundary after the gather, so
+    every request finished on either DP rank is in rank 0's on_output, once, and both ranks end
+    with KeyboardInterrupt (the CLI then exits 130)."""
+    ranks = run_ranks(interrupted_in_rank, 2, (str(llama_dir), stopper), timeout_s=200)
+    assert [r["ended"] for r in ranks] == ["KeyboardInterrupt"] * 2, ranks
+    finished = {i for r in ranks for i in r["finished"]}
+    written = ranks[0]["written"]
+    assert ranks[1]["finished"] and len(written) == len(set(written)), ranks
+    assert set(written) == finished, ranks
+    assert finished == {0, 1}  # one each, in the step of the stop
+
+
 def test_dp2_progress_bar_counts_the_whole_job(llama_dir):
     """Under DP the bar on rank 0 counts every request of the job, not rank 0's share: its total
     is all requests, it advances as DP rank 1 finishes its four while rank 0's one long request
