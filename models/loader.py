@@ -272,6 +272,12 @@ def load_weights(
                 part = name if shard is None else f"{name} (part {shard})"
                 if hint := _scale_layout_hint(name, unused):
                     raise SpeculantError(f"{source} lacks the tensor for {part!r}: {hint}")
+                if held := _unread_beside(name, unused, rename):
+                    raise SpeculantError(
+                        f"{source} lacks the tensor for {part!r}; it holds {held}, which this "
+                        "model does not read: a layout of these weights it does not support, "
+                        "or a checkpoint for another architecture"
+                    )
                 raise SpeculantError(
                     f"{source} lacks the tensor for {part!r}; the checkpoint is "
                     "incomplete or for another architecture"
@@ -294,6 +300,19 @@ def load_weights(
                 source,
                 ", ".join(shadowed),
             )
+
+
+def _unread_beside(
+    missing: str, unused: list[str], rename: Callable[[str], str] = lambda name: name
+) -> str:
+    """The unused tensors under the module of parameter `missing` (e.g. experts stacked per
+    projection beside the fused `experts.gate_up_proj` it lacks), named for its error ("" when
+    none): the warning naming unused tensors comes after the error, so would never show."""
+    module = missing.rsplit(".", 1)[0] + "."
+    beside = [repr(n) for n in unused if rename(n).startswith(module)]
+    shown = ", ".join(beside[:MAX_NAMES_SHOWN])
+    more = f" and {len(beside) - MAX_NAMES_SHOWN} more" if len(beside) > MAX_NAMES_SHOWN else ""
+    return shown + more
 
 
 def _scale_layout_hint(missing: str, unused: list[str]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import socket
 import traceback
 from contextlib import contextmanager
@@ -231,6 +232,30 @@ def test_missing_expert_tensor_is_named(moe_dir):
     )
     with pytest.raises(SpeculantError, match=r"experts\.gate_up_proj \(part \(3, 1\)\)"):
         load_weights(model, weights, str(moe_dir))
+
+
+def test_unread_expert_layout_is_named(moe_dir):
+    """Experts stacked per projection (`mlp.experts.gate_proj` [E, I, H], up, down), a layout
+    the loader does not read: the refusal names the tensors the checkpoint holds there, not only
+    the part it lacks (the warning naming them came after the error, so never showed)."""
+    cfg = ModelConfig.from_dir(moe_dir)
+    model = build_causal_lm(cfg, 64, ParallelContext.single())
+    per_expert = re.compile(r"(.*\.experts)\.(\d+)\.(\w+_proj)\.weight$")
+    stacked: dict[str, list] = {}
+    weights = {}
+    for name, tensor in iter_safetensors(moe_dir):
+        if m := per_expert.match(name):
+            stacked.setdefault(f"{m[1]}.{m[3]}", []).append((int(m[2]), tensor))
+        else:
+            weights[name] = tensor
+    for name, parts in stacked.items():
+        weights[name] = torch.stack([t for _, t in sorted(parts, key=lambda p: p[0])])
+    with pytest.raises(SpeculantError) as info:
+        load_weights(model, iter(sorted(weights.items())), str(moe_dir))
+    message = str(info.value)
+    assert "\n" not in message and "lacks the tensor for 'model.layers.0.mlp.experts" in message
+    # what it holds there (its down_proj is the fused layout's, and loads)
+    assert "'model.layers.0.mlp.experts.gate_proj', 'model.layers.0.mlp.experts.up_proj'" in message
 
 
 def test_moe_draft_model_is_refused_naming_the_architecture(moe_dir):
