@@ -72,6 +72,15 @@ class SamplingParams:
     # built with max_logprobs (Engine(max_logprobs=N), --max-logprobs N) at least this large
     logprobs: int | None = None
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # a field it lacks (vLLM's max_tokens, min_tokens, penalties) would be kept and ignored
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(
+                f"SamplingParams has no field {name!r}, so it cannot be set; its fields: "
+                f"{', '.join(self.__dataclass_fields__)}"
+            )
+        object.__setattr__(self, name, value)
+
     def validate(self) -> SamplingParams:
         """Raise on a value that cannot be right, naming it; else the params a request runs
         with: these, or a copy whose temperature below GREEDY_TEMPERATURE is 0 (greedy). The

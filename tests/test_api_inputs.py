@@ -66,6 +66,19 @@ def test_the_callers_sampling_params_are_not_changed(engine):
     assert given.temperature == 1e-6
 
 
+@pytest.mark.parametrize("name", ["max_tokens", "min_tokens", "presence_penalty", "logit_bias"])
+def test_a_sampling_field_it_does_not_have_cannot_be_set(engine, name):
+    """A field SamplingParams lacks (vLLM's max_tokens, min_tokens, penalties) is refused when
+    set on an object as it is in the constructor: it was kept and silently ignored (a request
+    with params.max_tokens = 2 ran to the default 64 tokens)."""
+    with pytest.raises(TypeError, match=name):
+        SamplingParams(**{name: 2})
+    params = SamplingParams(max_new_tokens=3)
+    with pytest.raises(AttributeError, match=name):
+        setattr(params, name, 2)
+    assert len(engine.generate([[5, 6]], params)[0].token_ids) == 3
+
+
 def test_generate_inside_on_output_is_refused_and_the_engine_goes_on(engine):
     """One engine runs one generate at a time: a nested call (from on_output) raised KeyError
     after running the outer requests as its own; now a clear error reaches the outer caller,
