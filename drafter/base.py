@@ -21,8 +21,7 @@ from speculant.executor.sampling import (
     STREAM_DRAFT,
     STREAM_SAMPLE,
     filtered_probs,
-    sample_from,
-    uniform,
+    race,
 )
 
 
@@ -172,17 +171,17 @@ class Drafter(ABC):
         self, logits: torch.Tensor, sampling: SamplingInfo, positions: torch.Tensor, variant: str
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft token per row (target ids) from draft logits [bs, V_draft]: argmax for greedy
-        rows, else a sample from q (temperature, top-k, top-p applied) drawn with
-        `draft_stream` at the drafted token's `positions`; q is returned in target space (None
-        under `match_samples`)."""
+        rows, else a sample from q (temperature, top-k, top-p applied) raced with
+        `draft_stream` at the drafted token's `positions`, keyed by target ids; q is returned
+        in target space (None under `match_samples`)."""
         greedy = self.to_target_ids(logits.argmax(-1))
         if variant == GREEDY:
             return greedy, None
         q = filtered_probs(
             logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
         )
-        u = uniform(sampling.seed, positions, self.draft_stream)
-        drawn = self.to_target_ids(sample_from(q, u))
+        ids = self.to_target_ids(torch.arange(q.shape[-1], device=q.device))
+        drawn = ids[race(q, sampling.seed, positions, self.draft_stream, ids)]
         kept = None if self.match_samples else self.probs_to_target(q)
         return torch.where(sampling.is_greedy, greedy, drawn), kept
 

@@ -48,7 +48,7 @@ from speculant.drafter.dflash import (
 )
 from speculant.drafter.eagle import ReplicatedLinear, _copy_whole
 from speculant.errors import SpeculantError
-from speculant.executor.sampling import GREEDY, filtered_probs, sample_from, uniform
+from speculant.executor.sampling import GREEDY, filtered_probs, race
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
@@ -235,8 +235,9 @@ class DFlash2Drafter(DFlashDrafter):
             index = scores.argmax(-1)
             if variant != GREEDY:
                 q = filtered_probs(scores, sampling.temperature, no_top_k, no_top_p)
-                u = uniform(sampling.seed, block_positions[:, i + 1], self.draft_stream)
-                index = torch.where(sampling.is_greedy, index, sample_from(q, u))
+                drawn = race(q, sampling.seed, block_positions[:, i + 1], self.draft_stream,
+                             candidates[:, i])  # fmt: skip
+                index = torch.where(sampling.is_greedy, index, drawn)
                 if not self.match_samples:  # verify by match needs no q
                     probs.append(torch.zeros_like(logits[:, i]).scatter_(-1, candidates[:, i], q))
             previous = candidates[:, i].gather(-1, index[:, None])[:, 0]

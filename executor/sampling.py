@@ -1,13 +1,27 @@
 """Sampling that does not depend on batching: temperature, top-k and top-p applied to the
 distribution, and random numbers from a counter-based hash of (request seed, position, stream),
-so a seeded request draws the same numbers in any batch, padding, graph or eager path."""
+so a seeded request draws the same numbers in any batch, padding, graph or eager path.
+
+A token is drawn by an exponential race (`race`): the largest p(t) / E(t), with E(t) ~ Exp(1)
+a hash of (seed, position, stream, target token id t), which picks t with probability
+p(t) / sum p. Only the two best ratios decide the draw, so a logit's last-bit change with the
+batch shape moves a draw only when those two are within that change of each other (an
+inverse-CDF draw moved whenever u fell within it of any of the cumulative sums' boundaries:
+~1,000x more often at a 152k vocabulary). Keyed by token id, a drafter's draw over its own
+vocabulary and the target's over the whole one share their numbers token by token (the coupling
+`--sampled-verify match` accepts by)."""
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.request import GREEDY_TEMPERATURE
+
+log = logging.getLogger("speculant")
 
 MASK32 = 0xFFFFFFFF
 # Independent random streams per position.
@@ -59,17 +73,93 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """U(0,1) float32 per element, a pure function of (seed, position, stream).
-    seed broadcasts against position (for example [bs, 1] against [bs, T])."""
+def _key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """The 32-bit hash of (seed, position, stream); seed broadcasts against position."""
     key = _mix32((seed & MASK32) ^ _mix32((seed >> 32) & MASK32) ^ (stream * 0x9E3779B9 & MASK32))
     # the position hashed before it meets the key: with key ^ position, two requests whose keys
     # differ by d < the context length drew the same numbers at positions p and p ^ d (a whole
     # stream shared, about one pair in a job of 1,000 requests); now only isolated coincidences
-    h = _mix32(key ^ _mix32((position & MASK32) ^ 0x5BD1E995))
-    # (2^24 - 1) + 0.5 rounds up to 2^24 in float32: keep u below 1, or u * total would reach the
-    # cdf's end and sample_from would pick the last id even where its probability is 0
+    return _mix32(key ^ _mix32((position & MASK32) ^ 0x5BD1E995))
+
+
+def _unit(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash to U(0,1) float32 on a 2^-24 grid, strictly inside (0, 1)."""
+    # (2^24 - 1) + 0.5 rounds up to 2^24 in float32: keep u below 1 (an exponential of 0 would
+    # make its token win the race whatever its probability)
     return (((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """U(0,1) float32 per element, a pure function of (seed, position, stream).
+    seed broadcasts against position (for example [bs, 1] against [bs, T])."""
+    return _unit(_key(seed, position, stream))
+
+
+def exponentials(
+    seed: torch.Tensor, position: torch.Tensor, stream: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Exp(1) float32 per (row, token): [..., V], a pure function of (seed, position, stream,
+    token id). seed broadcasts against position ([...]); ids [V] or [..., V] are target ids."""
+    token = _mix32((ids.long() & MASK32) ^ 0x27D4EB2F)
+    h = _mix32(_key(seed, position, stream).unsqueeze(-1) ^ token)
+    return -torch.log(_unit(h))
+
+
+def race(
+    probs: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    stream: int,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The index of the token drawn from probs [..., V] (not necessarily normalised, >= 0, some
+    mass in every row): argmax p / E with E the `exponentials` of (seed, position, stream) at
+    each index's target id (`ids` [V] or [..., V]; default the index itself). On CUDA one
+    Triton kernel (kernels/race.py) hashes, divides and reduces in one read of probs."""
+    kernel = _race_kernel(probs.device) if probs.is_cuda else None
+    if kernel is not None:
+        vocab = probs.shape[-1]
+        key = torch.broadcast_to(_key(seed, position, stream), probs.shape[:-1]).reshape(-1)
+        flat_ids = ids if ids is None or ids.dim() == 1 else ids.reshape(-1, vocab)
+        flat = probs.float().reshape(-1, vocab)
+        index = kernel(flat if flat.stride(-1) == 1 else flat.contiguous(), key, flat_ids)
+        return index.view(probs.shape[:-1])
+    if ids is None:
+        ids = torch.arange(probs.shape[-1], device=probs.device)
+    return argmax(probs / exponentials(seed, position, stream, ids))
+
+
+@functools.cache
+def _race_kernel(device: torch.device):
+    """kernels/race.py's `race` for this CUDA device, once it has drawn what the torch reference
+    draws on a check input; else None, said once, and the torch reference runs (without triton,
+    or where the kernel fails to build). Imported on first CUDA use only: the kernel modules
+    import triton, which the CPU tests set up first. The first call comes from a sampled step's
+    eager run (graph capture warms up each graph eagerly first), where the check may sync."""
+    try:
+        from speculant.kernels import race as kernel
+        from speculant.kernels.runtime import HAS_TRITON
+    except ImportError:
+        return None
+    if not HAS_TRITON:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # no check here
+        return kernel.race
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(8, 5000, generator=gen) * 4, -1)
+    seed, position = torch.arange(8) * 977 + 5, torch.arange(8) + 30
+    ids = torch.randperm(5000, generator=gen)
+    want = argmax(probs / exponentials(seed, position, STREAM_SAMPLE, ids))
+    try:
+        key = _key(seed, position, STREAM_SAMPLE).to(device)
+        got = kernel.race(probs.to(device), key, ids.to(device)).cpu()
+    except Exception as error:  # a Triton build or launch failure: the reference still samples
+        log.warning("the sampler's Triton kernel failed (%s); sampling with torch", error)
+        return None
+    if not torch.equal(got, want):
+        log.warning("the sampler's Triton kernel drew other tokens than torch; sampling with torch")
+        return None
+    return kernel.race
 
 
 def filtered_probs(
@@ -107,15 +197,6 @@ def filtered_probs(
     return kept / kept.sum(-1, keepdim=True)
 
 
-def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample per row: the first token whose cumulative mass exceeds u * total.
-    probs [..., V] (need not be normalised), u [...]."""
-    cdf = probs.cumsum(-1)
-    target = (u * cdf[..., -1]).unsqueeze(-1)
-    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return index.clamp_(max=probs.shape[-1] - 1)
-
-
 def sample(
     logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor, variant: str
 ) -> torch.Tensor:
@@ -124,5 +205,5 @@ def sample(
     if variant == GREEDY:
         return greedy
     probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p, info.min_p)
-    drawn = sample_from(probs, uniform(info.seed, positions, STREAM_SAMPLE))
+    drawn = race(probs, info.seed, positions, STREAM_SAMPLE)
     return torch.where(info.is_greedy, greedy, drawn)

@@ -1,13 +1,13 @@
 """Verify k draft tokens against the target: greedy (longest prefix equal to the target argmax,
 then the target's own token) or, for sampled rows, rejection sampling (accept d with probability
-min(1, p(d)/q(d)), else resample from norm(max(p - q, 0)); the bonus token comes from p) or, with
-`match`, the token plain sampling draws at each position (the same random number of the same
-seed and position, executor/sampling.py): a draft is accepted when it equals it, and the first
-that does not is replaced by it. Both are lossless; `match` also makes a seeded request's output
-the plain run's whatever was drafted (any k, any mix of drafting and plain steps; where the
-verify forward's logits equal the plain step's, as greedy equality needs too), at the price
-of accepting a draft only when the drafter drew that very token (drafters draw with the same
-random number then, `Drafter.match_samples`). k = 0 is plain sampling."""
+min(1, p(d)/q(d)), else resample from norm(max(p - q, 0)); the bonus token comes from p) or,
+with `match`, the token plain sampling draws at each position (the same random numbers of the
+same seed and position, executor/sampling.py's race): a draft is accepted when it equals it, and
+the first that does not is replaced by it. Both are lossless; `match` also makes a seeded
+request's output the plain run's whatever was drafted (any k, any mix of drafting and plain
+steps; where the verify forward's logits equal the plain step's, as greedy equality needs too),
+at the price of accepting a draft only when the drafter drew that very token (drafters race with
+the same per-token numbers then, `Drafter.match_samples`). k = 0 is plain sampling."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from speculant.executor.sampling import (
     STREAM_SAMPLE,
     argmax,
     filtered_probs,
-    sample_from,
+    race,
     uniform,
 )
 
@@ -49,12 +49,11 @@ def verify(
         p = filtered_probs(
             logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None], min_p
         )
-        u_sample = uniform(info.seed[:, None], out_pos, STREAM_SAMPLE)
         if match:  # what plain sampling draws at each position decides, not the drafts
-            sampled = sample_from(p, u_sample)
+            sampled = race(p, info.seed[:, None], out_pos, STREAM_SAMPLE)
             sampled_accepted = drafts == sampled[:, :k]
         else:
-            sampled, sampled_accepted = _rejection(p, drafts, draft_probs, info, out_pos, u_sample)
+            sampled, sampled_accepted = _rejection(p, drafts, draft_probs, info, out_pos)
         greedy_row = info.is_greedy[:, None]
         accepted = torch.where(greedy_row, accepted, sampled_accepted)
         candidates = torch.where(greedy_row, target_argmax, sampled)
@@ -66,7 +65,7 @@ def verify(
     return out, num_accepted + 1
 
 
-def _rejection(p, drafts, draft_probs, info, out_pos, u_sample):
+def _rejection(p, drafts, draft_probs, info, out_pos):
     """Rejection sampling: the candidates [bs, T] (the residual's sample at each draft position,
     p's after the last) and which drafts pass their accept test [bs, k]."""
     k = drafts.shape[1]
@@ -82,4 +81,5 @@ def _rejection(p, drafts, draft_probs, info, out_pos, u_sample):
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p[:, :k], residual)
     pick_from = torch.cat([residual, p[:, k:]], dim=1)
-    return sample_from(pick_from, u_sample), u_accept * q_draft < p_draft
+    sampled = race(pick_from, info.seed[:, None], out_pos, STREAM_SAMPLE)
+    return sampled, u_accept * q_draft < p_draft

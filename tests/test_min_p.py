@@ -21,7 +21,7 @@ from scipy.stats import chisquare
 import speculant
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.sampling import FULL, filtered_probs, sample_from, uniform
+from speculant.executor.sampling import FULL, filtered_probs, race
 from speculant.executor.verify import verify
 from speculant.launch import cli
 
@@ -92,7 +92,7 @@ def test_rejection_sampling_with_min_p_follows_target_distribution(drafts_sample
     positions = torch.arange(k + 1).expand(TRIALS, k + 1) + 40
     if drafts_sampled:
         q = filtered_probs(draft_logits, *one).expand(TRIALS, k, vocab)
-        drafts = sample_from(q, uniform(info.seed[:, None], positions[:, 1:] + 1000, 3))
+        drafts = race(q, info.seed[:, None], positions[:, 1:] + 1000, 3)
     else:
         q = None
         drafts = draft_logits.argmax(-1).expand(TRIALS, k)

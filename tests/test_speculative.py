@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from speculant import Engine, SamplingParams
 from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.sampling import FULL, filtered_probs, sample_from, uniform
+from speculant.executor.sampling import FULL, filtered_probs, race
 from speculant.executor.verify import verify
 
 
@@ -127,7 +127,7 @@ def test_rejection_sampling_follows_target_distribution(drafts_sampled, top_k, t
     if drafts_sampled:
         q = filtered_probs(draft_logits, temp[:1], torch.tensor([top_k]), torch.tensor([top_p]))
         q = q.expand(TRIALS, k, vocab)
-        drafts = sample_from(q, uniform(info.seed[:, None], positions[:, 1:] + 1000, 3))
+        drafts = race(q, info.seed[:, None], positions[:, 1:] + 1000, 3)
     else:
         q = None
         drafts = draft_logits.argmax(-1).expand(TRIALS, k)

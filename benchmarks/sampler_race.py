@@ -1,0 +1,90 @@
+"""The sampler's cost per step on the GPU: the exponential race (executor/sampling.py `race`,
+on CUDA the Triton kernel kernels/race.py; and its torch reference) against the inverse-CDF
+draw it replaced (reimplemented here), each after the same filtered_probs (temperature, top-k,
+top-p: the sort the sampled step already paid), at a 152k vocabulary for plain steps (T = 1) and
+verify steps (T = 4), bs 1 / 64 / 256. Also checks the kernel's draws equal the torch
+reference's on every row timed. Eager, CUDA-event timed, median of `--iters`.
+
+python benchmarks/sampler_race.py [--out DIR] [--vocab 152064] [--iters 50]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="folder for sampler_race.json")
+    parser.add_argument("--vocab", type=int, default=152_064)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--sizes", default="1x1,64x1,1x4,64x4,256x1")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from speculant.executor import sampling
+
+    assert torch.cuda.is_available(), "needs a GPU"
+    dev = "cuda"
+
+    def inverse_cdf(probs, seed, pos):
+        cdf = probs.cumsum(-1)
+        u = sampling.uniform(seed, pos, sampling.STREAM_SAMPLE)
+        index = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True)
+        return index.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+    def torch_race(probs, seed, pos):
+        ids = torch.arange(probs.shape[-1], device=probs.device)
+        return sampling.argmax(probs / sampling.exponentials(seed, pos, 1, ids))
+
+    def kernel_race(probs, seed, pos):
+        return sampling.race(probs, seed, pos, sampling.STREAM_SAMPLE)
+
+    def timed(fn, *a) -> float:
+        for _ in range(3):
+            fn(*a)
+        times = []
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*a)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    rows = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for size in args.sizes.split(","):
+        bs, T = (int(x) for x in size.split("x"))
+        logits = torch.randn(bs, T, args.vocab, device=dev, generator=gen) * 3
+        temp = torch.full((bs, 1), 0.8, device=dev)
+        top_k = torch.zeros((bs, 1), dtype=torch.long, device=dev)
+        top_p = torch.full((bs, 1), 0.95, device=dev)
+        seed = torch.arange(bs, device=dev)[:, None] * 7919 + 1
+        pos = torch.arange(T, device=dev)[None, :] + 100
+        filtered = (logits, temp, top_k, top_p)
+        probs = sampling.filtered_probs(*filtered)
+        same = torch.equal(kernel_race(probs, seed, pos), torch_race(probs, seed, pos))
+        row = {
+            "bs": bs, "T": T, "vocab": args.vocab,
+            "filtered_probs_ms": timed(sampling.filtered_probs, *filtered),
+            "inverse_cdf_ms": timed(inverse_cdf, probs, seed, pos),
+            "race_torch_ms": timed(torch_race, probs, seed, pos),
+            "race_kernel_ms": timed(kernel_race, probs, seed, pos),
+            "kernel_equals_torch": same,
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "sampler_race.json").write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["kernel_equals_torch"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
