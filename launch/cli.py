@@ -504,8 +504,8 @@ def build_parser(
         "--capture-sizes",
         type=_capture_sizes,
         metavar="1,2,4,8",
-        help="batch sizes to capture a CUDA graph for (default: 1, 2, 4 and multiples of 8 up "
-        "to 160, at most --max-num-seqs)",
+        help="batch sizes to capture a CUDA graph for (default: 1, 2, 4, 8, 16, ... 160, 176, "
+        "192, ... 256, 288, 320, ... 512, at most --max-num-seqs)",
     )
     spec.add_argument(
         "--max-capture-size", type=_positive_int, metavar="N", help="capture no larger batch"

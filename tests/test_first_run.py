@@ -354,6 +354,13 @@ def test_generate_help_shows_defaults_and_examples(capsys):
     ]:
         assert re.search(re.escape(flag) + r" [^-]*\(default: " + re.escape(default), out), flag
     assert "--num-draft-tokens K tokens drafted per step (default: 3;" in out
+    # the decode graphs' default sizes as executor/cuda_graph.py lists them (up to 512)
+    from speculant.executor.cuda_graph import DEFAULT_SIZES
+
+    sizes = re.search(r"--capture-sizes 1,2,4,8 [^(]*\(default: ([\d, .]+), at most", out)
+    assert sizes, "--capture-sizes: the default sizes are not listed"
+    named = [int(n) for n in re.findall(r"\d+", sizes[1])]
+    assert set(named) <= set(DEFAULT_SIZES) and named[-1] == max(DEFAULT_SIZES), sizes[1]
     assert "--algo {eagle3,draft-model,dflash} drafter kind (default: plain decoding;" in out
     assert "examples: speculant generate " in out
     assert "(default: None)" not in out and "(default: False)" not in out
