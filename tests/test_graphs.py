@@ -119,9 +119,9 @@ def test_padded_rows_write_only_the_dummy_page_and_leave_the_sentinel_zero(
 ):
     """Every request row in use (9 requests through 6 rows, rows freed and reused) and batches
     that shrink to sizes padded with sentinel rows (6 sizes [1, 2, 4, 5, 6]: 3 live rows run as
-    4): after every padded step the sentinel row is still zero and no live row maps page 0;
-    the padded rows wrote through the dummy page 0 only (every other page equals the unpadded
-    run's) and the tokens equal it."""
+    4; then a job of 3 requests): after every padded step the sentinel row is still zero and no
+    live row maps page 0; the padded rows wrote through the dummy page 0 only (every other page
+    equals the unpadded run's) and the tokens equal it."""
     from helpers_eagle import write_random_eagle3
 
     spec = {}
@@ -141,6 +141,9 @@ def test_padded_rows_write_only_the_dummy_page_and_leave_the_sentinel_zero(
     steps = check_sentinel_after_every_step(padded)
     ref = plain.generate(prompts, params)
     out = padded.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    # three requests alone run as 4 rows, whatever sizes the first job's finishing order gave
+    ref, out = plain.generate(prompts[:3], params[:3]), padded.generate(prompts[:3], params[:3])
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert any(bs > live for bs, live, _ in steps), "no step ran padded rows"
     assert set().union(*(rows for *_, rows in steps)) == set(range(6)), "a row was never used"
