@@ -20,6 +20,15 @@ copy of its working dir) or prints the outputs as one process does, then the sum
 --output, the completions finished when a run stops (Ctrl-C, SIGTERM) or fails are printed
 before its last line. Under `ray job submit` that output is the job's log.
 
+Stops: Ray blocks SIGINT in its workers, so a terminal's Ctrl-C never reaches the actors, and a
+rank killed at once loses the requests it finished in the step before that step's gather to rank
+0 (and rank 0 what it had not queued yet). On Ctrl-C or SIGTERM the driver asks the ranks to
+stop (`StopRequest`, an async actor each rank's `stop_requests` thread waits on): each rank then
+gets SIGINT in its main thread, recorded by `Engine.generate` (executor/stops.py), and every rank
+stops at the same step boundary after rank 0 queued that step's outputs. The driver drains the
+queue while it waits for them (`stop_ranks`, at most GRACE_S seconds) and then tears the job down
+as after any run: a rank still running is killed; a second Ctrl-C stops at once.
+
 GPUs: Ray sets CUDA_VISIBLE_DEVICES in each actor to the one GPU of its bundle (there it would
 be cuda:0, LOCAL_RANK 0). NCCL's peer-to-peer (CUDA IPC over NVLink) needs the peers' GPUs
 visible, so, as Ray Train does, each actor's CUDA_VISIBLE_DEVICES is widened, before CUDA
@@ -44,25 +53,30 @@ hold is refused at once. Ray's colour codes stay out of logs that are not a term
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import re
 import signal
 import socket
+import stat
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from speculant.errors import PromptError, SpeculantError
+from speculant.executor.stops import DeferredStops
 from speculant.launch.paths import open_output, write_errors_named, write_lines
 from speculant.launch.spawn import GRACE_S, Terminated, close_progress_bars, stopped_line
 
 log = logging.getLogger("speculant")
 POLL_S = 0.5  # how often the driver looks at the actors
 CONNECT_S = 10.0  # how long a named cluster's head gets to answer before the driver gives up
+WATCH_S = 0.2  # how often a rank's stop watcher looks whether its run has ended
 
 
 class RankWorker:
@@ -88,10 +102,13 @@ class RankWorker:
         args: argparse.Namespace,
         job: Any,
         outputs_queue: Any = None,
+        stop: Any = None,
     ) -> Any:
         """Join the job described by `env` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
         run this rank's part of `command`; rank 0 returns what the driver reports, and puts
-        each finished request's output on `outputs_queue` (the driver writes or keeps them)."""
+        each finished request's output on `outputs_queue` (the driver writes or keeps them).
+        A stop the driver asks for through `stop` (a StopRequest) reaches this rank as Ctrl-C
+        does (`stop_requests`)."""
         os.environ.update(env)
         rank0 = env["RANK"] == "0"
         level = logging.DEBUG if args.debug else logging.INFO if rank0 else logging.WARNING
@@ -103,11 +120,69 @@ class RankWorker:
                 outputs_queue.put(out)
 
             streamed = on_output if outputs_queue is not None and rank0 else None
-            outputs, seconds = generate_in_rank(args, job, on_output=streamed, use_tqdm=False)
+            with stop_requests(stop):
+                outputs, seconds = generate_in_rank(args, job, on_output=streamed, use_tqdm=False)
             return (outputs, seconds) if outputs is not None else None
         from speculant.launch.accept_rate import measure_in_rank
 
         return measure_in_rank(args, job, use_tqdm=False)
+
+
+class StopRequest:
+    """The driver's request that the ranks stop (an async Ray actor): each rank's `wait` returns
+    once the driver calls `set` (Ctrl-C or SIGTERM to the driver)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def set(self) -> None:
+        self.event.set()
+
+    async def wait(self) -> bool:
+        await self.event.wait()
+        return True
+
+
+@contextlib.contextmanager
+def stop_requests(stop: Any) -> Iterator[None]:
+    """While the body runs in this actor's main thread, the driver's stop request (`stop`, a
+    StopRequest handle) reaches it as SIGINT, as a terminal's Ctrl-C reaches a spawned rank: a
+    streaming multi-rank `Engine.generate` records it and every rank stops at the same step
+    boundary, after rank 0 queued that step's outputs (executor/stops.py); elsewhere it raises
+    KeyboardInterrupt. Ray's workers block SIGINT: it is unblocked in the main thread alone, for
+    the body."""
+    if stop is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import ray
+
+    main, done = threading.get_ident(), threading.Event()
+
+    def watch() -> None:
+        asked = stop.wait.remote()
+        while not done.is_set():
+            if ray.wait([asked], timeout=WATCH_S)[0]:
+                try:
+                    ray.get(asked)
+                except Exception:  # the driver (and its StopRequest) is gone: Ray ends us
+                    return
+                if not done.is_set():
+                    signal.pthread_kill(main, signal.SIGINT)
+                return
+
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    watcher = threading.Thread(target=watch, name="speculant-stop-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=2 * WATCH_S)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, handler)
 
 
 @dataclass
@@ -201,7 +276,13 @@ class _Job:
     """The placement group and actors of one run, torn down by `close`."""
 
     def __init__(self, ray: Any):
-        self.ray, self.pg, self.actors = ray, None, []
+        self.ray, self.pg, self.actors, self.stop = ray, None, [], None
+
+    def stop_request(self) -> Any:
+        """A StopRequest actor for the ranks to wait on (no CPU: the placement group holds every
+        CPU the ranks need), removed by `close`."""
+        self.stop = self.ray.remote(num_cpus=0)(StopRequest).remote()
+        return self.stop
 
     def place(self, world: int, device: str, timeout_s: float) -> str:
         from ray.util.placement_group import placement_group
@@ -257,7 +338,7 @@ class _Job:
     def close(self) -> None:
         """Kill every actor (GPU ranks end without NCCL destructors, as spawn's os._exit) and
         remove the placement group."""
-        for actor in self.actors:
+        for actor in [*self.actors, *([self.stop] if self.stop is not None else [])]:
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # already dead
@@ -269,7 +350,7 @@ class _Job:
                 remove_placement_group(self.pg)
             except Exception:  # the cluster is gone
                 pass
-        self.actors, self.pg = [], None
+        self.actors, self.pg, self.stop = [], None, None
 
 
 def supervise(
@@ -291,6 +372,24 @@ def supervise(
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             break
     return results, errors, sorted(refs[ref] for ref in pending)
+
+
+def stop_ranks(
+    ray: Any, stop: Any, refs: Sequence[Any], stop_s: float, on_poll: Callable[[], None]
+) -> None:
+    """Ask every rank to stop (`stop`, their StopRequest) and wait up to `stop_s` seconds for
+    their runs to end, running `on_poll` (the queue's drain) every poll: the ranks stop at one
+    step boundary after rank 0 queued that step's outputs, so none they finished is lost. Ranks
+    still running are left to the teardown, which kills them; a second Ctrl-C ends the wait."""
+    with contextlib.suppress(Exception):  # its actor is gone: the ranks are killed after stop_s
+        stop.set.remote()
+    pending, deadline = list(refs), time.monotonic() + stop_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(POLL_S, left))
+        on_poll()
 
 
 def failure_line(ray: Any, errors: list, stuck: list[int], grace_s: float) -> tuple[str, bool]:
@@ -331,8 +430,28 @@ class _Finished:
         self.queue = Queue(actor_options={"num_cpus": 0})
 
     def drain(self) -> None:
+        """Write (or keep) what rank 0 queued since the last drain. A Ctrl-C or SIGTERM waits
+        until the batch taken off the queue is written (or kept): raised in between, it lost
+        them. A write to a pipe or device, which may block, stays interruptible."""
+        size = self._from_queue(self.queue.qsize)
+        if not size:
+            return
+        if self.path is not None and self.file is None:  # a FIFO's open waits for a reader
+            with write_errors_named(self.path, "--output"):
+                self.file = open_output(self.path)
+        regular = self.file is None or stat.S_ISREG(os.fstat(self.file.fileno()).st_mode)
+        with DeferredStops() if regular else contextlib.nullcontext():
+            batch = self._from_queue(lambda: self.queue.get_nowait_batch(size))
+            if self.path is None:
+                self.kept.extend(batch)
+                return
+            with write_errors_named(self.path, "--output"):
+                write_lines(self.file, (out.json_line() for out in batch))
+            self.written += len(batch)
+
+    def _from_queue(self, call: Callable[[], Any]) -> Any:
         try:
-            batch = self.queue.get_nowait_batch(self.queue.qsize())
+            return call()
         except Exception as exc:  # its actor died (killed, Ray's out-of-memory killer)
             where = f"are in {self.path}" if self.path else "are printed above"
             raise OutputQueueLost(
@@ -341,15 +460,6 @@ class _Finished:
                 f"outputs, the {len(self.kept) if self.path is None else self.written} "
                 f"finished before it {where}"
             ) from None
-        if not batch:
-            return
-        if self.path is None:
-            self.kept.extend(batch)
-            return
-        with write_errors_named(self.path, "--output"):
-            self.file = self.file or open_output(self.path)
-            write_lines(self.file, (out.json_line() for out in batch))
-        self.written += len(batch)
 
     def close(self) -> None:
         """Drain the rest and close the file (a write error raises, naming --output); the
@@ -533,13 +643,20 @@ def _run_ranks(args, job, empty, ray, run, finished, grace_s) -> tuple[Any, tupl
         world, len(nodes), strategy, places[order[0]].ip, port,
     )  # fmt: skip
     _warn_split_tp(places, order, args.tp)
+    stop = run.stop_request() if finished is not None else None
     refs = {}  # each rank's result; rank 0 alone gets the inputs and streams its outputs
     for rank, index in enumerate(order):
         inputs = job if rank == 0 else empty
         queue = finished.queue if rank == 0 and finished is not None else None
-        refs[run.actors[index].run.remote(envs[rank], args.command, args, inputs, queue)] = rank
+        ref = run.actors[index].run.remote(envs[rank], args.command, args, inputs, queue, stop)
+        refs[ref] = rank
     on_poll = finished.drain if finished is not None else lambda: None
-    results, errors, stuck = supervise(ray, refs, grace_s, on_poll=on_poll)
+    try:
+        results, errors, stuck = supervise(ray, refs, grace_s, on_poll=on_poll)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: what the ranks finished is drained first
+        if stop is not None:
+            stop_ranks(ray, stop, list(refs), grace_s, on_poll)
+        raise
     if not errors and not stuck:
         return results[0], None
     line, user = failure_line(ray, errors, stuck, grace_s)
