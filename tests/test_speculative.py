@@ -9,6 +9,7 @@ import torch
 from helpers_eagle import write_random_eagle3
 from scipy.stats import chisquare
 
+import speculant
 from speculant import Engine, SamplingParams
 from speculant.executor.forward_batch import SamplingInfo
 from speculant.executor.sampling import FULL, filtered_probs, race
@@ -201,3 +202,55 @@ def test_chunked_argmax_equals_argmax_with_ties(vocab, chunks):
     assert torch.equal(argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))
     if torch.cuda.is_available():
         assert torch.equal(argmax(logits[:2].cuda()).cpu(), expected[:2])
+
+
+def test_bundled_eagle3_rejection_sampling_emits_the_targets_joint_distribution():
+    """End to end on the bundled models (float32): the first three tokens of 1,500 seeded
+    requests of one prompt under EAGLE-3 rejection sampling, k = 2 (token 1 from the prefill,
+    tokens 2-3 from one verify step: a draft accepted or resampled from the residual, then the
+    second draft or the bonus), follow the target's joint p(t1) p(t2 | t1) p(t3 | t1, t2) from
+    transformers' logits of the checkpoint (chi-square over the (t1, t2, t3) bins, those
+    expected fewer than 5 times merged), and never leave its top-k support."""
+    from transformers import AutoModelForCausalLM
+
+    target = speculant.bundled("target")
+    prompt, n, top_k = [759, 1425, 200, 759, 222], 1500, 20  # "import os\nimport "
+    spec = Engine(target, device="cpu", dtype="float32", max_num_seqs=256, max_model_len=32,
+                  algo="eagle3", draft=speculant.bundled("eagle3"), num_draft_tokens=2)  # fmt: skip
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=top_k, seed=s,
+                             ignore_eos=True) for s in range(n)]  # fmt: skip
+    outs = spec.generate([prompt] * n, params)
+    emitted = sum(len(o.token_ids) - 1 for o in outs)  # the first token is the prefill's
+    verified = sum(o.stats["num_verify_steps"] for o in outs)
+    assert emitted > 1.3 * verified, (emitted, verified)  # drafts accepted: both paths ran
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+
+    def next_probs(prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        rows = len(prefixes)
+        return filtered_probs(logits, torch.ones(rows), torch.full((rows,), top_k),
+                              torch.ones(rows)).double()  # fmt: skip
+
+    joint = {(): 1.0}
+    for _ in range(3):  # expand every prefix inside the support (20, then 400)
+        prefixes = list(joint)
+        probs = next_probs(prefixes)
+        joint = {
+            prefix + (t,): joint[prefix] * probs[i, t].item()
+            for i, prefix in enumerate(prefixes)
+            for t in probs[i].nonzero().flatten().tolist()
+        }
+    seen: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        seen[tuple(out.token_ids[:3])] = seen.get(tuple(out.token_ids[:3]), 0) + 1
+    assert not set(seen) - set(joint), "a token outside the target's top-k was emitted"
+    cells = sorted(joint, key=joint.get, reverse=True)
+    expected = torch.tensor([joint[c] * n for c in cells], dtype=torch.float64)
+    counts = torch.tensor([seen.get(c, 0) for c in cells], dtype=torch.float64)
+    keep = expected >= 5
+    assert keep.sum() >= 20
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    assert chisquare(obs, exp * n / exp.sum()).pvalue > 1e-3
