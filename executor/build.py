@@ -78,16 +78,21 @@ class RankSetup:
 
 
 def load_tokenizer(path: str | Path):
-    """tokenizer.json of a checkpoint as a `tokenizers.Tokenizer`, or None when absent."""
+    """tokenizer.json of a checkpoint as a `tokenizers.Tokenizer`, or None when absent. A
+    truncation or padding saved in the file is turned off, as transformers does for a call that
+    asks for neither: a prompt is encoded whole, without pad ids."""
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as exc:
         raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export the tokenizer") from exc
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def tokenizer_eos_id(path: str | Path, tokenizer) -> int | None:

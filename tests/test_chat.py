@@ -125,6 +125,30 @@ def test_chat_ids_equal_transformers(llama_dir, tmp_path, template, where):
             engine.generate([Chat([{"role": "system", "content": "x"}])])
 
 
+def test_a_tokenizer_saved_truncating_or_padding_encodes_whole_prompts(llama_dir, tmp_path):
+    """A tokenizer.json saved with truncation or padding on (as a fine-tune that tokenized its
+    data with them saves it) still encodes a whole prompt, as transformers does (it turns both
+    off for a call that asks for neither): a chat and a text prompt were cut to the saved
+    length, or padded with pad ids, silently."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    long = [{"role": "user", "content": "a message long enough to pass eight tokens " * 3}]
+    for name, setting in (("truncation", {"max_length": 8}), ("padding", {"length": 96})):
+        folder = with_template(llama_dir, tmp_path / name, "jinja", CHATML)
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if name == "truncation":
+            tokenizer.enable_truncation(**setting)
+        else:
+            tokenizer.enable_padding(**setting)
+        tokenizer.save(str(folder / "tokenizer.json"))
+        engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+        assert engine._chat_ids(0, Chat(long)) == transformers_ids(folder, long), name
+        text = long[0]["content"]
+        expected = AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]
+        assert engine._make_request(0, text, SamplingParams()).prompt_ids == expected, name
+
+
 # what OpenAI-style clients send and transformers 5 passes on: null keys dropped (a literal
 # "None", a `len(None)`, a refused null content otherwise), reasoning under its other names
 FIELDS = (
