@@ -284,15 +284,20 @@ def _compiled(template: str):
     try:
         return _environment().from_string(template)
     except jinja2.exceptions.TemplateError as exc:
-        raise SpeculantError(f"the checkpoint's chat template does not parse ({exc})") from None
+        where = f"line {exc.lineno}: " if getattr(exc, "lineno", None) else ""
+        raise SpeculantError(
+            f"the chat template does not parse ({where}{exc.message}); fix the template "
+            "(chat_template.jinja or tokenizer_config.json's chat_template)"
+        ) from None
 
 
 def render_chat(template: str, specials: dict[str, str], chat: Chat) -> str:
     """The text of `chat` with the assistant's turn opened, as the template writes it."""
     import jinja2
 
+    compiled = _compiled(template)  # a template that does not parse says so, unwrapped
     try:
-        return _compiled(template).render(
+        return compiled.render(
             messages=_template_messages(template, chat),
             tools=None,  # passed as transformers passes them: `tools is not none` is false
             documents=None,

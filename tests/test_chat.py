@@ -318,6 +318,8 @@ def test_chat_takes_only_conversations(llama_dir, tmp_path):
          "(TypeError: "),
         ("{{ 1 // 0 }}", "failed on the conversation (ZeroDivisionError: "),
         ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed without end"),
+        ("{% for m in messages %}\n{{ m.content }", "does not parse (line 2: unexpected '}'); "
+         "fix the template (chat_template.jinja"),  # was wrapped in "failed on ... (SpeculantError"
     ],
 )  # fmt: skip
 def test_a_template_that_fails_while_rendering_is_a_prompt_error(
