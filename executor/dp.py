@@ -243,7 +243,8 @@ class JobProgress:
 class DPCoordinator:
     """Settles each step's plan across DP ranks (graph or eager, padded size, every rank's
     forward) and the requests that move between DP ranks (`shares`). At dp=1 it exchanges nothing.
-    It records the padded sizes this rank's decode steps ran (`decode_sizes`), how many dummy
+    It records the padded sizes this rank's decode steps ran (`decode_sizes`, of the last
+    `Engine.run` only: a list over an engine's life would grow without bound), how many dummy
     steps it ran (`dummy_steps`) and how many requests moved (`moved`)."""
 
     def __init__(

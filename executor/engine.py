@@ -780,6 +780,7 @@ class Engine:
             take(request)
         self.dp.shares = shares
         self._cycle = None  # the time since an earlier run's last step is no step's
+        self.dp.decode_sizes = []  # this run's records: kept over every run they would grow
         self._cycles_before.clear()
         results: dict[int, RequestOutput] = {}  # by request index (unique in the call)
         total = len(requests) if progress is None else progress.total

@@ -138,6 +138,20 @@ def test_interrupted_generate_leaves_nothing_behind(engine):
     assert [o.token_ids for o in outs] == [engine.generate([p], short)[0].token_ids for p in new]
 
 
+def test_repeated_jobs_keep_no_per_step_records(engine):
+    """An engine that runs job after job (a server) keeps no record that grows with every step:
+    the padded decode sizes the DP coordinator records are the last run's alone (a list over
+    the engine's life grew by one entry a decode step, for ever)."""
+    prompts = random_prompts(engine.model_config.vocab_size, (3, 9, 5), seed=8)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine.generate(prompts, params)
+    one_job = len(engine.dp.decode_sizes)
+    assert one_job > 0
+    for _ in range(3):
+        engine.generate(prompts, params)
+    assert len(engine.dp.decode_sizes) == one_job
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
