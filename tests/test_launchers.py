@@ -1123,9 +1123,15 @@ def test_ray_job_submit(flags, expected, prompts_file, tmp_path):
     out = tmp_path / "out.jsonl"
     port, dashboard = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    # every port the head's agents listen on is a free one: their defaults (the dashboard
+    # agent's 52365, the client server's 10001) are taken by a cluster another test worker runs
+    # at the same time, and a job agent that cannot bind never comes up ("No available agent")
+    agent_ports = [(flag, str(free_port())) for flag in (
+        "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+        "--metrics-export-port", "--ray-client-server-port")]  # fmt: skip
     head = [ray_command(), "start", "--head", "--block", "--port", str(port), "--dashboard-port",
             str(dashboard), "--num-cpus", "4", "--object-store-memory", str(RAY_OBJECT_STORE),
-            "--disable-usage-stats"]  # fmt: skip
+            "--disable-usage-stats", *(x for pair in agent_ports for x in pair)]  # fmt: skip
     submit = [ray_command(), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
               "--working-dir", str(workdir), "--"]  # fmt: skip
     driver = [sys.executable, "-m", "speculant.launch.ray", "generate"]
