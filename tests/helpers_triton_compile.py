@@ -41,6 +41,7 @@ from speculant.kernels import (
     logprobs,
     norm,
     paged_attention,
+    race,
     rope,
 )
 
@@ -48,7 +49,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BF16, FP16, FP32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64
 MODULES = (activation, catch_up, decode_attention, fp8, gemv, logprobs, norm,
-           paged_attention, rope)  # fmt: skip
+           paged_attention, race, rope)  # fmt: skip
 H200 = "NVIDIA H200"
 
 
@@ -113,6 +114,17 @@ def _rope(n, heads, kv_heads, d, dtype, fused_qkv=True):
 
 def _top_logprobs(rows, vocab, num_top):
     return lambda: logprobs.top_logprobs(t(rows, vocab, dtype=FP32), num_top)
+
+
+def _race(rows, vocab, ids):
+    """The sampler's race (executor/sampling.py on CUDA): ids None, one map [V] or one per row."""
+    shape = {"none": None, "shared": (vocab,), "rows": (rows, vocab)}[ids]
+
+    def run():
+        index = None if shape is None else t(*shape, dtype=I64)
+        race.race(t(rows, vocab, dtype=FP32), t(rows, dtype=I64), index)
+
+    return run
 
 
 def _gemv(n, k, dtype):
@@ -340,6 +352,9 @@ CASES = [
     ("top logprobs 5 of 151936 bs64x4", 1, _top_logprobs(256, 151936, 5)),
     ("top logprobs 20 of 128256 bs512", 0, _top_logprobs(512, 128256, 20)),
     ("top logprobs 0 of 32000 bs3", 2, _top_logprobs(3, 32000, 0)),
+    ("race 151936 bs64x4", 0, _race(256, 151936, "none")),
+    ("race 32000 bs1 draft vocab map", 0, _race(1, 32000, "shared")),
+    ("race dflash2 candidates bs8", 0, _race(8, 32, "rows")),
     ("record bf16 eagle-3 3x4096", 0, _record(5, (4096, 4096, 4096), BF16)),
     ("record fp16 dflash 2x4096", 0, _record(5, (4096, 4096), FP16, ids=False)),
     ("record draft model ids only", 0, _record(1, (), BF16)),
@@ -379,6 +394,8 @@ def _recording(launches: list, pdl: int):
     paged_attention._num_sms = lambda device: H200_SMS
     saved.append((logprobs, "_programs_wanted", logprobs._programs_wanted))
     logprobs._programs_wanted = lambda device: 2 * H200_SMS
+    saved.append((race, "_programs_wanted", race._programs_wanted))
+    race._programs_wanted = lambda device: 2 * H200_SMS
     try:
         yield
     finally:

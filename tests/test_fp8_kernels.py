@@ -22,26 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, when first imported
+from helpers_triton import CPU, CUDA, DEVICES  # noqa: E402, F401 - sets the interpreter first
 
 from speculant.kernels import fp8 as kernels  # noqa: E402
 from speculant.kernels import runtime  # noqa: E402
 
-CPU = pytest.param(
-    "cpu",
-    marks=[
-        pytest.mark.needs("triton"),
-        pytest.mark.skipif(
-            runtime.HAS_TRITON and not runtime.INTERPRET,
-            reason="CPU variants need Triton's interpreter (TRITON_INTERPRET=1 before triton's "
-            "import); with CUDA the cuda variants check the kernels",
-        ),
-    ],
-)
-CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
-DEVICES = [CPU, CUDA]
 TOL = 1e-2
 PATHS = ("fma", "splitk", "stream", "dot", "w8a16", "w8a8", "dequant")
 # (M, N, K) per device: partial 128-blocks in both dimensions, and the 8B projections
@@ -605,9 +590,7 @@ def test_splitk_kernels_compile_for_sm90():
     """The split-K GEMV (atomic and kernel reductions, with PDL) and its sum kernel compile for
     sm_90 without a GPU (the interpreter accepts code compiled Triton refuses), in a process
     without the TRITON_INTERPRET the test session sets."""
-    import os
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_SPLITK], env=env, timeout=240,
@@ -739,9 +722,7 @@ def test_sk_kernel_compiles_for_sm90():
     splits, ragged and whole shapes, PDL modes) and the activation quantisation compile for
     sm_90 without a GPU, its K loop pipelined (cp.async) and its W slice prefetched under
     PDL; in a process without the TRITON_INTERPRET the test session sets."""
-    import os
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_SK], env=env, timeout=240,

@@ -15,9 +15,7 @@ import zlib
 
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, when first imported
+from helpers_triton import CPU, DEVICES  # noqa: E402, F401 - sets the interpreter first
 
 from speculant.errors import SpeculantError  # noqa: E402
 from speculant.executor.attention import (  # noqa: E402
@@ -30,18 +28,6 @@ from speculant.kernels import activation, norm, reference, rope, runtime  # noqa
 from speculant.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
 from speculant.models.layers import RotaryEmbedding  # noqa: E402
 
-CPU = pytest.param(
-    "cpu",
-    marks=[
-        pytest.mark.needs("triton"),
-        pytest.mark.skipif(
-            runtime.HAS_TRITON and not runtime.INTERPRET,
-            reason="CPU variants need Triton's interpreter (TRITON_INTERPRET=1 before triton's "
-            "import); with CUDA the cuda variants check the kernels",
-        ),
-    ],
-)
-DEVICES = [CPU, pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 

@@ -249,26 +249,37 @@ def test_torchrun_fails_when_a_rank_dies(flags):
     assert marked_processes(mark) == []
 
 
-SLOW_STEPS = """import importlib.abc, importlib.util, os, sys, time
-class _SlowSteps(importlib.abc.MetaPathFinder):  # every Engine.step sleeps 1 s (and says so)
+def patch_engine_step(wrap: str, rank: str | None = None) -> str:
+    """A sitecustomize.py that, as speculant.executor.engine is first imported (in rank `rank`
+    alone when given), replaces Engine.step with `wrap(step)`: `wrap` is that function's source,
+    defined at the file's top level."""
+    only = f' or os.environ.get("RANK") != "{rank}"' if rank is not None else ""
+    return f"""import importlib.abc, importlib.util, os, sys, time
+{wrap}
+class _PatchStep(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "speculant.executor.engine":
+        if name != "speculant.executor.engine"{only}:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         exec_module = spec.loader.exec_module
         def patched(module):
             exec_module(module)
-            step = module.Engine.step
-            def slow(self):
-                open(os.environ["STEP_MARK"], "a").close()
-                time.sleep(1.0)
-                return step(self)
-            module.Engine.step = slow
+            module.Engine.step = wrap(module.Engine.step)
         spec.loader.exec_module = patched
         return spec
-sys.meta_path.insert(0, _SlowSteps())
+sys.meta_path.insert(0, _PatchStep())
 """
+
+
+SLOW_STEPS = patch_engine_step("""
+def wrap(step):  # every Engine.step sleeps 1 s (and says so)
+    def slow(self):
+        open(os.environ["STEP_MARK"], "a").close()
+        time.sleep(1.0)
+        return step(self)
+    return slow
+""")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks for stray ranks in /proc")
@@ -920,29 +931,17 @@ def test_ray_driver_prints_finished_completions_when_stopped(llama_dir, tmp_path
     assert shown[:2] == ["[0]", "[1]"], out.read_text()
 
 
-PAUSED_RANK = """import importlib.abc, importlib.util, os, sys, time
-class _PauseRank1(importlib.abc.MetaPathFinder):  # rank 1's first step that finishes requests
-    def find_spec(self, name, path, target=None):  # writes their indices, then sleeps 3 s
-        if name != "speculant.executor.engine" or os.environ.get("RANK") != "1":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        exec_module = spec.loader.exec_module
-        def patched(module):
-            exec_module(module)
-            step = module.Engine.step
-            def paused(self):
-                done = step(self)
-                if done and not os.path.exists(os.environ["PAUSE_MARK"]):
-                    with open(os.environ["PAUSE_MARK"], "w") as mark:
-                        mark.write(" ".join(str(r.prompt_index) for r in done))
-                    time.sleep(3.0)
-                return done
-            module.Engine.step = paused
-        spec.loader.exec_module = patched
-        return spec
-sys.meta_path.insert(0, _PauseRank1())
-"""
+PAUSED_RANK = patch_engine_step("""
+def wrap(step):  # rank 1's first step that finishes requests writes their indices, sleeps 3 s
+    def paused(self):
+        done = step(self)
+        if done and not os.path.exists(os.environ["PAUSE_MARK"]):
+            with open(os.environ["PAUSE_MARK"], "w") as mark:
+                mark.write(" ".join(str(r.prompt_index) for r in done))
+            time.sleep(3.0)
+        return done
+    return paused
+""", rank="1")
 
 
 @pytest.mark.needs("ray")

@@ -1028,53 +1028,51 @@ def test_max_num_seqs_not_a_multiple_of_dp_is_said_once():
     assert len(said) == 1 and "max_num_seqs=3" in said[0] and "2 in all" in said[0], run.stderr
 
 
-def test_deferred_stop_keeps_an_error_already_leaving():
+class Stopped(Exception):
+    """What the `sigterm_raises` handler raises."""
+
+
+@pytest.fixture
+def sigterm_raises():
+    """SIGTERM's handler for the test: raises Stopped (as the CLI's raises Terminated)."""
+
+    def handler(signum, frame):
+        raise Stopped(signum)
+
+    saved = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield handler
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
+def test_deferred_stop_keeps_an_error_already_leaving(sigterm_raises):
     """executor/stops.py: a SIGTERM recorded while a step runs stops the block at its end (the
     process's own handler raises); an error leaving the block meanwhile (a collective that
     failed because a rank died, with the launcher's SIGTERM to the survivors close behind) is
     what the run reports, not the stop."""
     from speculant.executor.stops import DeferredStops
 
-    class Stopped(Exception):
-        pass
-
-    def handler(signum, frame):
-        raise Stopped(signum)
-
-    saved = signal.signal(signal.SIGTERM, handler)
-    try:
-        with pytest.raises(Stopped), DeferredStops():
-            signal.raise_signal(signal.SIGTERM)  # recorded, not raised here
-            done = True
-        assert done
-        with pytest.raises(RuntimeError, match="rank 1 stopped answering"), DeferredStops():
-            signal.raise_signal(signal.SIGTERM)
-            raise RuntimeError("rank 1 stopped answering")
-        assert signal.getsignal(signal.SIGTERM) is handler  # put back either way
-    finally:
-        signal.signal(signal.SIGTERM, saved)
+    with pytest.raises(Stopped), DeferredStops():
+        signal.raise_signal(signal.SIGTERM)  # recorded, not raised here
+        done = True
+    assert done
+    with pytest.raises(RuntimeError, match="rank 1 stopped answering"), DeferredStops():
+        signal.raise_signal(signal.SIGTERM)
+        raise RuntimeError("rank 1 stopped answering")
+    assert signal.getsignal(signal.SIGTERM) is sigterm_raises  # put back either way
 
 
-def test_a_stop_after_the_parent_died_is_not_deferred(monkeypatch):
+def test_a_stop_after_the_parent_died_is_not_deferred(monkeypatch, sigterm_raises):
     """A SIGTERM once the rank's parent (the launcher, torchrun's agent) is gone is the
     parent-death signal: the rank stops at once, as a killed rank does, so the other ranks'
     failed collective names it (test_launchers' node-killed case), not at the step's end."""
     from speculant.executor import stops
 
-    class Stopped(Exception):
-        pass
-
-    def handler(signum, frame):
-        raise Stopped(signum)
-
-    saved = signal.signal(signal.SIGTERM, handler)
-    try:
-        deferred = stops.DeferredStops()
-        with deferred:
-            monkeypatch.setattr(stops.os, "getppid", lambda: deferred.parent + 1)  # reparented
-            with pytest.raises(Stopped):
-                signal.raise_signal(signal.SIGTERM)  # raised here, not recorded
-            assert deferred.pending == 0
-        assert signal.getsignal(signal.SIGTERM) is handler
-    finally:
-        signal.signal(signal.SIGTERM, saved)
+    deferred = stops.DeferredStops()
+    with deferred:
+        monkeypatch.setattr(stops.os, "getppid", lambda: deferred.parent + 1)  # reparented
+        with pytest.raises(Stopped):
+            signal.raise_signal(signal.SIGTERM)  # raised here, not recorded
+        assert deferred.pending == 0
+    assert signal.getsignal(signal.SIGTERM) is sigterm_raises

@@ -6,30 +6,12 @@ draws."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from helpers_triton import DEVICES
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, when first imported
-
-from speculant.executor.sampling import _key, race, uniform  # noqa: E402
-from speculant.kernels import runtime  # noqa: E402
-
-CPU = pytest.param(
-    "cpu",
-    marks=[
-        pytest.mark.needs("triton"),
-        pytest.mark.skipif(
-            runtime.HAS_TRITON and not runtime.INTERPRET,
-            reason="the CPU variant needs Triton's interpreter (TRITON_INTERPRET=1 before "
-            "triton's import)",
-        ),
-    ],
-)
-DEVICES = [CPU, pytest.param("cuda", marks=pytest.mark.gpu)]
+from speculant.executor.sampling import _key, race, uniform
+from speculant.kernels import runtime
 
 
 def test_race_draws_follow_the_distribution():
