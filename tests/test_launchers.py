@@ -878,6 +878,18 @@ def test_killing_the_ray_driver_stops_every_actor(llama_dir, tmp_path, sig):
                 os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def reaped(driver: subprocess.Popen):
+    """On the way out the driver's process group is killed and the driver reaped (a test that
+    failed midway leaves nothing running)."""
+    try:
+        yield driver
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+
+
 def ray_driver(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
     """`python -m speculant.launch.ray ARGS` on its own local cluster, in its own session."""
     base = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # a private local cluster
@@ -908,7 +920,7 @@ def test_ray_driver_prints_finished_completions_when_stopped(llama_dir, tmp_path
             "--dist-timeout", "30"]  # fmt: skip
     with open(out, "w") as stdout, open(log, "w") as stderr:
         driver = ray_driver(args, stdout=stdout, stderr=stderr)
-    try:
+    with reaped(driver):
         deadline = time.monotonic() + 120  # Ray's start-up included
         while "engine ready" not in log.read_text():
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -919,10 +931,6 @@ def test_ray_driver_prints_finished_completions_when_stopped(llama_dir, tmp_path
         else:
             os.kill(driver.pid, getattr(signal, stop))
         code = driver.wait(KILL_BOUND_S)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait(10)
     err = log.read_text().strip().splitlines()
     assert code == {"SIGINT": 130, "SIGTERM": 143, "actor-killed": 1}[stop], err[-5:]
     assert err[-1].startswith(("speculant: interrupted", "speculant: terminated",
@@ -971,7 +979,7 @@ def test_ray_driver_stopped_keeps_what_a_rank_finished_before_its_gather(llama_d
         driver = ray_driver(args, {"PYTHONPATH": path, "PAUSE_MARK": str(mark)},
                             stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
     actors: list[int] = []
-    try:
+    with reaped(driver):
         deadline = time.monotonic() + 120  # Ray's start-up included
         while not mark.exists():
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -979,10 +987,6 @@ def test_ray_driver_stopped_keeps_what_a_rank_finished_before_its_gather(llama_d
         actors = actor_processes(driver.pid)
         os.kill(driver.pid, getattr(signal, stop))
         code = driver.wait(KILL_BOUND_S)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait(10)
     err = log.read_text().strip().splitlines()
     how = {"SIGINT": "interrupted", "SIGTERM": "terminated (SIGTERM)"}[stop]
     assert code == {"SIGINT": 130, "SIGTERM": 143}[stop], err[-5:]
@@ -1032,11 +1036,8 @@ def test_ray_driver_stdout_holds_only_the_completions_on_a_one_core_local_cluste
     driver = subprocess.Popen([sys.executable, "-c", one_core, *args], env=env,
                               start_new_session=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
+    with reaped(driver):
         out, err = driver.communicate(timeout=150)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(driver.pid, signal.SIGKILL)
     assert driver.returncode == 0, err[-2000:]
     assert "NOISE" in err, err[-2000:]  # the workers did print
     assert "NOISE" not in out and "RankWorker" not in out, out
@@ -1055,11 +1056,8 @@ def test_ray_driver_refuses_an_address_nothing_answers_at(flags, how):
         driver = ray_driver(["--ray-address", address, *args], stderr=subprocess.PIPE, text=True)
     else:
         driver = ray_driver(args, {"RAY_ADDRESS": address}, stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(driver):
         _, err = driver.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(driver.pid, signal.SIGKILL)
     assert driver.returncode == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("speculant: error: "), err
