@@ -927,13 +927,17 @@ class Engine:
         if key is not None and store is not None and pctx.dp_size > 1 and pctx.tp_rank == 0:
             progress = JobProgress(store, key, len(requests), reads=pctx.rank == 0)
         emitted: set[tuple[int, int]] = set()
-        # while streaming, a Ctrl-C or SIGTERM on any rank stops every rank at the step boundary
-        # after rank 0 took that step's outputs (executor/stops.py): none finished is lost
-        stops = DeferredStops() if stream else contextlib.nullcontext()
+        # while streaming under DP, a Ctrl-C or SIGTERM on any rank stops every rank at the step
+        # boundary after rank 0 took that step's outputs (executor/stops.py): none finished on
+        # another DP rank is lost. Under TP alone rank 0 holds every output; there a stop acts
+        # at once, so a rank whose node died is named by the others' failed collective, not
+        # outrun by its agent's SIGTERM to the survivors
+        deferred = stream and pctx.dp_size > 1
+        stops = DeferredStops() if deferred else contextlib.nullcontext()
 
         def stream_to_rank0(finished: list[RequestOutput]) -> None:
             mine = finished if pctx.tp_rank == 0 else None
-            parts, stop = pctx.gather_with_flag(mine, stops.pending)
+            parts, stop = pctx.gather_with_flag(mine, stops.pending if deferred else 0)
             for out in (out for part in parts or [] if part for out in part):
                 if out.key not in emitted:
                     emitted.add(out.key)

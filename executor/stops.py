@@ -1,4 +1,4 @@
-"""A stop (Ctrl-C, SIGTERM) in a multi-rank `generate` that streams its outputs to rank 0, taken
+"""A stop (Ctrl-C, SIGTERM) in a `generate` over DP ranks that streams its outputs to rank 0, taken
 at a step boundary every rank agrees on, so that no finished request is lost with it.
 
 A request that finishes on DP rank 1 exists only there until the step's gather brings it to rank
