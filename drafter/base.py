@@ -164,6 +164,10 @@ class Drafter(ABC):
         """Draft-vocabulary ids to target ids (identity unless the drafter has its own vocab)."""
         return draft_ids
 
+    def target_id_table(self) -> torch.Tensor | None:
+        """The target id of each draft-vocabulary index [V_draft] (None: the index itself)."""
+        return None
+
     def probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
         return probs
 
@@ -180,8 +184,9 @@ class Drafter(ABC):
         q = filtered_probs(
             logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
         )
-        ids = self.to_target_ids(torch.arange(q.shape[-1], device=q.device))
-        drawn = ids[race(q, sampling.seed, positions, self.draft_stream, ids)]
+        ids = self.target_id_table()
+        drawn = race(q, sampling.seed, positions, self.draft_stream, ids)
+        drawn = drawn if ids is None else ids[drawn]
         kept = None if self.match_samples else self.probs_to_target(q)
         return torch.where(sampling.is_greedy, greedy, drawn), kept
 

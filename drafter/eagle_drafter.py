@@ -58,6 +58,9 @@ class Eagle3Drafter(Drafter):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids)
 
+    def target_id_table(self) -> torch.Tensor | None:
+        return None if self.head.identity_vocab else self.head.draft_to_target
+
     def probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
         return self.head.draft_probs_to_target(probs)
 
