@@ -98,11 +98,26 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Te
 def exponentials(
     seed: torch.Tensor, position: torch.Tensor, stream: int, ids: torch.Tensor
 ) -> torch.Tensor:
-    """Exp(1) float32 per (row, token): [..., V], a pure function of (seed, position, stream,
-    token id). seed broadcasts against position ([...]); ids [V] or [..., V] are target ids."""
+    """Exp(1) float32 per (row, token) (`exponential_of_hash`): [..., V], a pure function of
+    (seed, position, stream, token id). seed broadcasts against position ([...]); ids [V] or
+    [..., V] are target ids."""
     token = _mix32((ids.long() & MASK32) ^ 0x27D4EB2F)
-    h = _mix32(_key(seed, position, stream).unsqueeze(-1) ^ token)
-    return -torch.log(_unit(h))
+    return exponential_of_hash(_mix32(_key(seed, position, stream).unsqueeze(-1) ^ token))
+
+
+SERIES_BELOW = 2.0**-6  # w below this: -log(1 - w) by its series (1 - w would round)
+W_MAX = 1.0 - 2.0**-24  # E <= 16.6: a token with p > 0 always beats those with p = 0
+
+
+def exponential_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """Exp(1) float32 from a 32-bit hash: E = -log(1 - w), w = (h + 0.5) 2^-32, which resolves
+    small E (where a token of small probability wins the race) to ~2^-32 rather than the 2^-24 of
+    a float32 uniform near 1: a token with p 1e-9 of the best is drawn at its rate. Below
+    SERIES_BELOW by w (1 + w (1/2 + w (1/3 + w / 4))) (relative error < 2^-24); kernels/race.py
+    computes the same."""
+    w = ((h.to(torch.float32) + 0.5) * 2.0**-32).clamp_(max=W_MAX)
+    series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * 0.25)))
+    return torch.where(w < SERIES_BELOW, series, -torch.log(1.0 - w))
 
 
 def race(

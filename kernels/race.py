@@ -1,14 +1,15 @@
 """The sampler's exponential race in one read of the probabilities: per row the index of the
-largest p(t) / E(t), E(t) = -log u(t) with u(t) the 32-bit hash of the row's key (seed, position,
-stream; executor/sampling.py `_key`) and token id t. torch's reference (executor/sampling.py
-`race`) builds [rows, vocab] int64 hashes, their exponentials and the ratios, a dozen passes over
-tensors twice the probabilities' size, before its argmax.
+largest p(t) / E(t), E(t) the exponential (executor/sampling.py `exponential_of_hash`) of the
+32-bit hash of the row's key (seed, position, stream; `_key`) and token id t. torch's reference
+(executor/sampling.py `race`) builds [rows, vocab] int64 hashes, their exponentials and the
+ratios, a dozen passes over tensors twice the probabilities' size, before its argmax.
 
 Here a row is split over `parts` programs (enough for the GPU at small batches), each hashing,
 dividing and reducing its columns in registers to its best ratio and index; torch then takes the
 first part holding the largest (so ties go to the lower index, as torch's argmax). The hash is
-the reference's in uint32 arithmetic (wrapping multiplies, logical shifts), and u the same
-float32 value; only the logarithm may differ from torch's in its last bit."""
+the reference's in uint32 arithmetic (wrapping multiplies, logical shifts), and w the same
+float32 value; only the logarithm (and a fused multiply-add in the series) may differ from
+torch's in its last bit."""
 
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ def _part_kernel(
         else:
             ids = cols.to(tl.uint32)
         h = _mix32(key ^ _mix32(ids ^ tl.full([1], 0x27D4EB2F, tl.uint32)))
-        u = tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 1.0 - 2.0**-24)
-        score = tl.where(inside, p / -tl.log(u), -1.0)
+        w = tl.minimum((h.to(tl.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
+        series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * 0.25)))
+        e = tl.where(w < 2.0**-6, series, -tl.log(1.0 - w))
+        score = tl.where(inside, p / e, -1.0)
         v, at = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         if v > best_v:
             best_v = v

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers_triton import DEVICES
 
-from speculant.executor.sampling import _key, race, uniform
+from speculant.executor.sampling import _key, exponential_of_hash, race, uniform
 from speculant.kernels import runtime
 
 
@@ -27,6 +27,23 @@ def test_race_draws_follow_the_distribution():
     kept = p > 0
     chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
     assert chi2 < 27.0, (chi2, counts.tolist())  # df 5: P(chi2 > 27) ~ 6e-5
+
+
+def test_exponentials_resolve_the_small_values_rare_tokens_win_by():
+    """A token of probability x relative to the best wins about when its E < x: over both ends
+    of the 32-bit hash range (where small E can come from), the count of E below x is x 2^32
+    within Poisson noise for x 1e-9 .. 1e-6 (a float32 uniform near 1 resolves 2^-24 ~ 6e-8:
+    none below 1e-8), every E is finite and > 0, and E matches float64 -log(1 - w)."""
+    ends = torch.cat([torch.arange(0, 1 << 20), torch.arange((1 << 32) - (1 << 20), 1 << 32)])
+    e = exponential_of_hash(ends)
+    assert torch.isfinite(e).all() and (e > 0).all()
+    for x in (1e-9, 1e-8, 1e-7, 1e-6):
+        expected = x * 2**32
+        assert abs(int((e < x).sum()) - expected) <= 4 * expected**0.5 + 1, x
+    w = (ends.double() + 0.5) / 2**32
+    exact = -torch.log1p(-w).clamp(max=-torch.log1p(torch.tensor(-(1 - 2**-24))).item())
+    small = w < 0.5
+    torch.testing.assert_close(e[small].double(), exact[small], rtol=2e-6, atol=0)
 
 
 def test_race_is_keyed_by_token_id():
