@@ -198,7 +198,12 @@ def filtered_probs(
     probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     if min_p is not None:  # 0 keeps every token (p >= 0); the most likely always survives
         probs = probs * (probs >= min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True))
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    # ranked by logit, not probability: at a high temperature two close logits round to one
+    # probability, and a stable sort of probabilities put the lower id first (top_k 1 and a
+    # tiny top_p then kept another token than the argmax); dropped tokens rank last
+    rank_key = logits.float().masked_fill(probs <= 0, float("-inf"))
+    order = rank_key.sort(dim=-1, descending=True, stable=True).indices
+    sorted_probs = probs.gather(-1, order)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
     sorted_probs = sorted_probs * (rank < k)

@@ -147,3 +147,30 @@ def test_requests_do_not_share_their_random_streams():
         # 5.1 M draws of 24 bits: chance alone makes ~0.8 M equal pairs, spread over pairs of
         # requests; a pair sharing 6 is already far past chance (a shared stream shares ~256)
         assert int(shared.max()) < 6, int(shared.max())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 100.0, 1e4])
+def test_top_k_one_and_tiny_top_p_keep_the_argmax_where_probabilities_round_together(
+    temperature,
+):
+    """At a high temperature the largest logit and one just below it (its float32 neighbour,
+    at a lower id) round to one probability: the filters ranked tokens by that probability, a
+    stable sort put the lower id first, and top_k 1 / top_p 1e-6 sampled a token greedy decoding
+    never emits. They rank by logit."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 64, 300
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).clamp(max=9.0)
+    low = torch.randint(0, vocab - 1, (rows,), generator=gen)
+    high = low + 1 + (torch.rand(rows, generator=gen) * (vocab - 1 - low)).long()
+    top = torch.full((rows,), 10.0)
+    logits[torch.arange(rows), low] = top
+    logits[torch.arange(rows), high] = torch.nextafter(top, torch.tensor(11.0))
+    expected = logits.argmax(-1)
+    assert torch.equal(expected, high)
+    temp, seeds = torch.full((rows,), temperature), torch.arange(rows) * 7919
+    positions = torch.arange(rows) + 5
+    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
+        info = SamplingInfo(temp, torch.full((rows,), top_k), torch.full((rows,), top_p), seeds)
+        probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p)
+        assert torch.equal(probs.argmax(-1), expected) and bool(((probs > 0).sum(-1) == 1).all())
+        assert torch.equal(sample(logits, info, positions, FULL), expected)
