@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,28 @@ def read_json_object(file: Path, what: str) -> dict:
 def _json_kind(value: object) -> str:
     kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+SAFETENSORS_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def weights_dtype(path: Path) -> str | None:
+    """The dtype of the first float32 / bfloat16 / float16 tensor in the *.safetensors headers of
+    checkpoint folder `path` (what transformers' dtype "auto" takes where config.json names
+    none); None when no header has one (the loader reports a broken file by its name)."""
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with file.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError, struct.error):
+            continue
+        for name, entry in header.items() if isinstance(header, dict) else ():
+            if name != "__metadata__" and isinstance(entry, dict):
+                dtype = SAFETENSORS_FLOAT_DTYPES.get(entry.get("dtype"))
+                if dtype is not None:
+                    return dtype
+    return None
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -609,6 +632,8 @@ class ModelConfig:
         transformers' generate and vLLM stop on) join config.json's."""
         source = str(Path(path) / "config.json")
         cfg = cls.from_hf(read_hf_config(path), source=source)
+        if not (cfg.hf.get("dtype") or cfg.hf.get("torch_dtype")):  # --dtype auto: as transformers
+            cfg.torch_dtype = weights_dtype(Path(path)) or cfg.torch_dtype
         generation = Path(path) / "generation_config.json"
         if generation.is_file():
             gen = read_json_object(generation, "a generation_config.json is one {...} object")

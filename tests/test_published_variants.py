@@ -454,6 +454,26 @@ def test_dtype_wins_over_a_stale_torch_dtype():
     assert ModelConfig.from_hf({**hf, "torch_dtype": "float16"}).torch_dtype == "float16"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_auto_dtype_without_a_config_dtype_reads_the_weights(tmp_path, dtype):
+    """A config.json naming neither `dtype` nor `torch_dtype` (older exports) runs, under
+    --dtype auto on a GPU, in its weights' dtype, as transformers' dtype "auto" reads it: it
+    ran bfloat16 weights in float32 (twice the memory and time) and float16 ones too."""
+    from speculant.models.loader import resolve_dtype
+
+    weights = {"model.embed_tokens.weight": torch.zeros(4, 4, dtype=dtype)}
+    save_file({"a.counter": torch.zeros(2, dtype=torch.int64), **weights},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    hf = {"architectures": ["LlamaForCausalLM"], **SIZES}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    name = str(dtype).removeprefix("torch.")
+    assert ModelConfig.from_dir(tmp_path).torch_dtype == name
+    assert resolve_dtype("auto", ModelConfig.from_dir(tmp_path).torch_dtype, "cuda") == dtype
+    assert resolve_dtype("auto", ModelConfig.from_dir(tmp_path).torch_dtype, "cpu") == torch.float32
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "torch_dtype": "float32"}))
+    assert ModelConfig.from_dir(tmp_path).torch_dtype == "float32"  # a named dtype wins
+
+
 @pytest.mark.parametrize(
     "fields",
     [
