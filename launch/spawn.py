@@ -924,9 +924,10 @@ def launch_cli(
     stdout: TextIO | None = None,
 ) -> int:
     """Run `speculant ARGV` as `world_size` local ranks and return the job's exit status: 0 when
-    every rank succeeded, rank 0's status when it alone reported (a user error prints one line
-    there), 130/143 after Ctrl-C/SIGTERM (every rank stopped, a line saying so and where the
-    finished requests are, `output`), else 1 with one line naming the failed and stuck ranks.
+    every rank succeeded, rank 0's status when it alone reported (a user error, 2, or an
+    accept-rate FAIL verdict, 1, prints its line there), 130/143 after Ctrl-C/SIGTERM (every
+    rank stopped, a line saying so and where the finished requests are, `output`), else 1 with
+    one line naming the failed and stuck ranks.
     With `stdout` (`generate` without `output`), rank 0 prints the completions, those that
     finished before a failure or stop included (cli.run_generate), and spools each as it
     finishes (`CompletionSpool`): any that a killed or stuck rank 0 did not print, this prints
@@ -994,6 +995,10 @@ def launch_cli(
     codes = [r.process.exitcode for r in ranks]
     if codes[0] == 2 and (all(c in (0, 2) for c in codes) or failure.startswith("rank 0 ")):
         return 2  # a user error (the others, if any, failed waiting for rank 0): its one line
+    if codes[0] == 1 and all(c == 0 for c in codes[1:]):
+        # every other rank ran to its end: rank 0's status is its own result, which it printed
+        # (accept-rate's FAIL verdict, or its error line), not a rank that failed the job
+        return 1
     _end_line(ranks, f"speculant: error: {failure}", stderr)
     return 1
 

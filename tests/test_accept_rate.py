@@ -142,6 +142,28 @@ def test_tp2_and_dp2_report_what_one_rank_reports(capsys, setup, llama_dir, tmp_
             assert reports[name][key] == pytest.approx(reports["one"][key]), (name, key)
 
 
+@pytest.mark.timeout(240)
+def test_a_regression_under_dp2_exits_1_with_the_verdict_last(capfd, setup, llama_dir, tmp_path):
+    """A FAIL verdict under `--dp 2` is rank 0's own result, not a failed rank: exit 1 with the
+    FAIL line last, and no launcher line saying rank 0 failed (its ranks all ran to the end)."""
+    root, prompts = setup
+    base = [
+        "--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+        "--num-draft-tokens", 3, "--max-new-tokens", 10, "--dist-timeout", 60,
+    ]  # fmt: skip
+    status, _, err = accept_rate(capfd, *base, "--report", tmp_path / "r.json")
+    assert status == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    better = dict(report, acceptance_length=report["acceptance_length"] * 1.2 + 0.1)
+    (tmp_path / "better.json").write_text(json.dumps(better))
+    status, out, err = accept_rate(capfd, *base, "--dp", 2, "--baseline", tmp_path / "better.json")
+    assert status == 1, err
+    assert "REGRESSED" in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("speculant: FAIL: 1 metric(s) regressed beyond rtol=0.05"), err
+    assert "exited with status" not in err and "speculant: error:" not in err, err
+
+
 # ------------------------- inputs refused before any model loads; files after the verdict
 
 
