@@ -176,6 +176,8 @@ def check_options(options: dict) -> None:
     seed = options.get("seed", 0)  # any integer: dummy weights take it mod 2**64, requests a hash
     if not is_integer(seed):
         raise SpeculantError(f"seed={seed!r} must be an integer")
+    if "seed" in options:  # a numpy integer as the int it holds: its int64 arithmetic wraps
+        options["seed"] = int(seed)
     for name in SIZE_LIST_OPTIONS:
         value = options.get(name)
         if value is not None and (

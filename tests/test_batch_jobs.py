@@ -285,6 +285,22 @@ def test_huge_engine_seed_still_samples(llama_dir, load_format):
     assert len(out[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_a_numpy_engine_seed_is_the_int_it_holds(llama_dir, load_format):
+    """Engine(seed=np.int64(S)) samples (and draws dummy weights) as Engine(seed=S): the seed is
+    taken as a Python int (numpy's int64 arithmetic wrapped the per-request seeds of a large S,
+    and a dummy load failed on S mod 2**64)."""
+    import numpy as np
+
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+    outs = [
+        [o.token_ids for o in Engine(str(llama_dir), device="cpu", seed=seed,
+                                     load_format=load_format).generate([[5, 6, 7]] * 3, params)]
+        for seed in (2**62 + 5, np.int64(2**62 + 5))
+    ]  # fmt: skip
+    assert outs[0] == outs[1]
+
+
 def test_overlap_with_chunked_prefill_equals_synchronous(llama_dir, drafts):
     """`--overlap` under a small token budget (chunked prefill, mixed steps) runs ahead only
     while the batch cannot change (nothing waits, no prompt in progress, the pool gives two more
