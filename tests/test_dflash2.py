@@ -17,7 +17,7 @@ from helpers_workload import run_with_arrivals
 from safetensors.torch import load_file
 from scipy.stats import chisquare
 from test_dflash import assert_second_token_follows_target
-from test_speculative import GREEDY, assert_lossless, engine, prompts_of
+from test_speculative import GREEDY, TRITON_GREEDY, assert_lossless, engine, prompts_of
 
 from speculant import Engine, SamplingParams
 from speculant.errors import SpeculantError
@@ -231,7 +231,7 @@ def test_dflash2_greedy_equals_plain_triton_backend(plain, llama_dir, dflash2_di
     interpreter) runs the block attention through the paged pool; still lossless."""
     spec = engine(llama_dir, algo="dflash", draft=str(dflash2_dir), num_draft_tokens=3,
                   eager_padding=True, attention_backend="triton")  # fmt: skip
-    assert_lossless(spec, plain, prompts_of((17, 9), seed=4), 3)  # two rows: the interpreter
+    assert_lossless(spec, plain, prompts_of((17, 9), seed=4), 3, TRITON_GREEDY)  # two rows
 
 
 def test_dflash2_published_bare_codebook_names_load(tmp_path, llama_dir, plain):

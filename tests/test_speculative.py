@@ -40,10 +40,14 @@ def plain(llama_dir):
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
-def assert_lossless(spec, plain, prompts, k):
+# Triton's interpreter runs each kernel program in Python: its engine tests decode fewer tokens
+TRITON_GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def assert_lossless(spec, plain, prompts, k, params=GREEDY):
     """Greedy speculative output equals plain greedy; stats are sane; every page returns."""
-    ours = spec.generate(prompts, GREEDY)
-    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    ours = spec.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, params)]
     for out in ours:
         assert out.stats["num_verify_steps"] > 0
         assert 1.0 <= out.stats["accept_len"] <= k + 1
