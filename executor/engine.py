@@ -1179,7 +1179,9 @@ class Engine:
         # ahead k + 1 only if the one in flight drafted (adaptive plain steps: 1 + 1)
         in_flight = launched.shape.tokens_per_req
         reach = in_flight + (self.tokens_per_req if launched.shape.draft else 1)
-        table = self.kv.max_tokens_per_req
+        # the positions a row's tables hold (RoPE: max_model_len + 2 (k + 1)); its KV pages,
+        # whole pages, may hold more
+        table = min(self.kv.max_tokens_per_req, self.max_model_len + 2 * self.tokens_per_req)
         ending = 0  # requests that reach their length limit in the step in flight
         for r in requests:
             left = r.max_new_tokens - len(r.output_ids)

@@ -270,6 +270,29 @@ def test_every_drafter_runs_to_the_length_limit(algo, draft, k):
     assert all(o.finish_reason == "length" for o in outs)
 
 
+@pytest.mark.parametrize(
+    "algo, draft",
+    [("eagle3", "assets/eagle3"), ("draft-model", "assets/draft_lm"), ("dflash", "assets/dflash")],
+)
+def test_overlap_near_the_limit_stays_within_the_rope_tables(algo, draft):
+    """max_model_len 40, k = 4: the tables hold 40 + 2 (k + 1) = 50 positions, a row's pages of
+    16 hold 64. The step launched ahead (overlap) near the limit was checked against the 64 and
+    ran past the RoPE tables (IndexError: index 50); output equals plain decoding."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    prompts = [[(7 * i + 96) % 4000 + 5 for i in range(32)], list(range(20, 52))]
+    params = SamplingParams(max_new_tokens=10000, ignore_eos=True)
+    plain = Engine(str(root / "assets/target"), device="cpu", max_model_len=40)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    engine = Engine(str(root / "assets/target"), device="cpu", max_model_len=40, page_size=16,
+                    algo=algo, draft=str(root / draft), num_draft_tokens=4)  # fmt: skip
+    assert engine.kv.max_tokens_per_req == 64
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        assert engine.generate([prompt], params)[0].token_ids == tokens
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+
+
 def test_text_prompt_with_a_lone_surrogate_is_one_clear_error():
     from pathlib import Path
 
