@@ -185,6 +185,7 @@ class Engine:
             cfg, mc, self.pctx, self.device, self.dtype, self.max_model_len, self.max_num_seqs,
             self.tokens_per_req, self.attention_backend,
         )  # fmt: skip
+        self.max_positions = setup.max_positions  # the RoPE tables' length (a row's reach)
         self.model = build_model(setup)
         self.pctx.one_shot = build_one_shot(self.pctx, self.dtype, self.device)
         self.tokenizer = load_tokenizer(cfg.target)
@@ -1181,7 +1182,7 @@ class Engine:
         reach = in_flight + (self.tokens_per_req if launched.shape.draft else 1)
         # the positions a row's tables hold (RoPE: max_model_len + 2 (k + 1)); its KV pages,
         # whole pages, may hold more
-        table = min(self.kv.max_tokens_per_req, self.max_model_len + 2 * self.tokens_per_req)
+        table = min(self.kv.max_tokens_per_req, self.max_positions)
         ending = 0  # requests that reach their length limit in the step in flight
         for r in requests:
             left = r.max_new_tokens - len(r.output_ids)
