@@ -1,13 +1,16 @@
 """What the two-rank GPU benchmarks (moe_engine_gpu.py, parallel_gpu.py) share: NVLink multicast
 off, their first options, the run header, random prompts, and starting the ranks on checkpoints
-in a temporary folder then collecting the report rank 0 wrote. torch loads inside the functions,
-so a script can turn multicast off before anything imports it."""
+in a temporary folder then collecting the report rank 0 wrote; and what every results JSON
+records of the machine it ran on. torch loads inside the functions, so a script can turn
+multicast off before anything imports it."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +29,32 @@ def nvlink_multicast_off() -> None:
     environment says otherwise; call before torch is imported."""
     for name, value in MULTICAST_OFF:
         os.environ.setdefault(name, value)
+
+
+def machine(device: str) -> str:
+    """The machine a run measured, for its results JSON, without touching the GPU (a CUDA
+    context in the parent would shrink the KV pool its child processes size from free memory):
+    the GPUs as nvidia-smi names them on CUDA, else the CPU's model and core count."""
+    gpu = ""
+    if device.startswith("cuda"):
+        query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                 "--format=csv,noheader"]  # fmt: skip
+        try:
+            gpus = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            gpus = ""
+        if gpus.strip():
+            return "; ".join(line.strip() for line in gpus.splitlines() if line.strip())
+        gpu = "GPU not named (no nvidia-smi), "
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{gpu}{cpu}, {os.cpu_count()} cores"
 
 
 def rank_parser(doc: str, json_name: str, quick_help: str) -> argparse.ArgumentParser:

@@ -5,8 +5,10 @@ context), `--ignore-eos` with a per-request `max_new_tokens`, random token ids, 
 target is a Llama-3.1-8B-shape config with dummy bf16 weights (`--shape small`: the bundled
 model's shape, for a CPU check of the script); `eagle3` runs an EAGLE-3-shape dummy head, k = 3.
 
-Each named configuration is one `speculant generate` process (start-up included in `wall_s`,
-not in `gen_s`, the generate call the CLI's summary line times). `--tree DIR` runs the same job
+Each named configuration is one `speculant generate` process of this checkout (whatever else is
+installed as `speculant`; start-up included in `wall_s`, not in `gen_s`, the generate call the
+CLI's summary line times; one that fails or passes `--timeout` is recorded as an error and the
+next one runs). workload.json records the command, date and machine. `--tree DIR` runs the same job
 through another checkout's CLI as `baseline` (the code this replaces), in the same run, first
 (`--baseline-last`: after; the first run compiles the Triton kernels both trees share during
 its extend steps, ~2 s on an H200: results/job_step_wave14.md).
@@ -31,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import machine  # noqa: E402
 from graphs import SHAPES, write_config  # noqa: E402
 from spec_step import write_head  # noqa: E402
 
@@ -78,6 +81,7 @@ CONFIGS = {  # name: extra CLI flags
     "dp2": ["--dp", "2"],  # two GPUs; --max-num-seqs counts over both DP ranks
 }
 CONTEXT = 4096  # the default --max-model-len of an 8B Llama (min(checkpoint, 4096))
+ROOT = Path(__file__).resolve().parent.parent  # this tree: what the configurations run
 
 
 def make_job(
@@ -101,21 +105,34 @@ def make_job(
 SUMMARY = re.compile(r"requests=(\d+) prompt_tokens=(\d+) output_tokens=(\d+) time=([\d.]+)s")
 
 
+def cli_env(tree: str | None) -> dict[str, str]:
+    """The environment of one CLI run: `tree` (this one when None, not whatever `speculant` is
+    installed) importable as `speculant` from a link folder put first on PYTHONPATH, the rest
+    of PYTHONPATH kept, so this tree and the baseline run with the same other packages."""
+    env = dict(os.environ)
+    link = Path(tempfile.mkdtemp()) / "speculant"
+    link.symlink_to(Path(tree).resolve() if tree is not None else ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(link.parent), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: str | None):
-    """One CLI run; returns its figures (or the error) as a dict."""
+    """One CLI run; returns its figures (or the error, a time-out included) as a dict."""
     out = Path(args.out) / f"workload_{name}.jsonl"
     profile = Path(args.out) / f"profile_{name}.prof"
     python = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if args.profile else [])
     cmd = [*python, "-m", "speculant", "generate", "--target", target,
            "--load-format", "dummy", "--dtype", "bfloat16", "--device", args.device,
            "--prompts", str(job), "--output", str(out), "--ignore-eos", *flags]  # fmt: skip
-    env = dict(os.environ)
-    if tree is not None:  # another checkout: importable as `speculant` from a link folder
-        link = Path(tempfile.mkdtemp()) / "speculant"
-        link.symlink_to(Path(tree).resolve())
-        env["PYTHONPATH"] = str(link.parent)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(
+            cmd, env=cli_env(tree), capture_output=True, text=True, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired:  # killed (its ranks stop with it): the next one runs
+        return {"config": name, "flags": flags, "tree": tree, "exit": None,
+                "wall_s": round(time.perf_counter() - start, 2),
+                "error": f"timed out after {args.timeout} s (--timeout)"}  # fmt: skip
     wall = time.perf_counter() - start
     err = proc.stderr
     result = {"config": name, "flags": flags, "tree": tree, "exit": proc.returncode,
@@ -165,14 +182,41 @@ def host_profile(path: Path, top: int = 25) -> list[dict]:
     ]  # fmt: skip
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, scale: float) -> None:
+    """Refuse, in one line and before anything runs, what the job would ignore or get wrong."""
+    lists = {"--configs": args.configs, "--baseline-configs": args.baseline_configs}
+    for option, names in lists.items():
+        unknown = [n for n in (names or "").split(",") if n and n not in CONFIGS]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
+    if args.tree is None and (args.baseline_last or args.baseline_configs is not None):
+        parser.error("--baseline-configs and --baseline-last need --tree (the baseline's checkout)")
+    if args.tree is not None and not Path(args.tree).is_dir():
+        parser.error(f"--tree {args.tree}: not a folder")
+    longest = int(CONTEXT * scale) - 48  # make_job keeps 32 for the prompt and 16 for output
+    if not 0 <= args.shared_prefix <= longest:
+        parser.error(
+            f"--shared-prefix {args.shared_prefix}: at most {longest} with --shape {args.shape} "
+            "(each prompt keeps room for its own tokens and its output)"
+        )
+    if args.requests < 1 or args.timeout < 1:
+        parser.error("--requests and --timeout must be at least 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for workload.json and the outputs")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--configs", default="default,seqs256,seqs512,eagle3")
+    parser.add_argument(
+        "--configs",
+        default="default,seqs256,seqs512,eagle3",
+        help="comma-separated, of: " + ", ".join(CONFIGS),
+    )
     parser.add_argument("--tree", default=None, help="another checkout, run as `baseline`")
-    parser.add_argument("--baseline-configs", default="default")
+    parser.add_argument(
+        "--baseline-configs", default=None, help="with --tree: the baseline's (default: default)"
+    )
     parser.add_argument(
         "--baseline-last",
         action="store_true",
@@ -198,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         "time go into its result (`host_profile`)",
     )
     args = parser.parse_args(argv)
+    scale = 1.0 if args.shape == "llama8b" else 0.1
+    check_args(parser, args, scale)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     shape = dict(SHAPES[args.shape])
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), CONTEXT)
@@ -206,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     head_config = json.loads((Path(head) / "config.json").read_text())
     head_config["draft_vocab_size"] = min(head_config["draft_vocab_size"], shape["vocab_size"])
     (Path(head) / "config.json").write_text(json.dumps(head_config))
-    scale = 1.0 if args.shape == "llama8b" else 0.1
     records = make_job(args.requests, args.seed, shape["vocab_size"], scale, args.shared_prefix)
     job = Path(args.out) / "workload_job.jsonl"
     job.write_text("".join(json.dumps(r) + "\n" for r in records))
     report = {
-        "command": " ".join(["python"] + sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine(args.device),
         "shape": args.shape,
         "requests": args.requests,
         "shared_prefix": args.shared_prefix,
@@ -222,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = [(name, None) for name in args.configs.split(",") if name]
     if args.tree:
-        baseline = [(f"baseline_{n}", args.tree) for n in args.baseline_configs.split(",")]
+        names = (args.baseline_configs or "default").split(",")
+        baseline = [(f"baseline_{n}", args.tree) for n in names if n]
         runs = runs + baseline if args.baseline_last else baseline + runs
     for name, tree in runs:
         flags = list(CONFIGS[name.removeprefix("baseline_")])

@@ -1,0 +1,83 @@
+"""The benchmark scripts README quotes tell the truth: options are honoured or refused in one
+line, a configuration that fails or times out is recorded and the rest still runs, the code
+measured is the tree named, and the results JSON says where, when and how it was measured."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def bench(name: str):
+    """A benchmarks/ script as a module (they import their neighbours by name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def small_job(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--out", str(tmp_path / "out"), "--shape", "small", "--device", "cpu",
+            "--requests", "1", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--configs", "default,defualt"], "defualt"),
+        (["--configs", "default", "--tree", ".", "--baseline-configs", "tihgt"], "tihgt"),
+        (["--baseline-last"], "--tree"),
+        (["--baseline-configs", "default"], "--tree"),
+        (["--shared-prefix", "1024"], "--shared-prefix"),  # the small shape's prompts: ~400
+    ],
+)
+def test_workload_refuses_a_bad_option_in_one_line(tmp_path, capsys, extra, named):
+    with pytest.raises(SystemExit) as exc:
+        bench("workload").main(small_job(tmp_path, *extra))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "workload.json").exists()  # refused before anything ran
+
+
+def test_workload_records_a_timeout_and_runs_the_rest(tmp_path):
+    # one second: the CLI is still importing torch
+    argv = small_job(tmp_path, "--configs", "default,sync", "--timeout", "1")
+    assert bench("workload").main(argv) == 1
+    report = json.loads((tmp_path / "out" / "workload.json").read_text())
+    assert [r["config"] for r in report["runs"]] == ["default", "sync"]
+    assert all("timed out after 1 s" in r["error"] for r in report["runs"])
+    assert report["command"] and report["date"] and "cores" in report["machine"]
+
+
+def fake_speculant(folder: Path, main: str) -> Path:
+    package = folder / "speculant"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(main)
+    return package
+
+
+def test_workload_measures_this_tree_and_the_baseline_in_one_environment(tmp_path, monkeypatch):
+    """An importable `speculant` elsewhere (an editable install, PYTHONPATH) is not what runs
+    as this tree; the baseline keeps the rest of PYTHONPATH, as this tree does."""
+    summary = "import sys; print('requests=1 prompt_tokens=1 output_tokens=999 time=1.00s', "
+    elsewhere = tmp_path / "elsewhere"
+    fake_speculant(elsewhere, summary + "file=sys.stderr)\n")
+    (elsewhere / "extra_module_the_job_needs.py").write_text("")
+    old = fake_speculant(tmp_path / "old", "import extra_module_the_job_needs\n" + summary
+                         + "file=sys.stderr)\n")  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", str(elsewhere))
+    argv = small_job(tmp_path, "--configs", "default", "--tree", str(old), "--timeout", "120")
+    assert bench("workload").main(argv) == 0
+    report = json.loads((tmp_path / "out" / "workload.json").read_text())
+    runs = {r["config"]: r for r in report["runs"]}
+    assert "error" not in runs["baseline_default"], runs["baseline_default"]
+    assert runs["baseline_default"]["output_tokens"] == 999  # the old tree ran
+    assert runs["default"]["output_tokens"] == report["job_output_tokens"]  # this tree ran
