@@ -57,6 +57,17 @@ def machine(device: str) -> str:
     return f"{gpu}{cpu}, {os.cpu_count()} cores"
 
 
+def run_info(device: str, argv: list[str] | None = None) -> dict:
+    """What every results JSON starts with: the command line (`argv` when main() was given
+    one), the date (UTC) and the machine."""
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "command": " ".join(["python", sys.argv[0], *args]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(device),
+    }
+
+
 def rank_parser(doc: str, json_name: str, quick_help: str) -> argparse.ArgumentParser:
     """A parser with the options every two-rank benchmark takes first: --out, --device, --quick."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import run_info  # noqa: E402
 from adaptive_variants import configure, parse_variant  # noqa: E402
 
 from speculant import Engine, SamplingParams  # noqa: E402
@@ -147,7 +148,7 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     sizes = [int(s) for s in args.sizes.split(",")]
-    report = {}
+    report: dict = run_info("cpu")
     for drafter in args.drafters.split(","):
         engines = {"plain": build(None, "fixed"), "fixed": build(drafter, "fixed"),
                    "auto": build(drafter, "auto", learn=args.learn)}  # fmt: skip

@@ -15,8 +15,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _common import run_info
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -65,10 +66,12 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     trees = {"this": str(ROOT)} | ({"baseline": args.tree} if args.tree else {})
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": " ".join(["python"] + sys.argv), "cpus": os.cpu_count(),
-              "rows": args.rows, "new": args.new, "seconds": {}}  # fmt: skip
+    report = {**run_info("cpu"), "cpus": os.cpu_count(), "rows": args.rows, "new": args.new,
+              "seconds": {}}  # fmt: skip
     for name in args.configs.split(","):
         times = {tree: [] for tree in trees}
         for _ in range(args.rounds):

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import run_info
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "assets" / "prompts" / "heldout_prompts.jsonl"
 
@@ -75,7 +77,8 @@ def main() -> int:
             runs[name].append(run(trees[name], prompts, args))
             print(name, {k: v for k, v in runs[name][-1].items() if k != "ids"}, flush=True)
     same = runs["this"][0]["ids"] == runs["other"][0]["ids"]
-    summary = {
+    summary: dict = {**run_info("cpu")}
+    summary |= {
         name: {
             "median_s": round(statistics.median(x["s"] for x in rs), 2),
             "steps": rs[0]["steps"],

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import run_info
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -145,8 +147,7 @@ def main() -> int:
         job, args.prompts = moe_job(Path(tempfile.mkdtemp(prefix="launch-moe-")))
         job_ranks = ["--moe-backend", args.moe_backend]
     one = ["python3", "-m", "speculant", "generate", *job]
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "moe": args.moe, "cases": {},
-                    "checks": {}}  # fmt: skip
+    report: dict = {**run_info("cuda"), "moe": args.moe, "cases": {}, "checks": {}}
     for dtype in args.dtypes.split(","):
         ref = run_case(f"one_gpu_{dtype}", one, ["--dtype", dtype], args, out)
         report["cases"][f"one_gpu_{dtype}"] = ref

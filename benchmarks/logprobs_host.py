@@ -32,6 +32,7 @@ import random
 import time
 
 import torch
+from _common import run_info
 
 from speculant.executor.engine import Engine
 from speculant.executor.logprobs import logprob_columns, pack_logprobs
@@ -214,7 +215,7 @@ def main() -> int:
         print(text.getvalue())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), **results}, f, indent=2)
+            json.dump({**run_info("cpu"), "args": vars(args), **results}, f, indent=2)
     return 0
 
 

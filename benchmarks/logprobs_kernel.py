@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import run_info  # noqa: E402
 from fp8_sweep import time_us  # noqa: E402
 
 from speculant.kernels import logprobs, reference  # noqa: E402
@@ -73,7 +74,8 @@ def main() -> None:
                 print(f"| {vocab} | {top} | {rows} | {a:.1f} | {' | '.join(cells)} | "
                       f"{'equal' if equal else 'DIFFER'} |", flush=True)  # fmt: skip
     with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        json.dump({**run_info("cuda"), "device": torch.cuda.get_device_name(), "results": results},
+                  f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import run_info  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--drafters", default="eagle3,dflash,draft_lm")
     args = parser.parse_args(argv)
+    algos = {"eagle3": "eagle3", "dflash": "dflash", "draft_lm": "draft-model"}
+    unknown = [name for name in args.drafters.split(",") if name not in algos]
+    if unknown:
+        parser.error(f"--drafters: unknown {', '.join(unknown)} (known: {', '.join(algos)})")
 
     import speculant
     from speculant import Engine, SamplingParams
@@ -27,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = [json.loads(line)["prompt"] for line in bundled_prompts().open()][: args.prompts]
     rows = []
-    algos = {"eagle3": "eagle3", "dflash": "dflash", "draft_lm": "draft-model"}
     for name in args.drafters.split(","):
         algo = algos[name]
         for temperature in (0.6, 1.0):
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({**run_info("cpu", argv), "rows": rows}, f, indent=1)
     return 0
 
 

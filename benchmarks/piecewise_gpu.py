@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import run_info  # noqa: E402
 from graphs import SHAPES, write_config  # noqa: E402
 from spec_step import write_dflash, write_head  # noqa: E402
 
@@ -392,6 +393,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - the engine itself failed: still write the JSON
         traceback.print_exc()
         report = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    report = {**run_info(args.device, argv), **report}
     Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if "error" not in report else 1
 

@@ -15,6 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from _common import run_info
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "sampler_race.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "sampler_race.json").write_text(
+            json.dumps({**run_info("cuda", argv), "rows": rows}, indent=1)
+        )
     return 0 if all(r["kernel_equals_torch"] for r in rows) else 1
 
 

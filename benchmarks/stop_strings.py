@@ -17,6 +17,7 @@ import argparse
 import json
 import time
 
+from _common import run_info
 from tokenizers import Tokenizer
 
 from speculant.executor.detokenize import INCOMPLETE
@@ -85,7 +86,7 @@ def main() -> None:
         print(f"{'window' if args.window else 'replayed'}: {name}: {results[name]}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"window": args.window, "results": results}, f, indent=1)
+            json.dump({**run_info("cpu"), "window": args.window, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine  # noqa: E402
+from _common import run_info  # noqa: E402
 from graphs import SHAPES, write_config  # noqa: E402
 from spec_step import write_head  # noqa: E402
 
@@ -256,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     job = Path(args.out) / "workload_job.jsonl"
     job.write_text("".join(json.dumps(r) + "\n" for r in records))
     report = {
-        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "machine": machine(args.device),
+        **run_info(args.device, argv),
         "shape": args.shape,
         "requests": args.requests,
         "shared_prefix": args.shared_prefix,

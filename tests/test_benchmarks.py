@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -81,3 +82,41 @@ def test_workload_measures_this_tree_and_the_baseline_in_one_environment(tmp_pat
     assert "error" not in runs["baseline_default"], runs["baseline_default"]
     assert runs["baseline_default"]["output_tokens"] == 999  # the old tree ran
     assert runs["default"]["output_tokens"] == report["job_output_tokens"]  # this tree ran
+
+
+@pytest.mark.parametrize(
+    "script, argv, named",
+    [
+        ("cpu_generate", ["--configs", "plain,eagle-3"], "eagle-3"),
+        ("match_accept", ["--drafters", "draftlm"], "draftlm"),
+    ],
+)
+def test_a_bad_name_is_refused_before_anything_runs(monkeypatch, capsys, script, argv, named):
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    main = bench(script).main
+    with pytest.raises(SystemExit) as exc:
+        main(argv) if script == "match_accept" else main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_every_results_json_says_how_where_and_when_it_was_measured():
+    """A script writing a results JSON (an --out or --json option) records its command line,
+    date and machine (benchmarks/_common.run_info, or inline with the GPU's name)."""
+    lacking = []
+    for script in sorted(BENCHMARKS.glob("*.py")):
+        text = script.read_text()
+        writes = "json.dump" in text and re.search(r'add_argument\(\s*"--(json|out)"', text)
+        inline = all(key in text for key in ('"command"', '"date"')) and (
+            "get_device_name" in text or '"gpu"' in text
+        )
+        if writes and not ("run_info(" in text or "run_header(" in text or inline):
+            lacking.append(script.name)
+    assert not lacking
+
+
+def test_run_info_names_the_machine():
+    info = bench("_common").run_info("cpu", ["--out", "x"])
+    assert info["command"].endswith("--out x") and "UTC" in info["date"]
+    assert "cores" in info["machine"]
