@@ -84,6 +84,10 @@ def free(engine) -> None:
     torch.cuda.empty_cache()
 
 
+PARTS = ("8b", "bundled")
+RUNS_8B = ("plain", "fixed", "auto", "auto_d0")  # part_8b's runs
+
+
 def part_8b(report: dict, only: str | None = None) -> None:
     shape = SHAPES["llama8b"]
     target, head = write_config(shape), write_head(shape)
@@ -258,6 +262,11 @@ def main() -> int:
     parser.add_argument("--parts", default="8b,bundled")
     parser.add_argument("--runs-8b", default=None, help="e.g. plain,auto (default: all four)")
     args = parser.parse_args()
+    lists = {"--parts": (args.parts, PARTS), "--runs-8b": (args.runs_8b, RUNS_8B)}
+    for option, (names, known) in lists.items():
+        unknown = [name for name in (names or "").split(",") if name and name not in known]
+        if unknown:  # else a typo would run another part, or nothing
+            parser.error(f"{option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     report = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

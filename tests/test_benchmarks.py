@@ -120,3 +120,12 @@ def test_run_info_names_the_machine():
     info = bench("_common").run_info("cpu", ["--out", "x"])
     assert info["command"].endswith("--out x") and "UTC" in info["date"]
     assert "cores" in info["machine"]
+
+
+@pytest.mark.parametrize("argv", [["--parts", "8B"], ["--runs-8b", "plain,atuo"]])
+def test_adaptive_gpu_refuses_an_unknown_part_or_run(monkeypatch, capsys, argv):
+    """A typo ran the bundled part instead (--parts), or nothing (--runs-8b)."""
+    monkeypatch.setattr(sys, "argv", ["adaptive_gpu.py", "--json", "x.json", *argv])
+    with pytest.raises(SystemExit) as exc:
+        bench("adaptive_gpu").main()
+    assert exc.value.code == 2 and argv[1].split(",")[-1] in capsys.readouterr().err
