@@ -83,9 +83,10 @@ SAFETENSORS_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float1
 
 
 def weights_dtype(path: Path) -> str | None:
-    """The dtype of the first float32 / bfloat16 / float16 tensor in the *.safetensors headers of
-    checkpoint folder `path` (what transformers' dtype "auto" takes where config.json names
-    none); None when no header has one (the loader reports a broken file by its name)."""
+    """The dtype of the first float32 / bfloat16 / float16 tensor by name in the *.safetensors
+    headers of checkpoint folder `path` (what transformers' dtype "auto" takes where config.json
+    names none: safe_open's keys are sorted; a header lists float32 tensors before bfloat16
+    ones); None when no header has one (the loader reports a broken file by its name)."""
     for file in sorted(path.glob("*.safetensors")):
         try:
             with file.open("rb") as handle:
@@ -93,7 +94,7 @@ def weights_dtype(path: Path) -> str | None:
                 header = json.loads(handle.read(length))
         except (OSError, ValueError, struct.error):
             continue
-        for name, entry in header.items() if isinstance(header, dict) else ():
+        for name, entry in sorted(header.items()) if isinstance(header, dict) else ():
             if name != "__metadata__" and isinstance(entry, dict):
                 dtype = SAFETENSORS_FLOAT_DTYPES.get(entry.get("dtype"))
                 if dtype is not None:

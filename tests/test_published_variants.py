@@ -474,6 +474,27 @@ def test_auto_dtype_without_a_config_dtype_reads_the_weights(tmp_path, dtype):
     assert ModelConfig.from_dir(tmp_path).torch_dtype == "float32"  # a named dtype wins
 
 
+def test_auto_dtype_of_mixed_weights_is_the_first_by_name_as_transformers_reads_it(tmp_path):
+    """bf16 weights beside float32 ones (norms, FP8 scales): safetensors writes the float32
+    tensors first in the header (by dtype, then name), transformers' dtype "auto" takes the
+    first floating tensor by name (safe_open's sorted keys): bfloat16 here, not float32."""
+    from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+    weights = {
+        "lm_head.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+        "model.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+        "model.norm.weight": torch.zeros(4),
+        "model.layers.0.mlp.down_proj.weight_scale": torch.zeros(1),
+    }
+    file = tmp_path / "model.safetensors"
+    save_file(weights, str(file))
+    hf = {"architectures": ["LlamaForCausalLM"], **SIZES}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    theirs = get_state_dict_dtype(load_state_dict(str(file), map_location="meta"))
+    assert theirs == torch.bfloat16
+    assert ModelConfig.from_dir(tmp_path).torch_dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(
     "fields",
     [
