@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from helpers_dflash import reference_drafts, write_random_dflash
+from helpers_sampling import seeded_prefill
 from safetensors.torch import load_file
 from scipy.stats import chisquare
 from test_speculative import GREEDY, TRITON_GREEDY, assert_lossless, engine, prompts_of
@@ -332,8 +333,6 @@ def test_dflash_sampled_drafts_follow_the_q_handed_to_verify(llama_dir, dflash_d
     1024 seeds of one prompt, the rows that sampled the same first token share one block
     context, and draft i is distributed as the q recorded for draft i (top-k 8)."""
     from speculant import Engine
-    from speculant.executor.forward_batch import SamplingInfo
-    from speculant.executor.sampling import FULL
 
     n, k = 1024, 3
     spec = Engine(
@@ -347,15 +346,8 @@ def test_dflash_sampled_drafts_follow_the_q_handed_to_verify(llama_dir, dflash_d
         num_draft_tokens=k,
     )
     prompt = prompts_of((6,), seed=9)[0]
-    rows = [spec.kv.allocate(16) for _ in range(n)]
-    info = SamplingInfo(
-        torch.full((n,), 0.9),
-        torch.full((n,), 8, dtype=torch.int64),
-        torch.ones(n),
-        torch.arange(n, dtype=torch.int64) * 7 + 1,
-    )
-    tokens, drafts = spec.runner.prefill(rows, [prompt] * n, [0] * n, info, FULL)
-    q = spec.runner.draft_probs[torch.tensor(rows)]
+    seeds = torch.arange(n, dtype=torch.int64) * 7 + 1
+    tokens, drafts, q = seeded_prefill(spec, prompt, n, 0.9, 8, seeds)
     group = (tokens == tokens.mode().values).nonzero()[:, 0]
     assert group.numel() >= 100
     for i in range(k):

@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_ckpt import TINY
-from scipy.stats import chisquare
+from helpers_sampling import assert_follows, seeded_prefill
 
 from speculant import Engine, SamplingParams, SpeculantError
 from speculant.drafter.tokenizer_vocab import check_draft_tokenizer, token_map
-from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.sampling import FULL, filtered_probs
+from speculant.executor.sampling import filtered_probs
 from speculant.executor.speculation import AUTO, DraftLengthChooser, DraftShape, StepCosts
 
 SMALL, LARGE = 520, 576  # vocab_size values; the tokenizer has 512 tokens
@@ -201,15 +200,8 @@ def test_sampled_drafts_follow_the_q_verify_reads(ckpts, target, draft):
     eng = sampled_engine(ckpts, target, draft, n)
     vocab, lacking = eng.model_config.vocab_size, eng.drafter.vocab
     prompt = prompts_of((6,), seed=9, vocab=SMALL)[0]
-    rows = [eng.kv.allocate(16) for _ in range(n)]
-    info = SamplingInfo(
-        torch.full((n,), SAMPLED["temperature"]),
-        torch.full((n,), SAMPLED["top_k"], dtype=torch.int64),
-        torch.ones(n),
-        torch.arange(n, dtype=torch.int64) * 7 + 1,
-    )
-    _, drafts = eng.runner.prefill(rows, [prompt] * n, [0] * n, info, FULL)
-    q = eng.runner.draft_probs[torch.tensor(rows)]
+    seeds = torch.arange(n, dtype=torch.int64) * 7 + 1
+    _, drafts, q = seeded_prefill(eng, prompt, n, SAMPLED["temperature"], SAMPLED["top_k"], seeds)
     assert q.shape == (n, K, vocab)
     torch.testing.assert_close(q.sum(-1), torch.ones(n, K))
     assert q[..., lacking:].sum() == 0 and int(drafts.max()) < min(vocab, lacking)
@@ -255,18 +247,6 @@ def test_sampled_output_follows_the_target_distribution(ckpts, target, draft):
     counts = torch.bincount(emitted, minlength=expected.numel()).double()
     assert counts[expected == 0].sum() == 0, "a token outside the target's top-k was emitted"
     assert_follows(counts, expected)
-
-
-def assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
-    """A chi-square of observed `counts` against `expected` counts per token, the bins expected
-    fewer than 5 times merged into one (so the approximation holds)."""
-    order = expected.argsort(descending=True)
-    exp_sorted, obs_sorted = expected[order], counts[order]
-    keep = exp_sorted >= 5
-    exp = torch.cat([exp_sorted[keep], exp_sorted[~keep].sum()[None]])
-    obs = torch.cat([obs_sorted[keep], obs_sorted[~keep].sum()[None]])
-    assert keep.sum() >= 5
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
 
 
 # ------------------------------------------------------------------------------ the tokenizer

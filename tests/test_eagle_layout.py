@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers_eagle import tiny_target_config, write_random_eagle3, write_speculators_eagle3
+from helpers_sampling import assert_follows, seeded_prefill
 
 from speculant import Engine
 from speculant.comm.groups import ParallelContext
@@ -735,11 +736,6 @@ def test_sampled_drafts_of_a_reduced_vocab_are_target_ids_drawn_from_q(tmp_path,
     """EAGLE-3 with its own 200-id vocabulary (d2t): a prefill of 512 seeded sampled rows of one
     prompt drafts target ids, each inside the support of the target-space q verify reads, and
     the drafts' counts follow the sum of those q's (a draft index taken for a target id fails)."""
-    from test_draft_vocab import assert_follows
-
-    from speculant.executor.forward_batch import SamplingInfo
-    from speculant.executor.sampling import FULL
-
     write_random_eagle3(tmp_path, llama_dir, draft_vocab=200, seed=5)
     n, k = 512, 3
     eng = Engine(
@@ -747,15 +743,8 @@ def test_sampled_drafts_of_a_reduced_vocab_are_target_ids_drawn_from_q(tmp_path,
         algo="eagle3", draft=str(tmp_path), num_draft_tokens=k,
     )  # fmt: skip
     vocab = eng.model_config.vocab_size
-    rows = [eng.kv.allocate(16) for _ in range(n)]
-    info = SamplingInfo(
-        torch.full((n,), 1.0),
-        torch.full((n,), 0, dtype=torch.int64),
-        torch.ones(n),
-        torch.arange(n, dtype=torch.int64) * 5 + 3,
-    )
-    _, drafts = eng.runner.prefill(rows, [[5, 9, 14, 2, 7]] * n, [0] * n, info, FULL)
-    q = eng.runner.draft_probs[torch.tensor(rows)]
+    seeds = torch.arange(n, dtype=torch.int64) * 5 + 3
+    _, drafts, q = seeded_prefill(eng, [5, 9, 14, 2, 7], n, 1.0, 0, seeds)
     assert q.shape == (n, k, vocab) and int((q[0, 0] > 0).sum()) <= 200
     expected = q.reshape(-1, vocab).double().sum(0)
     counts = torch.bincount(drafts.reshape(-1), minlength=vocab).double()
