@@ -1,9 +1,10 @@
 """The sampler's cost per step on the GPU: the exponential race (executor/sampling.py `race`,
 on CUDA the Triton kernel kernels/race.py; and its torch reference) against the inverse-CDF
 draw it replaced (reimplemented here), each after the same filtered_probs (temperature, top-k,
-top-p: the sort the sampled step already paid), at a 152k vocabulary for plain steps (T = 1) and
-verify steps (T = 4), bs 1 / 64 / 256. Also checks the kernel's draws equal the torch
-reference's on every row timed. Eager, CUDA-event timed, median of `--iters`.
+top-p: the sort the sampled step already paid), and filtered_probs for temperature-only rows in
+the FULL variant (ranked) against SCALED (unranked; checked equal), at a 152k vocabulary for
+plain steps (T = 1) and verify steps (T = 4), bs 1 / 64 / 256. Also checks the kernel's draws
+equal the torch reference's on every row timed. Eager, CUDA-event timed, median of `--iters`.
 
 python benchmarks/sampler_race.py [--out DIR] [--vocab 152064] [--iters 50]"""
 
@@ -72,9 +73,19 @@ def main(argv: list[str] | None = None) -> int:
         filtered = (logits, temp, top_k, top_p)
         probs = sampling.filtered_probs(*filtered)
         same = torch.equal(kernel_race(probs, seed, pos), torch_race(probs, seed, pos))
+        # temperature only (no top-k / top-p): what such a batch paid before the SCALED
+        # variant (FULL ranks the vocabulary whatever the rows ask) and pays now
+        plain = (logits, temp, top_k, torch.ones_like(top_p), None)
+        scaled_same = torch.equal(
+            sampling.filtered_probs(*plain, sampling.SCALED),
+            sampling.filtered_probs(*plain, sampling.FULL),
+        )
         row = {
             "bs": bs, "T": T, "vocab": args.vocab,
             "filtered_probs_ms": timed(sampling.filtered_probs, *filtered),
+            "temperature_only_full_ms": timed(sampling.filtered_probs, *plain, sampling.FULL),
+            "temperature_only_scaled_ms": timed(sampling.filtered_probs, *plain, sampling.SCALED),
+            "scaled_equals_full": scaled_same,
             "inverse_cdf_ms": timed(inverse_cdf, probs, seed, pos),
             "race_torch_ms": timed(torch_race, probs, seed, pos),
             "race_kernel_ms": timed(kernel_race, probs, seed, pos),
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "sampler_race.json").write_text(
             json.dumps({**run_info("cuda", argv), "rows": rows}, indent=1)
         )
-    return 0 if all(r["kernel_equals_torch"] for r in rows) else 1
+    return 0 if all(r["kernel_equals_torch"] and r["scaled_equals_full"] for r in rows) else 1
 
 
 if __name__ == "__main__":

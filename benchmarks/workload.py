@@ -73,6 +73,10 @@ CONFIGS = {  # name: extra CLI flags
     "eagle3_logprobs5": ["--algo", "eagle3", "--num-draft-tokens", "3", "--logprobs", "5"],
     # sampled steps (the full sampler variant), and with min-p: what its filter costs
     "sampled": ["--temperature", "0.8", "--top-p", "0.95"],
+    "temperature": ["--temperature", "0.8"],  # no top-k / top-p: the SCALED sampler variant
+    "eagle3_sampled": ["--algo", "eagle3", "--num-draft-tokens", "3", "--temperature", "0.8",
+                       "--top-p", "0.95"],  # fmt: skip
+    "eagle3_temperature": ["--algo", "eagle3", "--num-draft-tokens", "3", "--temperature", "0.8"],
     "sampled_minp": ["--temperature", "0.8", "--top-p", "0.95", "--min-p", "0.05"],
     # four completions of every prompt (their prompt pages shared: prefilled once)
     "n4": ["--n", "4", "--temperature", "0.8"],
@@ -124,6 +128,8 @@ def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: 
     cmd = [*python, "-m", "speculant", "generate", "--target", target,
            "--load-format", "dummy", "--dtype", "bfloat16", "--device", args.device,
            "--prompts", str(job), "--output", str(out), "--ignore-eos", *flags]  # fmt: skip
+    if args.debug:
+        cmd.append("--debug")
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -135,8 +141,10 @@ def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: 
                 "error": f"timed out after {args.timeout} s (--timeout)"}  # fmt: skip
     wall = time.perf_counter() - start
     err = proc.stderr
+    log = Path(args.out) / f"stderr_{name}.log"  # the whole of it (a traceback with --debug)
+    log.write_text(err)
     result = {"config": name, "flags": flags, "tree": tree, "exit": proc.returncode,
-              "wall_s": round(wall, 2)}  # fmt: skip
+              "wall_s": round(wall, 2), "stderr_log": str(log)}  # fmt: skip
     match = SUMMARY.search(err)
     if proc.returncode != 0 or match is None:
         tail = [line for line in err.splitlines() if line.strip()][-3:]
@@ -235,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
+    parser.add_argument(
+        "--debug", action="store_true", help="pass --debug (tracebacks) to every CLI run"
+    )
     parser.add_argument(
         "--profile",
         action="store_true",

@@ -182,7 +182,7 @@ class Drafter(ABC):
         if variant == GREEDY:
             return greedy, None
         q = filtered_probs(
-            logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+            logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, variant
         )
         ids = self.target_id_table()
         drawn = race(q, sampling.seed, positions, self.draft_stream, ids)

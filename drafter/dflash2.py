@@ -48,7 +48,7 @@ from speculant.drafter.dflash import (
 )
 from speculant.drafter.eagle import ReplicatedLinear, _copy_whole
 from speculant.errors import SpeculantError
-from speculant.executor.sampling import GREEDY, filtered_probs, race
+from speculant.executor.sampling import GREEDY, SCALED, filtered_probs, race
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
@@ -226,15 +226,14 @@ class DFlash2Drafter(DFlashDrafter):
         predecessors = selector.predecessor_codebook.weight
         previous = newest
         drafts, probs = [], []
-        if variant != GREEDY:
-            no_top_k = torch.zeros_like(sampling.top_k)
-            no_top_p = torch.ones_like(sampling.top_p)
         for i in range(self.k):  # draft i is the token at block_start + 1 + i
             pair = F.embedding(previous, predecessors).float() * projected[:, i]
             scores = unary[:, i] + torch.einsum("br,bkr->bk", pair, successors[:, i])
             index = scores.argmax(-1)
             if variant != GREEDY:
-                q = filtered_probs(scores, sampling.temperature, no_top_k, no_top_p)
+                # temperature only over the candidates: SCALED ranks nothing (top-k / top-p off)
+                q = filtered_probs(scores, sampling.temperature, sampling.top_k, sampling.top_p,
+                                   None, SCALED)  # fmt: skip
                 drawn = race(q, sampling.seed, block_positions[:, i + 1], self.draft_stream,
                              candidates[:, i])  # fmt: skip
                 index = torch.where(sampling.is_greedy, index, drawn)

@@ -65,7 +65,7 @@ from speculant.executor.request import (
     is_bool,
     is_integer,
 )
-from speculant.executor.sampling import FULL, GREEDY, batch_variant
+from speculant.executor.sampling import FULL, GREEDY, VARIANTS, batch_variant
 from speculant.executor.scheduler import Scheduler
 from speculant.executor.speculation import (
     PLAIN,
@@ -233,7 +233,7 @@ class Engine:
                 self.drafter.match_samples = True
         k, speculation = cfg.spec.num_draft_tokens, cfg.spec.speculation
         self.graphs = GraphRunner(
-            self.runner, cfg.graph, cache.max_num_seqs, (GREEDY, FULL), self.pctx, mc.is_moe,
+            self.runner, cfg.graph, cache.max_num_seqs, VARIANTS, self.pctx, mc.is_moe,
             shapes_for(k, speculation),
         )  # fmt: skip
         self.graphs.hooks.extend(self.model.replay_hooks())  # DeepEP's mode reset
@@ -444,28 +444,30 @@ class Engine:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
         scratch.allocate_row()
+        peaks = []
         try:
             for seqs in steps:
+                torch.cuda.reset_peak_memory_stats(self.device)
                 sampled = [ScratchRequest(SamplingParams(temperature=1.0))] * len(seqs)  # larger
                 runner.extend(seqs, self._sampling_info(sampled), FULL)
+                torch.cuda.synchronize(self.device)
+                peaks.append(torch.cuda.max_memory_allocated(self.device) - before)
         except torch.OutOfMemoryError:
             raise SpeculantError(
                 f"a step of max_num_batched_tokens={budget} tokens ({rows} verify rows) does not "
                 "fit in GPU memory next to the weights; lower --max-num-batched-tokens or "
                 "--max-num-seqs"
             ) from None
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
+        peak = max(peaks)
         del runner
         torch.cuda.empty_cache()
         if self.pctx.rank == 0:
             log.info(
-                "profiled step activations at %d tokens: %.2f GiB (kept out of the KV cache)",
-                budget,
-                peak / 2**30,
-            )
+                "profiled step activations at %d tokens: %.2f GiB (kept out of the KV cache; "
+                "a prefill chunk %.2f, %d verify rows %.2f)",
+                budget, peak / 2**30, peaks[0] / 2**30, rows, peaks[1] / 2**30,
+            )  # fmt: skip
         return int(peak * 1.1)  # a margin for allocator fragmentation
 
     # ------------------------------------------------------------------ requests
@@ -1087,7 +1089,7 @@ class Engine:
         graphs = self.piecewise.per_sequence
         if graphs is None:
             return False
-        variant = batch_variant([r.params.temperature for r in plan.requests])
+        variant = batch_variant([r.params for r in plan.requests])
         return graphs.drafts_cheaply(len(plan.decode) + len(plan.chunks), variant)
 
     def _settle_catch_up(self, plan: StepPlan) -> None:
@@ -1227,7 +1229,7 @@ class Engine:
             for c in plan.chunks
         ]
         requests = plan.requests
-        variant = batch_variant([r.params.temperature for r in requests])
+        variant = batch_variant([r.params for r in requests])
         info = self._sampling_info(requests)
         start = time.perf_counter()
         tokens = None if plan.sizes is None else plan.sizes.tokens_per_rank
@@ -1278,7 +1280,7 @@ class Engine:
                 self.kv.sentinel_row,
                 [r.params.min_p for r in requests],
             )
-        variant = batch_variant([r.params.temperature for r in requests])
+        variant = batch_variant([r.params for r in requests])
         kv_len = None  # a backend that gathers every key position (torch) attends, when the
         if self.runner.attn.gathers_kv_len:  # step runs eagerly, over the pages its rows hold
             held = max((len(self.kv.pages_of_row[r.row]) for r in requests), default=1)

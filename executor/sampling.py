@@ -19,7 +19,7 @@ import logging
 import torch
 
 from speculant.executor.forward_batch import SamplingInfo
-from speculant.executor.request import GREEDY_TEMPERATURE
+from speculant.executor.request import GREEDY_TEMPERATURE, SamplingParams
 
 log = logging.getLogger("speculant")
 
@@ -29,8 +29,15 @@ STREAM_SAMPLE = 1  # the token emitted at a position (plain sampling, bonus and 
 STREAM_ACCEPT = 2  # the accept test of a draft token
 STREAM_DRAFT = 3  # a drafter's own sampled proposal
 
-GREEDY, FULL = "greedy", "full"  # sampler variants; each is captured as its own graph
+# Sampler variants, each captured as its own graph: argmax only; temperature and min-p (no row
+# asks for top-k or top-p: no vocabulary sort); everything (top-k / top-p rank the vocabulary)
+GREEDY, SCALED, FULL = "greedy", "scaled", "full"
+VARIANTS = (GREEDY, SCALED, FULL)
 U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
+# top-k / top-p rank this many entries (rows x vocabulary) at a time: the sort's keys, indices
+# and buffers for every row of a 512-row verify step at a 128k vocabulary were ~10 GiB (the
+# step's peak, and its CUDA graph's pool); 2^24 (64 MiB of float32) keeps the sort efficient
+SORT_ELEMENTS = 1 << 24
 
 
 ARGMAX_CHUNKS = 64
@@ -59,9 +66,15 @@ def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     return (best * size + index.gather(-1, best)).squeeze(-1)
 
 
-def batch_variant(temperatures: list[float]) -> str:
-    """The graph variant a batch needs: argmax only when every request is greedy."""
-    return GREEDY if all(t < GREEDY_TEMPERATURE for t in temperatures) else FULL
+def batch_variant(params: list[SamplingParams]) -> str:
+    """The graph variant a batch needs: argmax only when every request is greedy; no ranking
+    of the vocabulary when no sampled request asks for top-k or top-p (a greedy row is a
+    one-hot either way)."""
+    sampled = [p for p in params if p.temperature >= GREEDY_TEMPERATURE]
+    if not sampled:
+        return GREEDY
+    ranked = any(p.top_k > 0 or p.top_p < 1 for p in sampled)
+    return FULL if ranked else SCALED
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +196,7 @@ def filtered_probs(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    variant: str = FULL,
 ) -> torch.Tensor:
     """softmax(logits / T) restricted to the tokens at least min_p times as likely as the most
     likely one (vLLM's min-p, applied first as vLLM does), then to the top-k tokens, then to the
@@ -190,31 +204,56 @@ def filtered_probs(
     them), and renormalised. logits [..., V]; parameters broadcast over the leading dims ([bs]
     or [bs, 1]); min_p None: off for every row.
     Rows with T below GREEDY_TEMPERATURE get a one-hot at the argmax (logits / T would overflow
-    float32); the most likely token always survives top-p, however small top_p is."""
+    float32); the most likely token always survives top-p, however small top_p is.
+    `variant` SCALED: no row asks for top-k or top-p (batch_variant), so the vocabulary is not
+    ranked (a sort of [rows, V]: most of a sampled step's sampler); the same result bit for bit
+    as FULL gives such rows."""
+    # In place wherever a [rows, V] result is not read again: a verify step of 512 rows of 4
+    # tokens at a 128k vocabulary holds 1 GiB per such tensor (the step's peak, and its graph's)
     greedy = temperature < GREEDY_TEMPERATURE
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits.float() / temp.unsqueeze(-1), dim=-1)
-    one_hot = torch.zeros_like(probs).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
-    probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+    greedy = greedy.unsqueeze(-1)
+    at_max = argmax(logits).unsqueeze(-1)
+    top = torch.where(greedy, 1.0, probs.gather(-1, at_max))
+    probs.masked_fill_(greedy, 0.0).scatter_(-1, at_max, top)  # greedy rows: a one-hot
     if min_p is not None:  # 0 keeps every token (p >= 0); the most likely always survives
-        probs = probs * (probs >= min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True))
-    # ranked by logit, not probability: at a high temperature two close logits round to one
-    # probability, and a stable sort of probabilities put the lower id first (top_k 1 and a
-    # tiny top_p then kept another token than the argmax); dropped tokens rank last
+        probs.mul_(probs >= min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True))
+    if variant == SCALED:
+        return probs.div_(probs.sum(-1, keepdim=True))
+    vocab = probs.shape[-1]
+    rows = probs.numel() // max(vocab, 1)
+    flat_probs, flat_logits = probs.view(rows, vocab), logits.reshape(rows, vocab)
+    flat_k = top_k.expand(probs.shape[:-1]).reshape(rows, 1)
+    flat_p = top_p.expand(probs.shape[:-1]).reshape(rows, 1)
+    step = max(1, SORT_ELEMENTS // max(vocab, 1))  # rows are independent: same bits by chunks
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        _rank_filter_(flat_probs[start:end], flat_logits[start:end], flat_k[start:end],
+                      flat_p[start:end])  # fmt: skip
+    return probs.div_(probs.sum(-1, keepdim=True))
+
+
+def _rank_filter_(probs: torch.Tensor, logits: torch.Tensor, top_k, top_p) -> None:
+    """Top-k, then top-p over the top-k set's mass, on probs [rows, V] in place (top_k, top_p
+    [rows, 1]). Ranked by logit, not probability: at a high temperature two close logits round
+    to one probability, and a stable sort of probabilities put the lower id first (top_k 1 and
+    a tiny top_p then kept another token than the argmax); dropped tokens rank last."""
     rank_key = logits.float().masked_fill(probs <= 0, float("-inf"))
     order = rank_key.sort(dim=-1, descending=True, stable=True).indices
+    del rank_key
     sorted_probs = probs.gather(-1, order)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1])).unsqueeze(-1)
-    sorted_probs = sorted_probs * (rank < k)
-    cumulative = sorted_probs.cumsum(-1)
-    mass_before, top_k_mass = cumulative - sorted_probs, cumulative[..., -1:]
+    vocab = probs.shape[-1]
+    rank = torch.arange(vocab, device=probs.device)
+    sorted_probs.mul_(rank < torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)))
+    mass_before = sorted_probs.cumsum(-1)
+    top_k_mass = mass_before[:, -1:].clone()
+    mass_before.sub_(sorted_probs)
     # top_p 1 keeps every token: the float32 cumsum reaches 1 before a large vocabulary's tail
-    top_p = top_p.unsqueeze(-1)
     keep = (mass_before < top_p * top_k_mass) | (top_p >= 1) | (rank == 0)
-    sorted_probs = sorted_probs * keep
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return kept / kept.sum(-1, keepdim=True)
+    del mass_before
+    sorted_probs.mul_(keep)
+    probs.scatter_(-1, order, sorted_probs)  # order is a permutation: every entry written
 
 
 def sample(
@@ -224,6 +263,8 @@ def sample(
     greedy = argmax(logits)
     if variant == GREEDY:
         return greedy
-    probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p, info.min_p)
+    probs = filtered_probs(
+        logits, info.temperature, info.top_k, info.top_p, info.min_p, variant
+    )
     drawn = race(probs, info.seed, positions, STREAM_SAMPLE)
     return torch.where(info.is_greedy, greedy, drawn)

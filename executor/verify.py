@@ -47,8 +47,9 @@ def verify(
         out_pos = positions + 1  # the position of the token each input predicts
         min_p = None if info.min_p is None else info.min_p[:, None]
         p = filtered_probs(
-            logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None], min_p
-        )
+            logits, info.temperature[:, None], info.top_k[:, None], info.top_p[:, None], min_p,
+            variant,
+        )  # fmt: skip
         if match:  # what plain sampling draws at each position decides, not the drafts
             sampled = race(p, info.seed[:, None], out_pos, STREAM_SAMPLE)
             sampled_accepted = drafts == sampled[:, :k]
@@ -67,7 +68,7 @@ def verify(
 
 def _rejection(p, drafts, draft_probs, info, out_pos):
     """Rejection sampling: the candidates [bs, T] (the residual's sample at each draft position,
-    p's after the last) and which drafts pass their accept test [bs, k]."""
+    p's after the last) and which drafts pass their accept test [bs, k]. Overwrites p."""
     k = drafts.shape[1]
     p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u_accept = uniform(info.seed[:, None], out_pos[:, 1:], STREAM_ACCEPT)
@@ -79,7 +80,8 @@ def _rejection(p, drafts, draft_probs, info, out_pos):
         residual = (p[:, :k] - draft_probs).clamp_(min=0.0)
     # If p == q exactly the residual is empty, and a rejection cannot happen; keep p there.
     empty = residual.sum(-1, keepdim=True) <= 0
-    residual = torch.where(empty, p[:, :k], residual)
-    pick_from = torch.cat([residual, p[:, k:]], dim=1)
-    sampled = race(pick_from, info.seed[:, None], out_pos, STREAM_SAMPLE)
+    torch.where(empty, p[:, :k], residual, out=residual)
+    p[:, :k] = residual  # p is read no more: the residuals, then p after the last draft
+    del residual
+    sampled = race(p, info.seed[:, None], out_pos, STREAM_SAMPLE)
     return sampled, u_accept * q_draft < p_draft

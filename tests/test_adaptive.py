@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from speculant import Engine, SamplingParams, bundled
+from speculant.executor.sampling import VARIANTS
 from speculant.executor.speculation import (
     AUTO,
     FIXED,
@@ -1257,8 +1258,9 @@ def test_gpu_graphs_of_every_shape_replay_and_switching_equals_plain(drafter):
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     forced = Engine(TARGET, **options, **DRAFTERS[drafter], speculation=AUTO)
     defers = forced.runner.catch_up is not None  # one catch-up graph per size
-    # three shapes and a resting plain graph per variant (2) and size, the catch-up's per size
-    assert len(forced.graphs.graphs) == (4 * 2 + defers) * len(forced.graphs.sizes)
+    # three shapes and a resting plain graph per variant and size, the catch-up's per size
+    variants = len(VARIANTS)
+    assert len(forced.graphs.graphs) == (4 * variants + defers) * len(forced.graphs.sizes)
     forced.chooser = ForcedChooser(forced.chooser.k, None, seed=1)
     assert [o.token_ids for o in forced.generate(prompts, GREEDY)] == expected
     assert forced.graphs.num_replays > 0

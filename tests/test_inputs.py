@@ -106,7 +106,7 @@ def test_temperatures_below_epsilon_are_greedy(temperature):
     probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p)
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 40).float())
     assert torch.equal(sample(logits, info, torch.arange(5), "full"), logits.argmax(-1))
-    assert batch_variant([temperature]) == GREEDY
+    assert batch_variant([SamplingParams(temperature=temperature, top_p=0.9)]) == GREEDY
     given = SamplingParams(temperature=temperature)
     assert given.validate().temperature == 0.0  # the engine then runs the greedy path
     assert given.temperature == temperature  # the caller's object as it was

@@ -37,6 +37,7 @@ from speculant.comm.groups import ParallelContext, check_world
 from speculant.executor.dp import DPShares, assign_requests
 from speculant.executor.model_runner import ModelRunner
 from speculant.executor.request import Request
+from speculant.executor.sampling import VARIANTS
 from speculant.executor.step_plan import Move
 from speculant.launch.spawn import RankFailure, run_ranks
 
@@ -114,7 +115,7 @@ def check_own_sizes(decodes: list[tuple], dp: int, padded: bool) -> None:
 def expected_capture(dp: int) -> list[tuple]:
     """What the recorder sees capture run on every rank: each variant, largest size first, on
     sentinel rows only."""
-    return [(None, bs, 0, v) for v in ("greedy", "full") for bs in reversed(CAPTURED[dp])]
+    return [(None, bs, 0, v) for v in VARIANTS for bs in reversed(CAPTURED[dp])]
 
 
 def generate_in_rank(tp: int, dp: int, cases: list[tuple]) -> dict:
