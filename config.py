@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,23 +83,32 @@ def _json_kind(value: object) -> str:
 SAFETENSORS_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def weights_dtype(path: Path) -> str | None:
-    """The dtype of the first float32 / bfloat16 / float16 tensor by name in the *.safetensors
-    headers of checkpoint folder `path` (what transformers' dtype "auto" takes where config.json
-    names none: safe_open's keys are sorted; a header lists float32 tensors before bfloat16
-    ones); None when no header has one (the loader reports a broken file by its name)."""
-    for file in sorted(path.glob("*.safetensors")):
+def safetensors_headers(path: str | Path) -> Iterator[dict[str, dict]]:
+    """The tensor entries ({name: {"dtype", "shape", ...}}, `__metadata__` left out) of each
+    *.safetensors file in checkpoint folder `path`, files in name order, read from their headers
+    (no weights loaded); a file whose header cannot be read is skipped (the loader reports a
+    broken file by its name)."""
+    for file in sorted(Path(path).glob("*.safetensors")):
         try:
             with file.open("rb") as handle:
                 (length,) = struct.unpack("<Q", handle.read(8))
                 header = json.loads(handle.read(length))
         except (OSError, ValueError, struct.error):
             continue
-        for name, entry in sorted(header.items()) if isinstance(header, dict) else ():
-            if name != "__metadata__" and isinstance(entry, dict):
-                dtype = SAFETENSORS_FLOAT_DTYPES.get(entry.get("dtype"))
-                if dtype is not None:
-                    return dtype
+        if isinstance(header, dict):
+            yield {n: e for n, e in header.items() if n != "__metadata__" and isinstance(e, dict)}
+
+
+def weights_dtype(path: Path) -> str | None:
+    """The dtype of the first float32 / bfloat16 / float16 tensor by name in the *.safetensors
+    headers of checkpoint folder `path` (what transformers' dtype "auto" takes where config.json
+    names none: safe_open's keys are sorted; a header lists float32 tensors before bfloat16
+    ones); None when no header has one."""
+    for header in safetensors_headers(path):
+        for _, entry in sorted(header.items()):
+            dtype = SAFETENSORS_FLOAT_DTYPES.get(entry.get("dtype"))
+            if dtype is not None:
+                return dtype
     return None
 
 

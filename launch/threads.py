@@ -9,13 +9,12 @@ OMP_NUM_THREADS choose instead.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import struct
 from pathlib import Path
 
+from speculant.config import safetensors_headers
 from speculant.errors import SpeculantError
 
 log = logging.getLogger("speculant")
@@ -27,15 +26,9 @@ def checkpoint_params(path: str | Path) -> int | None:
     """Parameters in a checkpoint's *.safetensors files, read from their headers (no weights
     are loaded); None when the folder has none (a dummy-weights run)."""
     total, found = 0, False
-    for file in Path(path).glob("*.safetensors"):
-        try:
-            with file.open("rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(length))
-        except (OSError, ValueError, struct.error):
-            continue  # the loader reports a broken file with its name
+    for header in safetensors_headers(path):
         found = True
-        total += sum(math.prod(t["shape"]) for n, t in header.items() if n != "__metadata__")
+        total += sum(math.prod(entry.get("shape", ())) for entry in header.values())
     return total if found else None
 
 
