@@ -93,6 +93,11 @@ def test_checkpoint_params_read_from_headers(tmp_path):
     assert threads.checkpoint_params(tmp_path / "none") is None
     bundled = threads.checkpoint_params(speculant.bundled("target"))
     assert 8_000_000 < bundled < 9_000_000  # the 8.4 M-parameter model
+    odd = tmp_path / "odd"  # a header that is valid JSON but not an object is skipped
+    odd.mkdir()
+    body = b"[1, 2]"
+    (odd / "x.safetensors").write_bytes(len(body).to_bytes(8, "little") + body)
+    assert threads.checkpoint_params(odd) is None
 
 
 def test_threads_flag_and_omp_env_override_the_choice(monkeypatch):
