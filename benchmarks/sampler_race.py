@@ -2,7 +2,8 @@
 on CUDA the Triton kernel kernels/race.py; and its torch reference) against the inverse-CDF
 draw it replaced (reimplemented here), each after the same filtered_probs (temperature, top-k,
 top-p: the sort the sampled step already paid), and filtered_probs for temperature-only rows in
-the FULL variant (ranked) against SCALED (unranked; checked equal), at a 152k vocabulary for
+the FULL variant (ranked) against SCALED (unranked; checked equal), and FULL ranked by chunks of
+rows (`sampling.SORT_ELEMENTS`, shipped) against one sort of every row, at a 152k vocabulary for
 plain steps (T = 1) and verify steps (T = 4), bs 1 / 64 / 256. Also checks the kernel's draws
 equal the torch reference's on every row timed. Eager, CUDA-event timed, median of `--iters`.
 
@@ -47,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     def kernel_race(probs, seed, pos):
         return sampling.race(probs, seed, pos, sampling.STREAM_SAMPLE)
 
+    def one_sort(*a):  # every row ranked in one sort (before 2026-12-07: its memory)
+        chunk = sampling.SORT_ELEMENTS
+        sampling.SORT_ELEMENTS = 1 << 62
+        try:
+            return sampling.filtered_probs(*a)
+        finally:
+            sampling.SORT_ELEMENTS = chunk
+
     def timed(fn, *a) -> float:
         for _ in range(3):
             fn(*a)
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "bs": bs, "T": T, "vocab": args.vocab,
             "filtered_probs_ms": timed(sampling.filtered_probs, *filtered),
+            "filtered_probs_one_sort_ms": timed(one_sort, *filtered),
             "temperature_only_full_ms": timed(sampling.filtered_probs, *plain, sampling.FULL),
             "temperature_only_scaled_ms": timed(sampling.filtered_probs, *plain, sampling.SCALED),
             "scaled_equals_full": scaled_same,
