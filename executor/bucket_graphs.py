@@ -103,6 +103,13 @@ def bucket_layout(
     return tuple(lens), all_rows + [sentinel_row] * pad_seqs, meta
 
 
+def release_cached(device) -> None:
+    """Give the GPU back the cached blocks no tensor holds (warm-ups of a capture on its side
+    stream, which steps on the main stream could not reuse); the graphs' pools stay."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
 @dataclass
 class PiecewiseStats:
     replays: int = 0
@@ -192,6 +199,7 @@ class BucketGraphs:
             return
         device = self.device
         start = time.perf_counter()
+        release_cached(device)
         reserved_before = torch.cuda.memory_reserved(device)
         bar = tqdm(
             plan, disable=self.pctx.rank != 0, desc=f"capturing{self.label} piecewise graphs"
@@ -207,6 +215,7 @@ class BucketGraphs:
             gc.unfreeze()
         if self.pctx.world_size > 1:
             check_same_order(self.pctx, self.capture_order, f"captured{self.label}")
+        release_cached(device)  # the warm-ups' blocks: the graphs' pool is what stays
         self.memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         self.capture_seconds = time.perf_counter() - start
         if self.pctx.rank == 0:
@@ -239,6 +248,8 @@ class BucketGraphs:
         self._capture_one(entry)
         if self.pctx.world_size > 1:
             check_same_order(self.pctx, self.capture_order, f"captured{self.label}")
+        if device.type == "cuda":
+            release_cached(device)
         taken = reserved() - before
         self.memory_bytes += taken
         self.capture_seconds += time.perf_counter() - start
@@ -252,10 +263,19 @@ class BucketGraphs:
                 taken / 2**30,
             )
 
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The side stream every capture (and its warm-ups) runs on: one for all buckets. The
+        caching allocator keeps a freed block for the stream it was allocated on, so warm-ups
+        on a new stream per bucket left each bucket's activations cached apart (released by
+        `release_cached`)."""
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
     def _capture_one(self, entry: BucketEntry) -> None:
         """Warm up (the remaining of WARMUP_RUNS), then capture into the shared pool."""
         batch = self._fill_dummy(entry)
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream()
         torch.cuda.synchronize()
         self.pctx.barrier()
         with torch.cuda.stream(stream):

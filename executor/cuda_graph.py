@@ -19,6 +19,7 @@ from tqdm import tqdm
 from speculant.comm.groups import ParallelContext
 from speculant.config import GraphConfig
 from speculant.errors import SpeculantError
+from speculant.executor.bucket_graphs import release_cached
 from speculant.executor.model_runner import ModelRunner, StepOutput
 from speculant.executor.sampling import GREEDY
 from speculant.executor.speculation import PLAIN, DraftShape
@@ -286,6 +287,7 @@ class GraphRunner:
                     self._lockstep_eager(key)
             return
         device = self.runner.device
+        release_cached(device)
         reserved_before = torch.cuda.memory_reserved(device)
         bar = tqdm(items, disable=self.pctx.rank != 0, desc="capturing CUDA graphs")
         stream, pool = torch.cuda.Stream(device), None
@@ -303,6 +305,7 @@ class GraphRunner:
                 self.capture_order.append(key)
         finally:
             gc.unfreeze()
+        release_cached(device)  # the warm-ups' blocks: the graphs' pool is what stays
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
         if self.pctx.rank == 0:
             log.info(
