@@ -36,7 +36,8 @@ VARIANTS = (GREEDY, SCALED, FULL)
 U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 # top-k / top-p rank this many entries (rows x vocabulary) at a time: the sort's keys, indices
 # and buffers for every row of a 512-row verify step at a 128k vocabulary were ~10 GiB (the
-# step's peak, and its CUDA graph's pool); 2^24 (64 MiB of float32) keeps the sort efficient
+# step's peak, and its CUDA graph's pool), 3.8 GiB by chunks of 2^24 (64 MiB of float32; one
+# H100, results/wave31.md). Their time against one sort of every row: not yet measured
 SORT_ELEMENTS = 1 << 24
 
 
