@@ -14,6 +14,7 @@ vocabulary and the target's over the whole one share their numbers token by toke
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 import torch
@@ -227,9 +228,13 @@ def filtered_probs(
     flat_probs, flat_logits = probs.view(rows, vocab), logits.reshape(rows, vocab)
     flat_k = top_k.expand(probs.shape[:-1]).reshape(rows, 1)
     flat_p = top_p.expand(probs.shape[:-1]).reshape(rows, 1)
-    step = max(1, SORT_ELEMENTS // max(vocab, 1))  # rows are independent: same bits by chunks
-    for start in range(0, rows, step):
-        end = min(rows, start + step)
+    # rows are independent: same bits by chunks, but never one row of several (CUDA's cumsum
+    # scans a lone row with cub, another summation order: top-p could keep other tokens)
+    step = max(2, SORT_ELEMENTS // max(vocab, 1))
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and rows - starts[-1] == 1:
+        starts.pop()  # the last row joins the chunk before it
+    for start, end in itertools.pairwise([*starts, rows]):
         _rank_filter_(flat_probs[start:end], flat_logits[start:end], flat_k[start:end],
                       flat_p[start:end])  # fmt: skip
     return probs.div_(probs.sum(-1, keepdim=True))

@@ -114,3 +114,32 @@ def test_a_seeded_request_draws_the_same_tokens_in_a_scaled_or_full_batch(
     assert len(set(alone)) > 3  # sampled at a high temperature, not a greedy repeat
     if device == "cuda":
         assert engine.graphs.num_replays > 0
+
+
+def test_ranking_never_scans_a_lone_row_of_a_larger_batch(monkeypatch):
+    """On CUDA torch scans a cumsum of one row with cub, another summation order than the
+    per-row kernel of several rows: a row ranked alone in the last chunk could then keep other
+    top-p tokens than in the whole batch (as before the chunking). Only a one-row batch ranks
+    one row at a time."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = 97
+    chunk_rows = []
+    real_rank_filter = sampling._rank_filter_
+
+    def recording(probs, *rest):
+        chunk_rows.append(probs.shape[0])
+        return real_rank_filter(probs, *rest)
+
+    monkeypatch.setattr(sampling, "_rank_filter_", recording)
+    for rows in (0, 1, 2, 3, 5, 7, 8):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        args = (torch.full((rows,), 0.9), torch.zeros(rows, dtype=torch.int64),
+                torch.full((rows,), 0.7))  # fmt: skip
+        whole = filtered_probs(logits, *args, None, FULL)
+        for per_chunk in (1, 2, 3):
+            monkeypatch.setattr(sampling, "SORT_ELEMENTS", vocab * per_chunk)
+            chunk_rows.clear()
+            assert torch.equal(filtered_probs(logits, *args, None, FULL), whole)
+            assert sum(chunk_rows) == rows
+            assert rows == 1 or 1 not in chunk_rows, (rows, per_chunk, chunk_rows)
+        monkeypatch.setattr(sampling, "SORT_ELEMENTS", 1 << 24)
