@@ -269,8 +269,6 @@ def sample(
     greedy = argmax(logits)
     if variant == GREEDY:
         return greedy
-    probs = filtered_probs(
-        logits, info.temperature, info.top_k, info.top_p, info.min_p, variant
-    )
+    probs = filtered_probs(logits, info.temperature, info.top_k, info.top_p, info.min_p, variant)
     drawn = race(probs, info.seed, positions, STREAM_SAMPLE)
     return torch.where(info.is_greedy, greedy, drawn)
