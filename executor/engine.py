@@ -38,7 +38,7 @@ from speculant.executor.build import (
 )
 from speculant.executor.catch_up import CatchUpBuffers, PendingRows
 from speculant.executor.chat import Chat, load_chat_template, messages_problem, render_chat
-from speculant.executor.cuda_graph import GraphRunner
+from speculant.executor.cuda_graph import GraphRunner, capture_sizes
 from speculant.executor.detokenize import continuation, prompt_tail
 from speculant.executor.dp import (
     DPCoordinator,
@@ -196,14 +196,16 @@ class Engine:
         # out of the KV pool: no budget or batch can then run out of memory mid-job
         scratch = build_kv_cache(setup, self.model, num_pages=2)
         self.drafter = build_drafter(setup, self.model, scratch)
-        self.activation_bytes, verify_bytes = self._profile_step_memory(scratch)
+        self.activation_bytes, verify_bytes, verify_rows = self._profile_step_memory(scratch)
         # piecewise graphs keep a forward's activations in their own pool: reserve them twice
         piecewise_graphs = uses_piecewise_graphs(
             cfg.graph, self.device, self.attention_backend, mc.is_moe, self.max_num_batched_tokens
         )
         reserved = self.activation_bytes * (2 if piecewise_graphs else 1)
-        if not cfg.graph.enforce_eager:  # the decode graphs' pool: a step of every row verifying
-            reserved += verify_bytes
+        if not cfg.graph.enforce_eager:  # the decode graphs' pool: its largest graph's step,
+            # every row verifying (more rows than the token budget's profiled step: in scale)
+            largest = max(capture_sizes(cfg.graph, cache.max_num_seqs, cfg.parallel.dp), default=0)
+            reserved += verify_bytes * max(largest, verify_rows) // max(verify_rows, 1)
         reserved += self._catch_up_bytes(cfg)  # kept out of the pool like activations
         reserved += (self.max_num_seqs + 1) * self._row_bytes(cfg, mc)  # allocated after it
         self.kv = build_kv_cache(setup, self.model, reserved_bytes=reserved)
@@ -426,20 +428,21 @@ class Engine:
             finally:
                 self.kv.free(row)
 
-    def _profile_step_memory(self, scratch) -> tuple[int, int]:
+    def _profile_step_memory(self, scratch) -> tuple[int, int, int]:
         """Peak memory (bytes, with a margin) of the largest eager steps on a two-page scratch
         cache: one prefill chunk of the whole token budget, and a mixed step of every row
-        verifying (what the largest decode graph's pool holds: the FULL sampler over every
-        row); (the larger, the verify step's); 0s on the CPU. Every rank runs the same
-        forwards (MoE dispatches line up)."""
-        if not self.device.startswith("cuda"):
-            return 0, 0
+        verifying (`rows` of them, as many as the budget holds: what a decode graph of that
+        size holds in its pool, the FULL sampler over every row); (the larger, the verify
+        step's, rows); 0s on the CPU. Every rank runs the same forwards (MoE dispatches line
+        up)."""
         T, budget = self.tokens_per_req, self.max_num_batched_tokens
+        rows = min(self.max_num_seqs, budget // T)
+        if not self.device.startswith("cuda"):
+            return 0, 0, rows
         runner = ModelRunner(
             self.model, scratch, 1, self.config.spec.num_draft_tokens, self.drafter,
             self.attention_backend, self.num_logprobs,  # their memory too
         )  # fmt: skip
-        rows = min(self.max_num_seqs, budget // T)
         span = max(1, min(budget, self.max_model_len - 2 * T))
         steps = [
             [SeqInput(0, 0, [0] * span, samples=True)],
@@ -472,7 +475,7 @@ class Engine:
                 "a prefill chunk %.2f, %d verify rows %.2f)",
                 budget, peak / 2**30, peaks[0] / 2**30, rows, peaks[1] / 2**30,
             )  # fmt: skip
-        return int(peak * 1.1), int(peaks[1] * 1.1)  # a margin for allocator fragmentation
+        return int(peak * 1.1), int(peaks[1] * 1.1), rows  # a margin for fragmentation
 
     # ------------------------------------------------------------------ requests
 

@@ -228,8 +228,10 @@ def filtered_probs(
     flat_probs, flat_logits = probs.view(rows, vocab), logits.reshape(rows, vocab)
     flat_k = top_k.expand(probs.shape[:-1]).reshape(rows, 1)
     flat_p = top_p.expand(probs.shape[:-1]).reshape(rows, 1)
-    # rows are independent: same bits by chunks, but never one row of several (CUDA's cumsum
-    # scans a lone row with cub, another summation order: top-p could keep other tokens)
+    # rows are independent: on the CPU the same bits by chunks. On CUDA torch's cumsum picks
+    # its summation order by the row count (a lone row with cub), so the top-p cut can move
+    # where a row's mass lands within float rounding of top_p, as it did with the batch's size
+    # before chunking; chunks never hold one row of several
     step = max(2, SORT_ELEMENTS // max(vocab, 1))
     starts = list(range(0, rows, step))
     if len(starts) > 1 and rows - starts[-1] == 1:

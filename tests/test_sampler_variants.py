@@ -46,7 +46,7 @@ def test_scaled_does_not_rank_the_vocabulary(monkeypatch):
 
 def test_ranking_by_chunks_of_rows_gives_the_same_bits(monkeypatch):
     """top-k / top-p rank SORT_ELEMENTS entries at a time (the sort's memory in a large verify
-    step): rows are independent, so chunks of one row, of a few, or all at once agree."""
+    step): rows are independent, so on the CPU chunks of a few rows or all at once agree."""
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(5, 3, 211, generator=gen) * 3
     temperature = torch.tensor([0.0, 0.6, 1.0, 1.7, 0.9])[:, None]
