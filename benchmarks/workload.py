@@ -37,6 +37,7 @@ from _common import run_info  # noqa: E402
 from graphs import SHAPES, write_config  # noqa: E402
 from spec_step import write_head  # noqa: E402
 
+EAGLE3_K3 = ["--algo", "eagle3", "--num-draft-tokens", "3"]
 CONFIGS = {  # name: extra CLI flags
     "default": [],
     "seqs128": ["--max-num-seqs", "128"],
@@ -74,9 +75,8 @@ CONFIGS = {  # name: extra CLI flags
     # sampled steps (the full sampler variant), and with min-p: what its filter costs
     "sampled": ["--temperature", "0.8", "--top-p", "0.95"],
     "temperature": ["--temperature", "0.8"],  # no top-k / top-p: the SCALED sampler variant
-    "eagle3_sampled": ["--algo", "eagle3", "--num-draft-tokens", "3", "--temperature", "0.8",
-                       "--top-p", "0.95"],  # fmt: skip
-    "eagle3_temperature": ["--algo", "eagle3", "--num-draft-tokens", "3", "--temperature", "0.8"],
+    "eagle3_sampled": EAGLE3_K3 + ["--temperature", "0.8", "--top-p", "0.95"],
+    "eagle3_temperature": EAGLE3_K3 + ["--temperature", "0.8"],
     "sampled_minp": ["--temperature", "0.8", "--top-p", "0.95", "--min-p", "0.05"],
     # four completions of every prompt (their prompt pages shared: prefilled once)
     "n4": ["--n", "4", "--temperature", "0.8"],
