@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +17,14 @@ from speculant.executor.forward_batch import ForwardBatch
 from speculant.kernels.ops import TORCH_OPS
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+log = logging.getLogger("speculant")
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
-    """`auto` is triton on CUDA when it imports, else torch; `triton` without triton installed
-    is an error. On the CPU, triton runs its torch fallbacks (or the interpreter under
-    TRITON_INTERPRET=1)."""
+    """`auto` is triton on CUDA when it imports (an installed one that fails to, e.g. built for
+    another torch, falls back to torch with a warning), else torch; `triton` without triton
+    installed is an error. On the CPU, triton runs its torch fallbacks (or the interpreter
+    under TRITON_INTERPRET=1)."""
     if name not in ATTENTION_BACKENDS:
         raise SpeculantError(
             f"attention backend {name!r} is not supported; use one of "
@@ -29,7 +32,18 @@ def resolve_attention_backend(name: str, device: str) -> str:
         )
     installed = importlib.util.find_spec("triton") is not None  # without importing it
     if name == "auto":
-        return "triton" if installed and str(device).startswith("cuda") else "torch"
+        if not (installed and str(device).startswith("cuda")):
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any failure of the import: torch serves
+            log.warning(
+                "triton is installed but does not import (%s: %s); attention runs on the torch "
+                "backend (fix the install, or pass --attention-backend torch)",
+                type(exc).__name__, exc,
+            )  # fmt: skip
+            return "torch"
+        return "triton"
     if name == "triton" and not installed:
         raise SpeculantError(
             "--attention-backend triton needs the triton package; pip install triton, or use "

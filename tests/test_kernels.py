@@ -384,6 +384,16 @@ def test_resolve_attention_backend(monkeypatch):
         resolve_attention_backend("triton", "cpu")
 
 
+def test_auto_takes_torch_when_an_installed_triton_does_not_import(monkeypatch, caplog):
+    """A triton built for another torch imports with an error: `auto` ran the Triton backend
+    anyway and failed at the first kernel; it now warns and attends with torch."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # "installed"
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    with caplog.at_level("WARNING", logger="speculant"):
+        assert resolve_attention_backend("auto", "cuda:0") == "torch"
+    assert "does not import" in caplog.text and "--attention-backend torch" in caplog.text
+
+
 def test_cli_passes_the_attention_backend():
     from speculant.launch.cli import _engine_kwargs, build_parser
 
