@@ -125,6 +125,7 @@ class _Parser(argparse.ArgumentParser):
         line = f"speculant: error: {message} (see `{self.prog} --help`)"
         tell_torchrun(line)
         # every rank of a torchrun node parses the same flags: its local rank 0 says it
+        hold_for_local_rank0()
         self.exit(2, line + "\n" if says_user_errors() else None)
 
 
@@ -133,6 +134,21 @@ def says_user_errors() -> bool:
     whose ranks all run the same checks (the node's local rank 0 says it once; the others only
     leave it in their torchrun error file)."""
     return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+USER_ERROR_HOLD_S = 5.0
+
+
+def hold_for_local_rank0() -> None:
+    """On a user error every rank meets alike, a torchrun rank that does not say it waits (up
+    to USER_ERROR_HOLD_S) before it exits: torchrun stops the other ranks at the first exit,
+    and when that was this rank's, local rank 0 was stopped before it printed the line (a
+    loaded machine: no line at all). torchrun's SIGTERM, once rank 0 has exited, ends the
+    wait."""
+    if says_user_errors():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(USER_ERROR_HOLD_S)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -1286,6 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
                 if says_user_errors():
                     print(line, file=sys.stderr)
                 tell_torchrun(line)
+                hold_for_local_rank0()
             code = 2
         restore_signals()  # inside the try: a stop up to here still ends as a stop
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)

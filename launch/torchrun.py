@@ -43,11 +43,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import NoReturn
 
 from speculant.errors import SpeculantError
+from speculant.launch.cli import hold_for_local_rank0
 from speculant.launch.paths import adopt_parent_descriptor
 from speculant.launch.spawn import INPUT_FLAGS, cli_rank_main, end_with_parent, tell_torchrun
 
@@ -62,8 +62,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"speculant: error: {message}", file=sys.stderr, flush=True)
         tell_torchrun(message)  # (read by the agent when this rank's exit is the first)
-    else:  # let local rank 0 print before torchrun, seeing this exit, stops it
-        time.sleep(5)
+    hold_for_local_rank0()  # the other local ranks: let local rank 0 print first
     sys.exit(code)
 
 

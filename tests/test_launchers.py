@@ -197,6 +197,34 @@ def test_torchrun_flag_error_is_one_line(flags, bad, line):
     assert line in lines[0] and f"traceback : {line}" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "bad", [["--demo-model", "--max-new-tokens", "abc"], ["--target", "/nonexistent"]]
+)
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_torchrun_rank_that_does_not_print_the_error_waits_for_the_one_that_does(
+    monkeypatch, capsys, bad, local_rank
+):
+    """Every rank refuses a bad flag alike and only local rank 0 prints it: a rank 1 that
+    exited first had torchrun stop rank 0 before its line (CI saw no line under load). The
+    others now hold their exit until torchrun stops them; local rank 0 does not wait."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    held, sleep = [], time.sleep
+    monkeypatch.setattr(
+        time, "sleep", lambda s: held.append(s) if s == cli.USER_ERROR_HOLD_S else sleep(s)
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code = cli.main(["generate", "--prompt", "x", "--device", "cpu", *bad])
+    except SystemExit as exc:  # argparse's exit
+        code = exc.code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    printed = "speculant: error:" in capsys.readouterr().err
+    expected = ([], True) if local_rank == "0" else ([cli.USER_ERROR_HOLD_S], False)
+    assert (code, held, printed) == (2, *expected)
+
+
 SLOW_RANK0 = """
 import os, time
 if os.environ.get("RANK") == "0":
