@@ -120,6 +120,23 @@ def cli_env(tree: str | None) -> dict[str, str]:
     return env
 
 
+def startup_memory(err: str) -> dict:
+    """What the engine's start-up lines say about GPU memory (GiB): the profiled step
+    activations, the KV cache, and each kind of graph's pool (`graphs_gib`, keyed by the
+    words before "graphs" in its line: "decode", "piecewise", "drafter piecewise", ...)."""
+    found = {}
+    if m := re.search(r"profiled step activations at \d+ tokens: ([\d.]+) GiB", err):
+        found["activations_gib"] = float(m.group(1))
+    if m := re.search(r"KV cache: \d+ pages of \d+ tokens \(([\d.]+) MiB\)", err):
+        found["kv_cache_gib"] = round(float(m.group(1)) / 1024, 2)
+    graphs = {}
+    for kind, gib in re.findall(r"captured \d+ ([\w ]*?)\s*graphs \(.*?using ([\d.]+) GiB", err):
+        graphs[kind.strip() or "decode"] = float(gib)
+    if graphs:
+        found["graphs_gib"] = graphs
+    return found
+
+
 def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: str | None):
     """One CLI run; returns its figures (or the error, a time-out included) as a dict."""
     out = Path(args.out) / f"workload_{name}.jsonl"
@@ -171,6 +188,7 @@ def run_config(name: str, flags: list[str], target: str, job: Path, args, tree: 
     accept = re.search(r"accept_len=([\d.]+)", err)
     if accept:
         result["accept_len"] = float(accept.group(1))
+    result.update(startup_memory(err))
     if args.profile and profile.exists():
         result["host_profile"] = host_profile(profile)
     return result

@@ -129,3 +129,26 @@ def test_adaptive_gpu_refuses_an_unknown_part_or_run(monkeypatch, capsys, argv):
     with pytest.raises(SystemExit) as exc:
         bench("adaptive_gpu").main()
     assert exc.value.code == 2 and argv[1].split(",")[-1] in capsys.readouterr().err
+
+
+def test_workload_reads_the_engine_start_up_memory_lines(llama_dir, caplog):
+    """The KV cache line as the engine logs it (a CPU engine) and the GPU-only lines in the
+    engine's formats: what workload.py records per run to compare memory across trees."""
+    from speculant import Engine
+
+    with caplog.at_level("INFO", logger="speculant"):
+        Engine(llama_dir, device="cpu", max_num_seqs=2, max_model_len=64, num_pages=12)
+    gpu_lines = (
+        "profiled step activations at 8192 tokens: 3.76 GiB (kept out of the KV cache; ...)\n"
+        "captured 111 graphs (sizes [1, 2], variants ['greedy'], draft shapes [(3, 3)]) "
+        "using 4.57 GiB\n"
+        "captured 19 piecewise graphs (tokens [16, 32]) in 1.6 s using 2.92 GiB\n"
+        "captured 19 drafter piecewise graphs (tokens [16, 32]) in 0.2 s using 1.09 GiB\n"
+    )
+    found = bench("workload").startup_memory(caplog.text + gpu_lines)
+    kv = re.search(r"KV cache: 12 pages of \d+ tokens \(([\d.]+) MiB\)", caplog.text)
+    assert found == {
+        "activations_gib": 3.76,
+        "kv_cache_gib": round(float(kv.group(1)) / 1024, 2),
+        "graphs_gib": {"decode": 4.57, "piecewise": 2.92, "drafter piecewise": 1.09},
+    }
