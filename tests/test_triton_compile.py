@@ -7,6 +7,7 @@ reach an H200). One process without TRITON_INTERPRET compiles every case; a guar
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
 import subprocess
 import sys
@@ -23,13 +24,25 @@ NOT_SCANNED = {"tests", "benchmarks", "tools"}
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
-    """The helper's report: {"ok": [...], "fail": [...], "kernels": {path:name}}."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton_cache")), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(HELPER)], env=env, timeout=240,
-                          capture_output=True, text=True)  # fmt: skip
-    lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines[-1:] == ["done"], (done.stdout + done.stderr)[-3000:]
+    """The helper's report: {"ok": [...], "fail": [...], "kernels": {path:name}}. Compiled once
+    per test session: pytest-xdist workers (each runs this module's fixture) share the report
+    through the session's temporary folder, the first one compiling under a lock (~1 minute)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's
+    report = shared / "triton_compile_report.txt"
+    with (shared / "triton_compile.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not report.exists():
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            cache = tmp_path_factory.mktemp("triton_cache")
+            env.update(TRITON_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+            done = subprocess.run([sys.executable, str(HELPER)], env=env, timeout=240,
+                                  capture_output=True, text=True)  # fmt: skip
+            lines = done.stdout.splitlines()
+            ok = done.returncode == 0 and lines[-1:] == ["done"]
+            assert ok, (done.stdout + done.stderr)[-3000:]
+            report.write_text(done.stdout)
+    lines = report.read_text().splitlines()
     return {
         "ok": [line[3:] for line in lines if line.startswith("ok ")],
         "fail": [line[5:] for line in lines if line.startswith("FAIL ")],
