@@ -1,11 +1,13 @@
 """The sampler's cost per step on the GPU: the exponential race (executor/sampling.py `race`,
 on CUDA the Triton kernel kernels/race.py; and its torch reference) against the inverse-CDF
-draw it replaced (reimplemented here), each after the same filtered_probs (temperature, top-k,
-top-p: the sort the sampled step already paid), and filtered_probs for temperature-only rows in
-the FULL variant (ranked) against SCALED (unranked; checked equal), and FULL ranked by chunks of
-rows (`sampling.SORT_ELEMENTS`, shipped) against one sort of every row, at a 152k vocabulary for
-plain steps (T = 1) and verify steps (T = 4), bs 1 / 64 / 256. Also checks the kernel's draws
-equal the torch reference's on every row timed. Eager, CUDA-event timed, median of `--iters`.
+draw it replaced (reimplemented here), each after the same filtered_probs (temperature, top-p
+0.95), and filtered_probs for temperature-only rows in the FULL variant against SCALED
+(unranked; checked equal), and FULL's top-p (and top-k 50 + top-p) cut by the radix-select kernel
+(kernels/rank_filter.py, shipped on CUDA) against torch's sort, by chunks of rows
+(`sampling.SORT_ELEMENTS`) and in one sort of every row (with the rows whose kept tokens equal
+the sort's), at a 152k vocabulary for plain steps (T = 1) and verify steps (T = 4), bs 1 / 64 /
+256. Also checks the race kernel's draws equal the torch reference's on every row timed. Eager,
+CUDA-event timed, median of `--iters`.
 
 python benchmarks/sampler_race.py [--out DIR] [--vocab 152064] [--iters 50]"""
 
@@ -48,13 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     def kernel_race(probs, seed, pos):
         return sampling.race(probs, seed, pos, sampling.STREAM_SAMPLE)
 
-    def one_sort(*a):  # every row ranked in one sort (before 2026-12-07: its memory)
-        chunk = sampling.SORT_ELEMENTS
-        sampling.SORT_ELEMENTS = 1 << 62
+    def sorted_cut(*a, chunk=sampling.SORT_ELEMENTS):  # top-k / top-p by torch's sort
+        kept, shipped = sampling.SORT_ELEMENTS, sampling._rank_kernel
+        sampling.SORT_ELEMENTS, sampling._rank_kernel = chunk, lambda device: None
         try:
             return sampling.filtered_probs(*a)
         finally:
-            sampling.SORT_ELEMENTS = chunk
+            sampling.SORT_ELEMENTS, sampling._rank_kernel = kept, shipped
+
+    def one_sort(*a):  # every row ranked in one sort (before 2026-12-07: its memory)
+        return sorted_cut(*a, chunk=1 << 62)
 
     def timed(fn, *a) -> float:
         for _ in range(3):
@@ -89,10 +94,18 @@ def main(argv: list[str] | None = None) -> int:
             sampling.filtered_probs(*plain, sampling.SCALED),
             sampling.filtered_probs(*plain, sampling.FULL),
         )
+        # top-k and top-p together (top-k 50): both cuts of the kernel
+        both = (logits, temp, torch.full_like(top_k, 50), top_p)
+        kernel_cut, sort_cut = sampling.filtered_probs(*filtered), sorted_cut(*filtered)
         row = {
             "bs": bs, "T": T, "vocab": args.vocab,
             "filtered_probs_ms": timed(sampling.filtered_probs, *filtered),
+            "filtered_probs_sorted_ms": timed(sorted_cut, *filtered),
             "filtered_probs_one_sort_ms": timed(one_sort, *filtered),
+            "rows_kept_as_sorted": int(((kernel_cut > 0) == (sort_cut > 0)).all(-1).sum()),
+            "rows": bs * T,
+            "top_k50_top_p_ms": timed(sampling.filtered_probs, *both),
+            "top_k50_top_p_sorted_ms": timed(sorted_cut, *both),
             "temperature_only_full_ms": timed(sampling.filtered_probs, *plain, sampling.FULL),
             "temperature_only_scaled_ms": timed(sampling.filtered_probs, *plain, sampling.SCALED),
             "scaled_equals_full": scaled_same,

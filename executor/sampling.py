@@ -192,6 +192,46 @@ def _race_kernel(device: torch.device):
     return kernel.race
 
 
+def rank_check_input():
+    """(logits, probs, top_k, top_p) the kernel's cut is checked on: 8 rows of 5,000 tokens, no
+    row's cut within float rounding of another (tests/test_rank_filter.py)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 5000, generator=gen) * 3
+    top_k = torch.tensor([0, 1, 7, 40, 0, 0, 300, 5000]).view(8, 1)
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.3, 0.7, 0.8, 0.6]).view(8, 1)
+    return logits, torch.softmax(logits, -1), top_k, top_p
+
+
+@functools.cache
+def _rank_kernel(device: torch.device):
+    """kernels/rank_filter.py's `rank_filter_` (top-k / top-p without a sort) for this CUDA
+    device, once it has cut what `_rank_filter_` cuts on a check input; else None, said once,
+    and the sort runs (as `_race_kernel`)."""
+    try:
+        from speculant.kernels import rank_filter as kernel
+        from speculant.kernels.runtime import HAS_TRITON
+    except ImportError:
+        return None
+    if not HAS_TRITON:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # no check here
+        return kernel.rank_filter_
+    logits, probs, top_k, top_p = rank_check_input()
+    want = probs.clone()
+    _rank_filter_(want, logits, top_k, top_p)
+    try:
+        got = probs.to(device)
+        kernel.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device))
+        got = got.cpu()
+    except Exception as error:  # a Triton build or launch failure: the sort still cuts
+        log.warning("the top-k / top-p Triton kernel failed (%s); sorting with torch", error)
+        return None
+    if not torch.equal(got > 0, want > 0):
+        log.warning("the top-k / top-p Triton kernel cut other tokens than torch; sorting")
+        return None
+    return kernel.rank_filter_
+
+
 def filtered_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -228,6 +268,10 @@ def filtered_probs(
     flat_probs, flat_logits = probs.view(rows, vocab), logits.reshape(rows, vocab)
     flat_k = top_k.expand(probs.shape[:-1]).reshape(rows, 1)
     flat_p = top_p.expand(probs.shape[:-1]).reshape(rows, 1)
+    kernel = _rank_kernel(probs.device) if probs.is_cuda else None
+    if kernel is not None:  # no sort: a radix select of each row's cut, in place
+        kernel(flat_probs, flat_logits.contiguous(), flat_k, flat_p)
+        return probs.div_(probs.sum(-1, keepdim=True))
     # rows are independent: on the CPU the same bits by chunks. On CUDA torch's cumsum picks
     # its summation order by the row count (a lone row with cub), so the top-p cut can move
     # where a row's mass lands within float rounding of top_p, as it did with the batch's size
