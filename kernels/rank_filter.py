@@ -47,14 +47,20 @@ def _keys(logit_ptr, p_ptr, cols, inside):
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
 def _select(
     logit_ptr, p_ptr, vocab, target_cnt, target_mass, BY_MASS: tl.constexpr,
-    in_key, in_ties, BLOCK: tl.constexpr,
+    in_key, in_ties, any_bits, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The key L where the rank order's running count reaches target_cnt (BY_MASS False) or its
     running mass reaches target_mass (BY_MASS True; masses are summed either way), over the
     entries of the set {key > in_key, or key == in_key among its first in_ties by index}
-    (in_key 0, in_ties 0: every entry with mass). Returns (L, count and mass of the set's
+    (in_key 0: every entry with mass). any_bits: the OR of every key (a digit no key sets needs
+    no pass: bf16 logits set none of the low 16 bits). Returns (L, count and mass of the set's
     entries above L, count and mass of its entries equal to L)."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, DIGITS)
@@ -65,45 +71,50 @@ def _select(
     hit_mass = above_mass
     for level in tl.static_range(8):
         shift = 28 - 4 * level
-        cnt = tl.zeros([DIGITS], tl.int32)
-        mass = tl.zeros([DIGITS], tl.float32)
-        ties_seen = tl.zeros([1], tl.int32).sum(0)
-        start = 0
-        while start < vocab:  # (a `for` over a run-time count fails in the interpreter)
-            cols = start + offs
-            inside = cols < vocab
-            key, valid = _keys(logit_ptr, p_ptr, cols, inside)
-            is_tie = valid & (key == in_key)
-            tie_rank = ties_seen + tl.cumsum(is_tie.to(tl.int32), 0) - 1
-            ties_seen += tl.sum(is_tie.to(tl.int32), 0)
-            member = valid & ((key > in_key) | (is_tie & (tie_rank < in_ties)))
-            if level == 0:
-                match = member
+        if ((any_bits >> shift) & 15) != 0:
+            cnt = tl.zeros([DIGITS], tl.int32)
+            mass = tl.zeros([DIGITS], tl.float32)
+            ties_seen = tl.zeros([1], tl.int32).sum(0)
+            start = 0
+            while start < vocab:  # (a `for` over a run-time count fails in the interpreter)
+                cols = start + offs
+                inside = cols < vocab
+                key, valid = _keys(logit_ptr, p_ptr, cols, inside)
+                member = valid & (key > in_key)
+                if in_key != 0:  # the first in_ties entries equal to in_key, by index
+                    is_tie = valid & (key == in_key)
+                    tie_rank = ties_seen + tl.cumsum(is_tie.to(tl.int32), 0) - 1
+                    ties_seen += tl.sum(is_tie.to(tl.int32), 0)
+                    member = member | (is_tie & (tie_rank < in_ties))
+                if level == 0:
+                    match = member
+                else:
+                    match = member & ((key >> (shift + 4)) == prefix)
+                digit = ((key >> shift) & 15).to(tl.int32)
+                onehot = (digit[:, None] == bins[None, :]) & match[:, None]
+                cnt += tl.sum(onehot.to(tl.int32), 0)
+                p = tl.load(p_ptr + cols, mask=match, other=0.0)
+                mass += tl.sum(tl.where(onehot, p[:, None], 0.0), 0)
+                start += BLOCK
+            # digits at or above d: non-increasing in d (sums of more non-negative terms)
+            at_or_above = bins[None, :] >= bins[:, None]
+            cnt_from = tl.sum(tl.where(at_or_above, cnt[None, :], 0), 1)
+            mass_from = tl.sum(tl.where(at_or_above, mass[None, :], 0.0), 1)
+            if BY_MASS:
+                reached = (above_mass + mass_from) >= target_mass
             else:
-                match = member & ((key >> (shift + 4)) == prefix)
-            digit = ((key >> shift) & 15).to(tl.int32)
-            onehot = (digit[:, None] == bins[None, :]) & match[:, None]
-            cnt += tl.sum(onehot.to(tl.int32), 0)
-            p = tl.load(p_ptr + cols, mask=match, other=0.0)
-            mass += tl.sum(tl.where(onehot, p[:, None], 0.0), 0)
-            start += BLOCK
-        # digits at or above d: non-increasing in d (sums of more non-negative terms)
-        at_or_above = bins[None, :] >= bins[:, None]
-        cnt_from = tl.sum(tl.where(at_or_above, cnt[None, :], 0), 1)
-        mass_from = tl.sum(tl.where(at_or_above, mass[None, :], 0.0), 1)
-        if BY_MASS:
-            reached = (above_mass + mass_from) >= target_mass
-        else:
-            reached = (above_cnt + cnt_from) >= target_cnt
-        # the last digit (from the top) where the running sum has not yet reached the target
-        # before it; none reached (rounding between passes): the lowest digit
-        d = tl.maximum(tl.sum(reached.to(tl.int32), 0) - 1, 0)
-        higher = bins > d
-        above_cnt += tl.sum(tl.where(higher, cnt, 0), 0)
-        above_mass += tl.sum(tl.where(higher, mass, 0.0), 0)
-        hit_cnt = tl.sum(tl.where(bins == d, cnt, 0), 0)
-        hit_mass = tl.sum(tl.where(bins == d, mass, 0.0), 0)
-        prefix = (prefix << 4) | d.to(tl.uint32)
+                reached = (above_cnt + cnt_from) >= target_cnt
+            # the last digit (from the top) where the running sum has not yet reached the
+            # target before it; none reached (rounding between passes): the lowest digit
+            d = tl.maximum(tl.sum(reached.to(tl.int32), 0) - 1, 0)
+            higher = bins > d
+            above_cnt += tl.sum(tl.where(higher, cnt, 0), 0)
+            above_mass += tl.sum(tl.where(higher, mass, 0.0), 0)
+            hit_cnt = tl.sum(tl.where(bins == d, cnt, 0), 0)
+            hit_mass = tl.sum(tl.where(bins == d, mass, 0.0), 0)
+            prefix = (prefix << 4) | d.to(tl.uint32)
+        else:  # every key's digit here is 0: the set at the prefix is unchanged
+            prefix = prefix << 4
     return prefix, above_cnt, above_mass, hit_cnt, hit_mass
 
 
@@ -119,21 +130,25 @@ def _rank_filter_kernel(
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     offs = tl.arange(0, BLOCK)
     zero_key = tl.zeros([1], tl.uint32).sum(0)
-    # every entry with mass: its count and mass
+    # every entry with mass: its count, its mass and the bits its keys set
     valid_cnt = tl.zeros([1], tl.int32).sum(0)
     set_mass = tl.zeros([1], tl.float32).sum(0)
+    any_bits = zero_key
     start = 0
     while start < vocab:
         cols = start + offs
-        p = tl.load(p_row + cols, mask=cols < vocab, other=0.0)
-        valid_cnt += tl.sum((p > 0).to(tl.int32), 0)
-        set_mass += tl.sum(tl.where(p > 0, p, 0.0), 0)
+        inside = cols < vocab
+        key, valid = _keys(logit_row, p_row, cols, inside)
+        p = tl.load(p_row + cols, mask=inside, other=0.0)
+        valid_cnt += tl.sum(valid.to(tl.int32), 0)
+        set_mass += tl.sum(tl.where(valid, p, 0.0), 0)
+        any_bits = any_bits | tl.reduce(key, 0, _or)
         start += BLOCK
     cut_key = zero_key  # keep key > cut_key, or == it among the first cut_ties (0, 0: all)
     cut_ties = tl.zeros([1], tl.int32).sum(0)
     if (k > 0) & (k < valid_cnt):
         key_k, cnt_above, mass_above, cnt_hit, mass_hit = _select(
-            logit_row, p_row, vocab, k, 0.0, False, zero_key, 0, BLOCK
+            logit_row, p_row, vocab, k, 0.0, False, zero_key, 0, any_bits, BLOCK
         )
         cut_key = key_k
         cut_ties = k - cnt_above
@@ -141,7 +156,7 @@ def _rank_filter_kernel(
     if top_p < 1.0:
         target = top_p * set_mass
         key_p, cnt_above, mass_above, cnt_hit, mass_hit = _select(
-            logit_row, p_row, vocab, 0, target, True, cut_key, cut_ties, BLOCK
+            logit_row, p_row, vocab, 0, target, True, cut_key, cut_ties, any_bits, BLOCK
         )
         # entries equal to key_p share one probability q: the j-th (j from 0) is kept while
         # mass_above + j q < target. None equal (rounding between passes left the target
