@@ -35,7 +35,8 @@ STREAM_DRAFT = 3  # a drafter's own sampled proposal
 GREEDY, SCALED, FULL = "greedy", "scaled", "full"
 VARIANTS = (GREEDY, SCALED, FULL)
 U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
-# top-k / top-p rank this many entries (rows x vocabulary) at a time: the sort's keys, indices
+# top-k / top-p by torch's sort (the CPU, or CUDA where kernels/rank_filter.py's check failed)
+# rank this many entries (rows x vocabulary) at a time: the sort's keys, indices
 # and buffers for every row of a 512-row verify step at a 128k vocabulary were ~10 GiB (the
 # step's peak, and its CUDA graph's pool), 3.8 GiB by chunks of 2^24 (64 MiB of float32; one
 # H100, results/wave31.md). Their time against one sort of every row: not yet measured
@@ -247,6 +248,9 @@ def filtered_probs(
     or [bs, 1]); min_p None: off for every row.
     Rows with T below GREEDY_TEMPERATURE get a one-hot at the argmax (logits / T would overflow
     float32); the most likely token always survives top-p, however small top_p is.
+    Top-k / top-p: on CUDA kernels/rank_filter.py finds each row's cut without a sort (top-p's
+    cut can differ from the sort's where the mass before a rank is within float rounding of
+    top_p x mass); elsewhere torch's sort by chunks of rows.
     `variant` SCALED: no row asks for top-k or top-p (batch_variant), so the vocabulary is not
     ranked (a sort of [rows, V]: most of a sampled step's sampler); the same result bit for bit
     as FULL gives such rows."""
