@@ -7,12 +7,13 @@ set's mass), and zeroes the rest. Both cuts keep a prefix of that order, so a cu
 (the logit's float32 bits mapped to a uint32 that orders as the float does) and a count c of the
 entries equal to L kept (the first c by index): keep key > L, or key == L among the first c.
 
-Here one program per row finds L a 4-bit digit at a time, highest first (8 passes over the
-row): each pass sums, over the entries whose higher digits equal L's found so far, their count
-(top-k) or their mass (top-p) per digit value, and takes the digit where the running sum crosses
-k (or top_p x mass). A last pass writes the zeros. The row's logits are read 8 times per cut
-and the probabilities only where the digits found so far match; no [rows, V] buffer is made
-(the sort's keys, indices and gathered copies were ~8 of them).
+Here one program per row finds L a digit of BITS bits at a time, highest first (32 / BITS
+passes over the row): each pass sums, over the entries whose higher digits equal L's found so
+far, their count (top-k) or their mass (top-p) per digit value, and takes the digit where the
+running sum crosses k (or top_p x mass). A digit no key of the row sets takes no pass (bf16
+logits set none of the low 16 bits). A first pass counts the row's entries with mass, a last
+one writes the zeros. The probabilities are read only where the digits found so far match; no
+[rows, V] buffer is made (the sort's keys, indices and gathered copies were ~8 of them).
 
 Counts are exact, so the top-k cut is the sort's. The top-p cut compares sums of float32 masses
 taken in another order than the reference's running sum, so where the mass before a rank lies
@@ -28,7 +29,7 @@ from speculant.kernels.runtime import tl, triton
 
 BLOCK = 1024  # entries a program reads at a time
 WARPS = 8
-DIGITS = 16  # values of a 4-bit digit
+BITS = 4  # a digit's bits: 32 / BITS passes per cut, 2^BITS sums per entry per pass
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def _or(a, b):
 @triton.jit
 def _select(
     logit_ptr, p_ptr, vocab, target_cnt, target_mass, BY_MASS: tl.constexpr,
-    in_key, in_ties, any_bits, BLOCK: tl.constexpr,
+    in_key, in_ties, any_bits, BLOCK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     """The key L where the rank order's running count reaches target_cnt (BY_MASS False) or its
     running mass reaches target_mass (BY_MASS True; masses are summed either way), over the
@@ -63,17 +64,17 @@ def _select(
     no pass: bf16 logits set none of the low 16 bits). Returns (L, count and mass of the set's
     entries above L, count and mass of its entries equal to L)."""
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, DIGITS)
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros([1], tl.uint32).sum(0)  # the digits of L found so far
     above_cnt = tl.zeros([1], tl.int32).sum(0)
     above_mass = tl.zeros([1], tl.float32).sum(0)
     hit_cnt = above_cnt
     hit_mass = above_mass
-    for level in tl.static_range(8):
-        shift = 28 - 4 * level
-        if ((any_bits >> shift) & 15) != 0:
-            cnt = tl.zeros([DIGITS], tl.int32)
-            mass = tl.zeros([DIGITS], tl.float32)
+    for level in tl.static_range(32 // BITS):
+        shift = 32 - BITS * (level + 1)
+        if ((any_bits >> shift) & ((1 << BITS) - 1)) != 0:
+            cnt = tl.zeros([1 << BITS], tl.int32)
+            mass = tl.zeros([1 << BITS], tl.float32)
             ties_seen = tl.zeros([1], tl.int32).sum(0)
             start = 0
             while start < vocab:  # (a `for` over a run-time count fails in the interpreter)
@@ -89,8 +90,8 @@ def _select(
                 if level == 0:
                     match = member
                 else:
-                    match = member & ((key >> (shift + 4)) == prefix)
-                digit = ((key >> shift) & 15).to(tl.int32)
+                    match = member & ((key >> (shift + BITS)) == prefix)
+                digit = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
                 onehot = (digit[:, None] == bins[None, :]) & match[:, None]
                 cnt += tl.sum(onehot.to(tl.int32), 0)
                 p = tl.load(p_ptr + cols, mask=match, other=0.0)
@@ -112,15 +113,16 @@ def _select(
             above_mass += tl.sum(tl.where(higher, mass, 0.0), 0)
             hit_cnt = tl.sum(tl.where(bins == d, cnt, 0), 0)
             hit_mass = tl.sum(tl.where(bins == d, mass, 0.0), 0)
-            prefix = (prefix << 4) | d.to(tl.uint32)
+            prefix = (prefix << BITS) | d.to(tl.uint32)
         else:  # every key's digit here is 0: the set at the prefix is unchanged
-            prefix = prefix << 4
+            prefix = prefix << BITS
     return prefix, above_cnt, above_mass, hit_cnt, hit_mass
 
 
 @triton.jit
 def _rank_filter_kernel(
     p_ptr, stride_p, logit_ptr, stride_logit, k_ptr, top_p_ptr, vocab, BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
 ):  # fmt: skip
     """Program `row`: zero row's entries outside its top-k, then top-p, set (see the module)."""
     row = tl.program_id(0).to(tl.int64)
@@ -148,7 +150,7 @@ def _rank_filter_kernel(
     cut_ties = tl.zeros([1], tl.int32).sum(0)
     if (k > 0) & (k < valid_cnt):
         key_k, cnt_above, mass_above, cnt_hit, mass_hit = _select(
-            logit_row, p_row, vocab, k, 0.0, False, zero_key, 0, any_bits, BLOCK
+            logit_row, p_row, vocab, k, 0.0, False, zero_key, 0, any_bits, BLOCK, BITS
         )
         cut_key = key_k
         cut_ties = k - cnt_above
@@ -156,7 +158,7 @@ def _rank_filter_kernel(
     if top_p < 1.0:
         target = top_p * set_mass
         key_p, cnt_above, mass_above, cnt_hit, mass_hit = _select(
-            logit_row, p_row, vocab, 0, target, True, cut_key, cut_ties, any_bits, BLOCK
+            logit_row, p_row, vocab, 0, target, True, cut_key, cut_ties, any_bits, BLOCK, BITS
         )
         # entries equal to key_p share one probability q: the j-th (j from 0) is kept while
         # mass_above + j q < target. None equal (rounding between passes left the target
@@ -182,16 +184,20 @@ def _rank_filter_kernel(
 
 
 def rank_filter_(
-    probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    probs: torch.Tensor,
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    bits: int = BITS,
 ) -> None:
     """executor/sampling.py `_rank_filter_` on probs [R, V] float32 in place: logits [R, V]
     (any float dtype; last dim contiguous), top_k [R] or [R, 1] integers (0: off), top_p [R] or
-    [R, 1] (1: off)."""
+    [R, 1] (1: off). `bits`: a digit's bits (1, 2, 4 or 8)."""
     rows, vocab = probs.shape
     if rows == 0:
         return
     assert probs.stride(-1) == 1 and logits.stride(-1) == 1
     _rank_filter_kernel[(rows,)](
         probs, probs.stride(0), logits, logits.stride(0), top_k.reshape(rows).contiguous(),
-        top_p.reshape(rows).float().contiguous(), vocab, BLOCK=BLOCK, num_warps=WARPS,
+        top_p.reshape(rows).float().contiguous(), vocab, BLOCK=BLOCK, BITS=bits, num_warps=WARPS,
     )  # fmt: skip

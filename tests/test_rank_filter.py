@@ -59,8 +59,11 @@ def cases(seed, rows, vocab, ties):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-def test_kernel_keeps_the_sorted_cut(device, ties):
+@pytest.mark.parametrize(("ties", "bits"), [(False, 4), (True, 4), (False, 2)],
+                         ids=["distinct", "ties", "distinct-2bit"])  # fmt: skip
+def test_kernel_keeps_the_sorted_cut(device, ties, bits):
+    if bits != rank_filter.BITS and device == "cpu":
+        pytest.skip("other digit widths run compiled only (the interpreter takes ~20 s)")
     """16 rows of 1,100 tokens (a block and a part), assorted top-k / top-p / dropped tokens:
     every unambiguous row keeps exactly the tokens the float64 cut keeps, as the sorted
     reference does, with the kept probabilities untouched; at most a few rows are ambiguous."""
@@ -70,7 +73,7 @@ def test_kernel_keeps_the_sorted_cut(device, ties):
     reference = probs.clone()
     sampling._rank_filter_(reference, logits, top_k.view(-1, 1), top_p.view(-1, 1))
     got = probs.to(device)
-    rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device))
+    rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device), bits)
     got = got.cpu()
     sure = ~ambiguous
     assert torch.equal(reference[sure] > 0, keep[sure])  # the reference is the definition
