@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from speculant.executor import sampling
+    from speculant.kernels import rank_filter
 
     assert torch.cuda.is_available(), "needs a GPU"
     dev = "cuda"
@@ -97,8 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         # top-k and top-p together (top-k 50): both cuts of the kernel
         both = (logits, temp, torch.full_like(top_k, 50), top_p)
         kernel_cut, sort_cut = sampling.filtered_probs(*filtered), sorted_cut(*filtered)
+        flat_logits = logits.view(bs * T, -1)
+        flat_probs = torch.softmax(flat_logits / 0.8, -1)
+        flat_p = top_p.expand(bs, T).reshape(-1)
+        flat_k = top_k.expand(bs, T).reshape(-1)
+
+        def cut(bits):  # the kernel alone, on a copy of the probabilities (its own column)
+            rank_filter.rank_filter_(flat_probs.clone(), flat_logits, flat_k, flat_p, bits)
+
         row = {
             "bs": bs, "T": T, "vocab": args.vocab,
+            "rank_kernel_4bit_ms": timed(cut, 4),
+            "rank_kernel_2bit_ms": timed(cut, 2),
+            "copy_ms": timed(flat_probs.clone),
             "filtered_probs_ms": timed(sampling.filtered_probs, *filtered),
             "filtered_probs_sorted_ms": timed(sorted_cut, *filtered),
             "filtered_probs_one_sort_ms": timed(one_sort, *filtered),
