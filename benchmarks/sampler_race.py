@@ -103,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         flat_p = top_p.expand(bs, T).reshape(-1)
         flat_k = top_k.expand(bs, T).reshape(-1)
 
-        def cut(bits):  # the kernel alone, on a copy of the probabilities (its own column)
-            rank_filter.rank_filter_(flat_probs.clone(), flat_logits, flat_k, flat_p, bits)
+        def cut(bits, probs, logits, k, p):  # the kernel alone, on a copy (its own column)
+            rank_filter.rank_filter_(probs.clone(), logits, k, p, bits)
+
+        kernel_args = (flat_probs, flat_logits, flat_k, flat_p)
 
         row = {
             "bs": bs, "T": T, "vocab": args.vocab,
-            "rank_kernel_4bit_ms": timed(cut, 4),
-            "rank_kernel_2bit_ms": timed(cut, 2),
+            "rank_kernel_4bit_ms": timed(cut, 4, *kernel_args),
+            "rank_kernel_2bit_ms": timed(cut, 2, *kernel_args),
             "copy_ms": timed(flat_probs.clone),
             "filtered_probs_ms": timed(sampling.filtered_probs, *filtered),
             "filtered_probs_sorted_ms": timed(sorted_cut, *filtered),
