@@ -197,7 +197,8 @@ def rank_filter_(
     if rows == 0:
         return
     assert probs.stride(-1) == 1 and logits.stride(-1) == 1
+    k = top_k.reshape(rows).clamp(max=vocab).to(torch.int32)  # a top-k past int32: no wrap
     _rank_filter_kernel[(rows,)](
-        probs, probs.stride(0), logits, logits.stride(0), top_k.reshape(rows).contiguous(),
+        probs, probs.stride(0), logits, logits.stride(0), k,
         top_p.reshape(rows).float().contiguous(), vocab, BLOCK=BLOCK, BITS=bits, num_warps=WARPS,
     )  # fmt: skip

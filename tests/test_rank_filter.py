@@ -91,7 +91,7 @@ def test_kernel_keeps_the_sorted_cut(device, ties, bits):
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_cut_edges(device):
     """top-k 1 and a tiny top-p keep the first maximum (the lowest id of equal logits); a top-k
-    past the tokens left, and top-p 1 with top-k 0, keep every token with mass; a one-hot row
+    past the tokens left (even past int32), and top-p 1 with top-k 0, keep every token with mass; a one-hot row
     (greedy) stays one-hot; a top-k cut through a group of equal logits keeps its lowest ids."""
     logits = torch.tensor([
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
@@ -104,7 +104,7 @@ def test_kernel_cut_edges(device):
     probs = torch.softmax(logits, -1)
     probs[4] = torch.nn.functional.one_hot(torch.tensor(0), 8).float()
     probs[3, 6] = 0.0  # dropped by min-p
-    top_k = torch.tensor([1, 0, 0, 50, 0, 2])
+    top_k = torch.tensor([1, 0, 0, 2**32 + 2, 0, 2])  # past int32: not cut as 2
     top_p = torch.tensor([1.0, 1e-7, 1.0, 1.0, 0.5, 1.0])
     got = probs.to(device)
     rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device))
