@@ -91,8 +91,9 @@ def test_kernel_keeps_the_sorted_cut(device, ties, bits):
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_cut_edges(device):
     """top-k 1 and a tiny top-p keep the first maximum (the lowest id of equal logits); a top-k
-    past the tokens left (even past int32), and top-p 1 with top-k 0, keep every token with mass; a one-hot row
-    (greedy) stays one-hot; a top-k cut through a group of equal logits keeps its lowest ids."""
+    past the tokens left (even past int32), and top-p 1 with top-k 0, keep every token with
+    mass; a one-hot row (greedy) stays one-hot; a top-k cut through a group of equal logits
+    keeps its lowest ids."""
     logits = torch.tensor([
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
