@@ -101,8 +101,8 @@ def _select(
             at_or_above = bins[None, :] >= bins[:, None]
             cnt_from = tl.sum(tl.where(at_or_above, cnt[None, :], 0), 1)
             mass_from = tl.sum(tl.where(at_or_above, mass[None, :], 0.0), 1)
-            if BY_MASS:
-                reached = (above_mass + mass_from) >= target_mass
+            if BY_MASS:  # a top_p of 0 (1e-46 in float32) reaches at the first entry
+                reached = ((above_mass + mass_from) >= target_mass) & (cnt_from > 0)
             else:
                 reached = (above_cnt + cnt_from) >= target_cnt
             # the last digit (from the top) where the running sum has not yet reached the

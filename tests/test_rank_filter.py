@@ -93,7 +93,7 @@ def test_kernel_cut_edges(device):
     """top-k 1 and a tiny top-p keep the first maximum (the lowest id of equal logits); a top-k
     past the tokens left (even past int32), and top-p 1 with top-k 0, keep every token with
     mass; a one-hot row (greedy) stays one-hot; a top-k cut through a group of equal logits
-    keeps its lowest ids."""
+    keeps its lowest ids; a top-p of 0 in float32 keeps the first maximum."""
     logits = torch.tensor([
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
@@ -101,16 +101,17 @@ def test_kernel_cut_edges(device):
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
         [5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
         [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
+        [0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5],
     ])  # fmt: skip
     probs = torch.softmax(logits, -1)
     probs[4] = torch.nn.functional.one_hot(torch.tensor(0), 8).float()
     probs[3, 6] = 0.0  # dropped by min-p
-    top_k = torch.tensor([1, 0, 0, 2**32 + 2, 0, 2])  # past int32: not cut as 2
-    top_p = torch.tensor([1.0, 1e-7, 1.0, 1.0, 0.5, 1.0])
+    top_k = torch.tensor([1, 0, 0, 2**32 + 2, 0, 2, 0])  # past int32: not cut as 2
+    top_p = torch.tensor([1.0, 1e-7, 1.0, 1.0, 0.5, 1.0, 1e-46])  # 1e-46: 0 in float32
     got = probs.to(device)
     rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device))
     kept = [torch.nonzero(row).flatten().tolist() for row in got.cpu()]
-    assert kept == [[1], [1], list(range(8)), [0, 1, 2, 3, 4, 5, 7], [0], [1, 3]]
+    assert kept == [[1], [1], list(range(8)), [0, 1, 2, 3, 4, 5, 7], [0], [1, 3], [1]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
