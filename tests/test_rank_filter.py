@@ -62,18 +62,19 @@ def cases(seed, rows, vocab, ties):
 @pytest.mark.parametrize(("ties", "bits"), [(False, 4), (True, 4), (False, 2)],
                          ids=["distinct", "ties", "distinct-2bit"])  # fmt: skip
 def test_kernel_keeps_the_sorted_cut(device, ties, bits):
+    """10 rows of 1,100 tokens in parts of 512 (three a row), assorted top-k / top-p / dropped
+    tokens: every unambiguous row keeps exactly the tokens the float64 cut keeps, as the sorted
+    reference does, with the kept probabilities untouched; at most a few rows are ambiguous."""
     if bits != rank_filter.BITS and device == "cpu":
         pytest.skip("other digit widths run compiled only (the interpreter takes ~20 s)")
-    """16 rows of 1,100 tokens (a block and a part), assorted top-k / top-p / dropped tokens:
-    every unambiguous row keeps exactly the tokens the float64 cut keeps, as the sorted
-    reference does, with the kept probabilities untouched; at most a few rows are ambiguous."""
-    logits, probs, top_k, top_p = cases(1 if ties else 0, 16, 1100, ties)
+    logits, probs, top_k, top_p = cases(1 if ties else 0, 10, 1100, ties)
     keep, ambiguous = exact_cut(logits, probs, top_k, top_p)
     assert int(ambiguous.sum()) <= 2
     reference = probs.clone()
     sampling._rank_filter_(reference, logits, top_k.view(-1, 1), top_p.view(-1, 1))
     got = probs.to(device)
-    rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device), bits)
+    rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device), bits,
+                             chunk=512)  # fmt: skip
     got = got.cpu()
     sure = ~ambiguous
     assert torch.equal(reference[sure] > 0, keep[sure])  # the reference is the definition
@@ -116,17 +117,19 @@ def test_kernel_cut_edges(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_row_alone_equals_row_in_a_batch(device):
-    """A row's cut is the same bits alone and among 5 other rows (its own program, one order
-    of sums), unlike torch's cumsum on CUDA, whose order follows the row count."""
-    logits, probs, top_k, top_p = cases(5, 6, 1100, False)
-    top_p[:] = torch.linspace(0.3, 0.97, 6)
+    """A row's cut is the same bits alone and among 4 other rows (its parts set by the
+    vocabulary, its sums in one order), unlike torch's cumsum on CUDA, whose order follows the
+    row count."""
+    logits, probs, top_k, top_p = cases(5, 5, 1100, False)
+    top_p[:] = torch.linspace(0.3, 0.97, 5)
     batch = probs.to(device)
-    rank_filter.rank_filter_(batch, logits.to(device), top_k.to(device), top_p.to(device))
-    for row in (0, 5):
+    rank_filter.rank_filter_(batch, logits.to(device), top_k.to(device), top_p.to(device),
+                             chunk=512)  # fmt: skip
+    for row in (0, 4):
         one = slice(row, row + 1)
         alone = probs[one].to(device)
         rank_filter.rank_filter_(alone, logits[one].to(device), top_k[one].to(device),
-                                 top_p[one].to(device))  # fmt: skip
+                                 top_p[one].to(device), chunk=512)  # fmt: skip
         assert torch.equal(alone.cpu()[0], batch.cpu()[row])
 
 
