@@ -716,11 +716,11 @@ def test_pdl_graph_chain_equals_plain_launches(mode, prefetch, monkeypatch):
 
 
 @pytest.mark.needs("triton")
-def test_engine_decodes_one_row_through_the_fused_kernel(monkeypatch):
+def test_engine_decodes_one_row_through_the_fused_kernel(monkeypatch, llama_dir):
     """With `fuse_decode` (off as shipped: measured slower, benchmarks/results/wave25.md), the
     Triton backend's one-row decode steps run kernels/decode_attention.py; greedy tokens equal
-    the torch backend's, for one request and for two (which take the unfused kernels)."""
-    import speculant
+    the torch backend's, for one request and for two (which take the unfused kernels). On the
+    tiny Llama (2 layers, GQA group 2): Triton's interpreter runs every kernel program in Python."""
     from speculant import Engine, SamplingParams
     from speculant.executor import triton_attention
 
@@ -739,8 +739,8 @@ def test_engine_decodes_one_row_through_the_fused_kernel(monkeypatch):
     tokens = {}
     monkeypatch.setattr(triton_attention.TritonPagedAttention, "fuse_decode", True)
     for backend in ("torch", "triton"):  # torch: the reference (unfused kernels: tests above)
-        engine = Engine(speculant.bundled("target"), device="cpu", dtype="float32",
-                        max_num_seqs=2, max_model_len=128, attention_backend=backend)  # fmt: skip
+        engine = Engine(llama_dir, device="cpu", dtype="float32", max_num_seqs=2,
+                        max_model_len=128, attention_backend=backend)  # fmt: skip
         calls.clear()
         tokens[backend] = [[o.token_ids for o in engine.generate(batch, params, use_tqdm=False)]
                            for batch in (prompts[:1], prompts)]  # fmt: skip
