@@ -862,8 +862,12 @@ def _generate(target, backend, device, **options):
         assert isinstance(engine.drafter.attn, expected)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 11)]
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(prompts, params)]
+    # Triton's interpreter (the CPU) runs every kernel program in Python: 3 decode steps there
+    params = SamplingParams(max_new_tokens=4 if device == "cpu" else 6, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    if options.get("algo") == "eagle3":
+        assert all(o.stats["num_verify_steps"] > 0 for o in outs)
+    return [o.token_ids for o in outs]
 
 
 @pytest.mark.parametrize("device", DEVICES)
