@@ -1161,16 +1161,18 @@ def test_ray_job_submit(flags, expected, prompts_file, tmp_path):
               "--working-dir", str(workdir), "--"]  # fmt: skip
     driver = [sys.executable, "-m", "speculant.launch.ray", "generate"]
     job_flags = [*flags[: flags.index("--prompts")], "--prompts", "prompts.jsonl",
-                 *flags[flags.index("--prompts") + 2 :], "--tp", "2", "--dp", "2"]  # fmt: skip
+                 *flags[flags.index("--prompts") + 2 :]]  # fmt: skip
+    # two ranks a job (each loads torch and the model; --tp 2 x --dp 2 through the driver:
+    # TestRayDriver): the job of --dp 2 gathers every rank's outputs, the killed one is --tp 2
     with ray_head(head, env) as head_process:
-        ok = submit_job([*submit, *driver, *job_flags, "--output", str(out)], env)
+        ok = submit_job([*submit, *driver, *job_flags, "--dp", "2", "--output", str(out)], env)
         assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert "4 rank(s) on 1 node(s) (STRICT_PACK)" in ok.stdout + ok.stderr
+        assert "2 rank(s) on 1 node(s) (STRICT_PACK)" in ok.stdout + ok.stderr
         assert read_tokens(out) == expected
 
         start = time.monotonic()
         killed = [*submit, "env", "SPECULANT_TEST_KILL_RANK=1", *driver, *job_flags]
-        failed = submit_job([*killed, "--dp", "1", "--dist-timeout", "20"], env)
+        failed = submit_job([*killed, "--tp", "2", "--dist-timeout", "20"], env)
         assert time.monotonic() - start < KILL_BOUND_S + 30  # with the job's own start-up
         log = failed.stdout + failed.stderr
         assert failed.returncode != 0, log
