@@ -1,0 +1,83 @@
+"""filtered_probs with top-p 0.95 (and top-k 50 + top-p) as the engine runs it in its decode
+graphs: captured in one CUDA graph per batch size and path, the sort-free kernel
+(kernels/rank_filter.py) against torch's sort by chunks of rows, replayed and CUDA-event timed
+(median of --iters), bf16 logits at a 152k vocabulary, T 0.8. (sampler_race.py times eager
+calls: there the kernel's 35 launches cost host time a graph does not pay.)
+
+python benchmarks/rank_graph.py [--out DIR] [--sizes 1,64,256] [--iters 50]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from _common import run_info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--vocab", type=int, default=152_064)
+    parser.add_argument("--sizes", default="1,64,256")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from speculant.executor import sampling
+
+    def graphed(fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+    def timed(graph):
+        graph.replay()
+        times = []
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    kernel = sampling._rank_kernel
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for bs in (int(x) for x in args.sizes.split(",")):
+        logits = (torch.randn(bs, args.vocab, device="cuda", generator=gen) * 3).bfloat16()
+        temp = torch.full((bs,), 0.8, device="cuda")
+        top_p = torch.full((bs,), 0.95, device="cuda")
+        row = {"bs": bs, "vocab": args.vocab}
+        for name, k in (("top_p", 0), ("top_k50_top_p", 50)):
+            top_k = torch.full((bs,), k, device="cuda", dtype=torch.long)
+            for path in ("kernel", "sort"):
+                sampling._rank_kernel = kernel if path == "kernel" else (lambda device: None)
+                graph, out = graphed(lambda: sampling.filtered_probs(logits, temp, top_k, top_p))
+                row[f"{name}_{path}_ms"] = timed(graph)
+                row[f"{name}_{path}_kept"] = int((out > 0).sum())
+                sampling._rank_kernel = kernel
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "rank_graph.json").write_text(
+            json.dumps({**run_info("cuda", argv), "rows": rows}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
