@@ -29,16 +29,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from speculant.executor import sampling
 
-    def graphed(fn):
+    def graphed(*inputs):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                fn()
+                sampling.filtered_probs(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fn()
+            out = sampling.filtered_probs(*inputs)
         return graph, out
 
     def timed(graph):
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             top_k = torch.full((bs,), k, device="cuda", dtype=torch.long)
             for path in ("kernel", "sort"):
                 sampling._rank_kernel = kernel if path == "kernel" else (lambda device: None)
-                graph, out = graphed(lambda: sampling.filtered_probs(logits, temp, top_k, top_p))
+                graph, out = graphed(logits, temp, top_k, top_p)
                 row[f"{name}_{path}_ms"] = timed(graph)
                 row[f"{name}_{path}_kept"] = int((out > 0).sum())
                 sampling._rank_kernel = kernel

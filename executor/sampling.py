@@ -41,6 +41,11 @@ U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 # step's peak, and its CUDA graph's pool), 3.8 GiB by chunks of 2^24 (64 MiB of float32; one
 # H100, results/wave31.md). Their time against one sort of every row: not yet measured
 SORT_ELEMENTS = 1 << 24
+# from this many rows on CUDA cuts top-k / top-p with kernels/rank_filter.py, no sort: as CUDA
+# graph replays at a 152k vocabulary (bf16 logits, one H100, results/wave32.md) top-p 0.95 took
+# 1.12 vs 1.89 ms at 64 rows and 3.85 vs 6.95 at 256 (top-k 50 with it: 1.84 vs 1.89, 6.50 vs
+# 6.94), but 0.28 vs 0.19 at one row (its 35 launches)
+RANK_KERNEL_ROWS = 64
 
 
 ARGMAX_CHUNKS = 64
@@ -248,9 +253,9 @@ def filtered_probs(
     or [bs, 1]); min_p None: off for every row.
     Rows with T below GREEDY_TEMPERATURE get a one-hot at the argmax (logits / T would overflow
     float32); the most likely token always survives top-p, however small top_p is.
-    Top-k / top-p: on CUDA kernels/rank_filter.py finds each row's cut without a sort (top-p's
-    cut can differ from the sort's where the mass before a rank is within float rounding of
-    top_p x mass); elsewhere torch's sort by chunks of rows.
+    Top-k / top-p: on CUDA, from RANK_KERNEL_ROWS rows, kernels/rank_filter.py finds each row's
+    cut without a sort (top-p's cut can differ from the sort's where the mass before a rank is
+    within float rounding of top_p x mass); elsewhere torch's sort by chunks of rows.
     `variant` SCALED: no row asks for top-k or top-p (batch_variant), so the vocabulary is not
     ranked (a sort of [rows, V]: most of a sampled step's sampler); the same result bit for bit
     as FULL gives such rows."""
@@ -272,7 +277,7 @@ def filtered_probs(
     flat_probs, flat_logits = probs.view(rows, vocab), logits.reshape(rows, vocab)
     flat_k = top_k.expand(probs.shape[:-1]).reshape(rows, 1)
     flat_p = top_p.expand(probs.shape[:-1]).reshape(rows, 1)
-    kernel = _rank_kernel(probs.device) if probs.is_cuda else None
+    kernel = _rank_kernel(probs.device) if probs.is_cuda and rows >= RANK_KERNEL_ROWS else None
     if kernel is not None:  # no sort: a radix select of each row's cut, in place
         kernel(flat_probs, flat_logits.contiguous(), flat_k, flat_p)
         return probs.div_(probs.sum(-1, keepdim=True))
