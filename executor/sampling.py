@@ -39,7 +39,7 @@ U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 # rank this many entries (rows x vocabulary) at a time: the sort's keys, indices
 # and buffers for every row of a 512-row verify step at a 128k vocabulary were ~10 GiB (the
 # step's peak, and its CUDA graph's pool), 3.8 GiB by chunks of 2^24 (64 MiB of float32; one
-# H100, results/wave31.md). Their time against one sort of every row: not yet measured
+# H100, results/wave31.md), at 0-5% more time than one sort of every row (wave32.md)
 SORT_ELEMENTS = 1 << 24
 # from this many rows on CUDA cuts top-k / top-p with kernels/rank_filter.py, no sort: as CUDA
 # graph replays at a 152k vocabulary (bf16 logits, one H100, results/wave32.md) top-p 0.95 took
