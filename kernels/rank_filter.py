@@ -222,12 +222,18 @@ def _decide(
             mass_from = tl.sum(tl.where(at_or_above, mass[None, :], 0.0), 1)
             if PHASE == P_LEVEL:  # a top_p of 0 (1e-46 in float32) reaches at the first entry
                 target = _get(floats, fields_f, F_TARGET)
-                reached = ((above_mass + mass_from) >= target) & (cnt_from > 0)
+                # the set's lowest digit with entries counts as reached: where rounding between
+                # passes leaves the set's whole mass short of the target (top_p within float
+                # rounding of 1), the cut stays a key of the set; an empty digit's key zeroed
+                # none of the set, the top-k cut's excess ties kept (all of them from the
+                # first digit: a cut key of 0, the top-k cut lost)
+                whole = cnt_from == tl.max(cnt_from, 0)
+                reached = (((above_mass + mass_from) >= target) | whole) & (cnt_from > 0)
             else:
                 k = tl.load(k_ptr + row)
                 reached = (above_cnt + cnt_from) >= k
             # the last digit (from the top) where the running sum has not yet reached the
-            # target before it; none reached (rounding between passes): the lowest digit
+            # target before it
             d = tl.maximum(tl.sum(reached.to(tl.int32), 0) - 1, 0)
             higher = bins > d
             above_cnt += tl.sum(tl.where(higher, cnt, 0), 0)

@@ -116,6 +116,28 @@ def test_kernel_cut_edges(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_kernel_top_p_within_rounding_of_one_keeps_the_top_k_cut(device):
+    """top_p 1 - 2^-24 under a top-k cut (distinct logits, and bf16 ties cut by top-k): the
+    top-p passes' sum of the top-k set can round below top_p x the set's mass as the top-k
+    passes summed it; every row still keeps its top k (the cut once went to an empty digit,
+    key 0: every token of the row kept)."""
+    gen = torch.Generator().manual_seed(0)
+    distinct = torch.randn(4, 512, generator=gen)[:2] * 0.5
+    gen = torch.Generator().manual_seed(0)
+    ties = (torch.randn(4, 512, generator=gen)[:2] * 3).round().div(2).bfloat16().float()
+    logits = torch.cat([distinct, ties])
+    probs = torch.softmax(logits, -1)
+    top_k = torch.tensor([100, 200, 100, 200])
+    top_p = torch.full((4,), 1 - 2**-24)
+    keep, _ = exact_cut(logits, probs, top_k, top_p)
+    assert keep.sum(-1).tolist() == top_k.tolist()
+    got = probs.to(device)
+    rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device),
+                             chunk=256)  # fmt: skip
+    assert torch.equal(got.cpu() > 0, keep)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kernel_row_alone_equals_row_in_a_batch(device):
     """A row's cut is the same bits alone and among 4 other rows (its parts set by the
     vocabulary, its sums in one order), unlike torch's cumsum on CUDA, whose order follows the
