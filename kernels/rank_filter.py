@@ -354,7 +354,8 @@ def rank_filter_(
     key_bits = torch.empty((rows, parts), dtype=torch.int32, device=dev)
     state_i = torch.empty((rows, slots + 1, NI), dtype=torch.int32, device=dev)
     state_f = torch.empty((rows, slots + 1, NF), dtype=torch.float32, device=dev)
-    k = top_k.reshape(rows).clamp(max=vocab).to(torch.int32)  # a top-k past int32: no wrap
+    # off below 1, as the sort takes it; a top-k past int32 either way: no wrap
+    k = top_k.reshape(rows).clamp(0, vocab).to(torch.int32)
     p = top_p.reshape(rows).float().contiguous()
     part_pow2 = max(2, triton.next_power_of_2(parts))
     rows_parts = (rows, parts)

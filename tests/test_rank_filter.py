@@ -116,6 +116,18 @@ def test_kernel_cut_edges(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_kernel_negative_top_k_is_off(device):
+    """A top-k below 1 is off, as the sort takes it, even one below int32's range (-2^32 + 2
+    once wrapped to a top-k of 2)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0, 0.5]] * 3)
+    probs = torch.softmax(logits, -1)
+    top_k = torch.tensor([-1, -(2**32) + 2, -(2**40)])
+    got = probs.clone().to(device)
+    rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), torch.ones(3).to(device))
+    assert torch.equal(got.cpu(), probs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kernel_top_p_within_rounding_of_one_keeps_the_top_k_cut(device):
     """top_p 1 - 2^-24 under a top-k cut (distinct logits, and bf16 ties cut by top-k): the
     top-p passes' sum of the top-k set can round below top_p x the set's mass as the top-k
