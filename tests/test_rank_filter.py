@@ -72,7 +72,7 @@ def test_kernel_keeps_the_sorted_cut(device, ties, bits):
     assert int(ambiguous.sum()) <= 2
     reference = probs.clone()
     sampling._rank_filter_(reference, logits, top_k.view(-1, 1), top_p.view(-1, 1))
-    got = probs.to(device)
+    got = probs.clone().to(device)  # .to("cpu") alone is probs itself, cut in place
     rank_filter.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device), bits,
                              chunk=512)  # fmt: skip
     got = got.cpu()
@@ -156,7 +156,7 @@ def test_kernel_row_alone_equals_row_in_a_batch(device):
     row count."""
     logits, probs, top_k, top_p = cases(5, 5, 1100, False)
     top_p[:] = torch.linspace(0.3, 0.97, 5)
-    batch = probs.to(device)
+    batch = probs.clone().to(device)  # probs stays uncut for the rows alone
     rank_filter.rank_filter_(batch, logits.to(device), top_k.to(device), top_p.to(device),
                              chunk=512)  # fmt: skip
     for row in (0, 4):
