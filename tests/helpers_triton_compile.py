@@ -42,6 +42,7 @@ from speculant.kernels import (
     norm,
     paged_attention,
     race,
+    rank_filter,
     rope,
 )
 
@@ -49,7 +50,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 BF16, FP16, FP32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64
 MODULES = (activation, catch_up, decode_attention, fp8, gemv, logprobs, norm,
-           paged_attention, race, rope)  # fmt: skip
+           paged_attention, race, rank_filter, rope)  # fmt: skip
 H200 = "NVIDIA H200"
 
 
@@ -125,6 +126,12 @@ def _race(rows, vocab, ids):
         race.race(t(rows, vocab, dtype=FP32), t(rows, dtype=I64), index)
 
     return run
+
+
+def _rank(rows, vocab, dtype):
+    """The sampler's top-k / top-p cut (executor/sampling.py on CUDA, from 64 rows)."""
+    return lambda: rank_filter.rank_filter_(t(rows, vocab, dtype=FP32), t(rows, vocab, dtype=dtype),
+                                            t(rows, dtype=I64), t(rows, dtype=FP32))  # fmt: skip
 
 
 def _gemv(n, k, dtype):
@@ -355,6 +362,8 @@ CASES = [
     ("race 151936 bs64x4", 0, _race(256, 151936, "none")),
     ("race 32000 bs1 draft vocab map", 0, _race(1, 32000, "shared")),
     ("race dflash2 candidates bs8", 0, _race(8, 32, "rows")),
+    ("rank cut bf16 151936 bs64x4", 0, _rank(256, 151936, BF16)),
+    ("rank cut fp32 32000 bs64", 0, _rank(64, 32000, FP32)),
     ("record bf16 eagle-3 3x4096", 0, _record(5, (4096, 4096, 4096), BF16)),
     ("record fp16 dflash 2x4096", 0, _record(5, (4096, 4096), FP16, ids=False)),
     ("record draft model ids only", 0, _record(1, (), BF16)),
