@@ -14,6 +14,7 @@ vocabulary and the target's over the whole one share their numbers token by toke
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import logging
 
@@ -165,37 +166,53 @@ def race(
     return argmax(probs / exponentials(seed, position, stream, ids))
 
 
-@functools.cache
-def _race_kernel(device: torch.device):
-    """kernels/race.py's `race` for this CUDA device, once it has drawn what the torch reference
-    draws on a check input; else None, said once, and the torch reference runs (without triton,
-    or where the kernel fails to build). Imported on first CUDA use only: the kernel modules
-    import triton, which the CPU tests set up first. The first call comes from a sampled step's
-    eager run (graph capture warms up each graph eagerly first), where the check may sync."""
+def _checked_kernel(device, module: str, name: str, check, what: str, fallback: str):
+    """`name` of speculant.kernels.<module> for this device once `check(kernel, device)` holds
+    (the kernel gives the torch reference's result on a check input); else None, with one
+    warning ("<what> failed (...)" or "<what> <mismatch>", then "; <fallback>"), and the caller
+    runs its torch reference (also without triton). Imported on first CUDA use only: the kernel
+    modules import triton, which the CPU tests set up first. The first call comes from a
+    sampled step's eager run (graph capture warms up each graph eagerly first), where the check
+    may sync; during a capture the kernel is taken unchecked."""
     try:
-        from speculant.kernels import race as kernel
-        from speculant.kernels.runtime import HAS_TRITON
+        from speculant.kernels import runtime
+
+        kernels = importlib.import_module(f"speculant.kernels.{module}")
     except ImportError:
         return None
-    if not HAS_TRITON:
+    if not runtime.HAS_TRITON:
         return None
+    kernel = getattr(kernels, name)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # no check here
-        return kernel.race
+        return kernel
+    try:
+        mismatch = check(kernel, device)
+    except Exception as error:  # a Triton build or launch failure: the reference still runs
+        log.warning("%s failed (%s); %s", what, error, fallback)
+        return None
+    if mismatch:
+        log.warning("%s %s; %s", what, mismatch, fallback)
+        return None
+    return kernel
+
+
+def _race_check(kernel, device) -> str:
+    """'' when the race kernel draws the torch reference's tokens on a check input."""
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(8, 5000, generator=gen) * 4, -1)
     seed, position = torch.arange(8) * 977 + 5, torch.arange(8) + 30
     ids = torch.randperm(5000, generator=gen)
     want = argmax(probs / exponentials(seed, position, STREAM_SAMPLE, ids))
-    try:
-        key = _key(seed, position, STREAM_SAMPLE).to(device)
-        got = kernel.race(probs.to(device), key, ids.to(device)).cpu()
-    except Exception as error:  # a Triton build or launch failure: the reference still samples
-        log.warning("the sampler's Triton kernel failed (%s); sampling with torch", error)
-        return None
-    if not torch.equal(got, want):
-        log.warning("the sampler's Triton kernel drew other tokens than torch; sampling with torch")
-        return None
-    return kernel.race
+    key = _key(seed, position, STREAM_SAMPLE).to(device)
+    got = kernel(probs.to(device), key, ids.to(device)).cpu()
+    return "" if torch.equal(got, want) else "drew other tokens than torch"
+
+
+@functools.cache
+def _race_kernel(device: torch.device):
+    """kernels/race.py's `race` for this CUDA device, once checked (`_checked_kernel`)."""
+    return _checked_kernel(device, "race", "race", _race_check, "the sampler's Triton kernel",
+                           "sampling with torch")  # fmt: skip
 
 
 def rank_check_input():
@@ -208,34 +225,22 @@ def rank_check_input():
     return logits, torch.softmax(logits, -1), top_k, top_p
 
 
-@functools.cache
-def _rank_kernel(device: torch.device):
-    """kernels/rank_filter.py's `rank_filter_` (top-k / top-p without a sort) for this CUDA
-    device, once it has cut what `_rank_filter_` cuts on a check input; else None, said once,
-    and the sort runs (as `_race_kernel`)."""
-    try:
-        from speculant.kernels import rank_filter as kernel
-        from speculant.kernels.runtime import HAS_TRITON
-    except ImportError:
-        return None
-    if not HAS_TRITON:
-        return None
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # no check here
-        return kernel.rank_filter_
+def _rank_check(kernel, device) -> str:
+    """'' when the rank kernel keeps the sort's tokens on `rank_check_input`."""
     logits, probs, top_k, top_p = rank_check_input()
     want = probs.clone()
     _rank_filter_(want, logits, top_k, top_p)
-    try:
-        got = probs.to(device)
-        kernel.rank_filter_(got, logits.to(device), top_k.to(device), top_p.to(device))
-        got = got.cpu()
-    except Exception as error:  # a Triton build or launch failure: the sort still cuts
-        log.warning("the top-k / top-p Triton kernel failed (%s); sorting with torch", error)
-        return None
-    if not torch.equal(got > 0, want > 0):
-        log.warning("the top-k / top-p Triton kernel cut other tokens than torch; sorting")
-        return None
-    return kernel.rank_filter_
+    got = probs.to(device, copy=True)
+    kernel(got, logits.to(device), top_k.to(device), top_p.to(device))
+    return "" if torch.equal(got.cpu() > 0, want > 0) else "cut other tokens than torch"
+
+
+@functools.cache
+def _rank_kernel(device: torch.device):
+    """kernels/rank_filter.py's `rank_filter_` (top-k / top-p without a sort) for this CUDA
+    device, once checked (`_checked_kernel`); else the sort cuts."""
+    return _checked_kernel(device, "rank_filter", "rank_filter_", _rank_check,
+                           "the top-k / top-p Triton kernel", "sorting with torch")  # fmt: skip
 
 
 def filtered_probs(

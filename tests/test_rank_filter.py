@@ -194,3 +194,24 @@ def test_filtered_probs_on_cuda_takes_the_kernel_and_matches_the_cpu():
     assert int(sure.sum()) >= 60
     assert torch.equal(cuda.cpu()[sure] > 0, cpu[sure] > 0)
     torch.testing.assert_close(cuda.cpu()[sure], cpu[sure], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.needs("triton")
+def test_the_kernel_is_refused_when_it_cuts_otherwise_or_fails(monkeypatch, caplog):
+    """executor/sampling.py checks the kernel once per device against the sort before using
+    it: one that keeps other tokens, or fails to build, is refused with one warning naming it,
+    and the sort cuts (the kernel that passes: the CUDA test above)."""
+    check = sampling._rank_kernel.__wrapped__  # uncached: each call checks again
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(rank_filter, "rank_filter_", lambda probs, *args: probs[:, 1:].zero_())
+    assert check(cpu) is None
+    assert "top-k / top-p Triton kernel cut other tokens than torch; sorting with torch" in (
+        caplog.text
+    )
+
+    def broken(*args):
+        raise RuntimeError("PTX build failed")
+
+    monkeypatch.setattr(rank_filter, "rank_filter_", broken)
+    assert check(cpu) is None
+    assert "failed (PTX build failed); sorting with torch" in caplog.text
