@@ -57,6 +57,26 @@ def machine(device: str) -> str:
     return f"{gpu}{cpu}, {os.cpu_count()} cores"
 
 
+def cuda_median_ms(fn: Callable, *args, iters: int, warmup: int = 3) -> float:
+    """The median over `iters` calls of fn(*args) on the current CUDA stream, in ms, each
+    timed by CUDA events and synchronised, after `warmup` untimed calls."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def run_info(device: str, argv: list[str] | None = None) -> dict:
     """What every results JSON starts with: the command line (`argv` when main() was given
     one), the date (UTC) and the machine."""

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-from _common import run_info
+from _common import cuda_median_ms, run_info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,16 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return graph, out
 
     def timed(graph):
-        graph.replay()
-        times = []
-        for _ in range(args.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return cuda_median_ms(graph.replay, iters=args.iters)
 
     kernel = sampling._rank_kernel
     rows = []

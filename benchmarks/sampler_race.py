@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-from _common import run_info
+from _common import cuda_median_ms, run_info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,17 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return sorted_cut(*a, chunk=1 << 62)
 
     def timed(fn, *a) -> float:
-        for _ in range(3):
-            fn(*a)
-        times = []
-        for _ in range(args.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*a)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return cuda_median_ms(fn, *a, iters=args.iters)
 
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
