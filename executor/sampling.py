@@ -284,7 +284,8 @@ def filtered_probs(
     flat_p = top_p.expand(probs.shape[:-1]).reshape(rows, 1)
     kernel = _rank_kernel(probs.device) if probs.is_cuda and rows >= RANK_KERNEL_ROWS else None
     if kernel is not None:  # no sort: a radix select of each row's cut, in place
-        kernel(flat_probs, flat_logits.contiguous(), flat_k, flat_p)
+        rows_of_logits = flat_logits if flat_logits.stride(-1) == 1 else flat_logits.contiguous()
+        kernel(flat_probs, rows_of_logits, flat_k, flat_p)  # rows may be strided: no copy
         return probs.div_(probs.sum(-1, keepdim=True))
     # rows are independent: on the CPU the same bits by chunks. On CUDA torch's cumsum picks
     # its summation order by the row count (a lone row with cub), so the top-p cut can move
