@@ -91,7 +91,7 @@ def _u32(state_i, field):
 @triton.jit
 def _first_pass(
     p_ptr, stride_p, logit_ptr, stride_logit, vocab, cnt_ptr, mass_ptr, bits_ptr, parts, slots,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr = 3,
 ):  # fmt: skip
     """Program (row, part): its part's entries with mass, their mass and the OR of their keys
     (slot 0 of the part sums)."""
@@ -101,20 +101,25 @@ def _first_pass(
     cnt = tl.zeros([BLOCK], tl.int32)
     mass = tl.zeros([BLOCK], tl.float32)
     any_bits = tl.zeros([BLOCK], tl.uint32)
-    start = part * CHUNK
-    end = tl.minimum(start + CHUNK, vocab)
-    while start < end:  # (a `for` over a run-time count fails in the interpreter)
-        cols = start + offs
+    # a constant trip count: Triton pipelines the loads (a run-time count fails in the
+    # interpreter; the wrapper keeps CHUNK at most the vocabulary rounded up to BLOCK)
+    for it in tl.range(0, CHUNK // BLOCK, num_stages=STAGES):
+        cols = part * CHUNK + it * BLOCK + offs
         key, valid, p = _keys(logit_ptr + row * stride_logit, p_ptr + row * stride_p, cols,
-                              cols < end)  # fmt: skip
+                              cols < vocab)  # fmt: skip
         cnt += valid.to(tl.int32)
         mass += tl.where(valid, p, 0.0)
         any_bits = any_bits | key
-        start += BLOCK
     at = (row * slots * parts + part) * D  # slot 0, digit 0
     tl.store(cnt_ptr + at, tl.sum(cnt, 0))
     tl.store(mass_ptr + at, tl.sum(mass, 0))
     tl.store(bits_ptr + row * parts + part, tl.reduce(any_bits, 0, _or).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _bin(cnt, mass, bins, digit, p):
+    hit = bins[:, None] == digit[None, :]
+    return cnt + hit.to(tl.int32), mass + tl.where(hit, p[None, :], 0.0)
 
 
 @triton.jit(do_not_specialize=["slot", "level"])
@@ -122,6 +127,7 @@ def _pass(
     p_ptr, stride_p, logit_ptr, stride_logit, vocab, cnt_ptr, mass_ptr, state_i_ptr,
     state_f_ptr, parts, slots, slot, level, BY_MASS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK: tl.constexpr, BITS: tl.constexpr, NI: tl.constexpr, NF: tl.constexpr,
+    STAGES: tl.constexpr = 3,
 ):  # fmt: skip
     """Program (row, part): per digit value at `level`, the count and mass of its part's
     entries in the set (top-k: every entry with mass; top-p: key >= the top-k cut's, its
@@ -138,24 +144,22 @@ def _pass(
         in_key = _u32(state_i, I_KEY_K) if BY_MASS else tl.zeros([1], tl.uint32).sum(0)
         offs = tl.arange(0, BLOCK)
         bins = tl.arange(0, 1 << BITS)
-        cnt = tl.zeros([BLOCK, 1 << BITS], tl.int32)
-        mass = tl.zeros([BLOCK, 1 << BITS], tl.float32)
-        start = part * CHUNK
-        end = tl.minimum(start + CHUNK, vocab)
-        while start < end:
-            cols = start + offs
+        cnt = tl.zeros([1 << BITS, BLOCK // 2], tl.int32)
+        mass = tl.zeros([1 << BITS, BLOCK // 2], tl.float32)
+        for it in tl.range(0, CHUNK // BLOCK, num_stages=STAGES):
+            cols = part * CHUNK + it * BLOCK + offs
             key, valid, p = _keys(logit_ptr + row * stride_logit, p_ptr + row * stride_p, cols,
-                                  cols < end)  # fmt: skip
+                                  cols < vocab)  # fmt: skip
             # the higher digits: two shifts (one of 32 is undefined at level 0)
             match = valid & (key >= in_key) & (((key >> shift) >> BITS) == prefix)
-            digit = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
-            hit = (digit[:, None] == bins[None, :]) & match[:, None]
-            cnt += hit.to(tl.int32)
-            mass += tl.where(hit, p[:, None], 0.0)
-            start += BLOCK
+            digit = tl.where(match, ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32), -1)
+            d0, d1 = tl.split(tl.reshape(digit, [BLOCK // 2, 2]))
+            p0, p1 = tl.split(tl.reshape(p, [BLOCK // 2, 2]))
+            cnt, mass = _bin(cnt, mass, bins, d0, p0)
+            cnt, mass = _bin(cnt, mass, bins, d1, p1)
         at = ((row * slots + slot) * parts + part) * (1 << BITS) + bins
-        tl.store(cnt_ptr + at, tl.sum(cnt, 0))
-        tl.store(mass_ptr + at, tl.sum(mass, 0))
+        tl.store(cnt_ptr + at, tl.sum(cnt, 1))
+        tl.store(mass_ptr + at, tl.sum(mass, 1))
 
 
 @triton.jit(do_not_specialize=["slot", "level"])
@@ -296,7 +300,7 @@ def _decide(
 def _last_pass(
     p_ptr, stride_p, logit_ptr, stride_logit, vocab, cnt_ptr, state_i_ptr, parts, slots,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr,
-    NI: tl.constexpr,
+    NI: tl.constexpr, STAGES: tl.constexpr = 3,
 ):  # fmt: skip
     """Program (row, part): zero its part's entries below the row's cut (key < L, or == L past
     the first `ties` by index: those of earlier parts counted by the last pass of the cut)."""
@@ -313,11 +317,9 @@ def _last_pass(
                          mask=part_ids < part, other=0)  # fmt: skip
         seen = tl.sum(before, 0)
         offs = tl.arange(0, BLOCK)
-        start = part * CHUNK
-        end = tl.minimum(start + CHUNK, vocab)
-        while start < end:
-            cols = start + offs
-            inside = cols < end
+        for it in tl.range(0, CHUNK // BLOCK, num_stages=STAGES):
+            cols = part * CHUNK + it * BLOCK + offs
+            inside = cols < vocab
             key, valid, p = _keys(logit_ptr + row * stride_logit, p_ptr + row * stride_p, cols,
                                   inside)  # fmt: skip
             tie = valid & (key == cut)
@@ -326,7 +328,6 @@ def _last_pass(
             drop = (valid & (key < cut)) | (tie & (rank >= ties))
             tl.store(p_ptr + row * stride_p + cols, tl.zeros([BLOCK], tl.float32),
                      mask=inside & drop)  # fmt: skip
-            start += BLOCK
 
 
 def rank_filter_(
@@ -346,6 +347,7 @@ def rank_filter_(
         return
     assert probs.stride(-1) == 1 and logits.stride(-1) == 1 and chunk % BLOCK == 0
     levels, digits = 32 // bits, 1 << bits
+    chunk = min(chunk, -(-vocab // BLOCK) * BLOCK)  # (the kernels loop CHUNK / BLOCK times)
     parts = -(-vocab // chunk)
     slots = 1 + 2 * levels  # the first pass, top-k's levels, top-p's
     dev = probs.device
