@@ -675,13 +675,14 @@ def switching_in_rank(tp: int, dp: int, drafter: str, prompts, params, **options
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
 def test_switching_under_tp2_and_dp2_equals_plain(plain, prompts, tp, dp):
+    """Greedy random switching (rests included) of DFLASH under TP=2 and DP=2 equals plain
+    (EAGLE-3's under both: the seeded match-verify test below)."""
     expected = {o.index: o.token_ids for o in plain.generate(prompts, GREEDY)}
-    for drafter in ("eagle3", "dflash"):
-        ranks = run_ranks(switching_in_rank, tp * dp, (tp, dp, drafter, prompts, GREEDY),
-                          timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
-        tokens, rest_steps = ranks[0]
-        assert tokens == expected, drafter
-        assert rest_steps > 0  # the drafter rested in some steps (on every TP rank alike)
+    ranks = run_ranks(switching_in_rank, tp * dp, (tp, dp, "dflash", prompts, GREEDY),
+                      timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
+    tokens, rest_steps = ranks[0]
+    assert tokens == expected
+    assert rest_steps > 0  # the drafter rested in some steps (on every TP rank alike)
 
 
 def match_switching_in_rank(tp, dp, drafter, prompts, params):
@@ -696,7 +697,9 @@ def test_seeded_switching_with_match_verify_under_tp2_and_dp2_equals_plain(plain
     expected = {o.index: o.token_ids for o in plain.generate(prompts, params)}
     ranks = run_ranks(match_switching_in_rank, tp * dp, (tp, dp, "eagle3", prompts, params),
                       timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
-    assert ranks[0][0] == expected
+    tokens, rest_steps = ranks[0]
+    assert tokens == expected
+    assert rest_steps > 0  # EAGLE-3 rested in some steps (on every TP rank alike)
 
 
 # ------------------------------------------------------------------------------ the chooser
