@@ -16,7 +16,7 @@ machine_header
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rank_filter.py 2>&1 \
     | tail -4 | tee "$OUT/wave33_pytest_gpu.log"
 mkdir -p /tmp/spk_old && ln -sfn "$PWD/.old_tree2" /tmp/spk_old/speculant
-(cd benchmarks && timeout 90 python3 rank_graph.py --out "$OUT/new" --iters 30 2>&1 | tail -3)
+(cd benchmarks && timeout 90 python3 rank_graph.py --out "$OUT/new" --iters 30 --noskip 2>&1 | tail -3)
 (cd .old_tree2/benchmarks && PYTHONPATH=/tmp/spk_old timeout 90 python3 rank_graph.py \
     --out "$OUT/old" --iters 30 2>&1 | tail -3)
 warm_up_job

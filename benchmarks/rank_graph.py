@@ -4,7 +4,7 @@ graphs: captured in one CUDA graph per batch size and path, the sort-free kernel
 (median of --iters), bf16 logits at a 152k vocabulary, T 0.8. (sampler_race.py times eager
 calls: there the kernel's 35 launches cost host time a graph does not pay.)
 
-python benchmarks/rank_graph.py [--out DIR] [--sizes 1,64,256] [--iters 50]"""
+python benchmarks/rank_graph.py [--out DIR] [--sizes 1,64,256] [--iters 50] [--noskip]"""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=152_064)
     parser.add_argument("--sizes", default="1,64,256")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument(
+        "--noskip",
+        action="store_true",
+        help="also time the kernel binning every block (rank_filter.SKIP_EMPTY off)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -43,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     def timed(graph):
         return cuda_median_ms(graph.replay, iters=args.iters)
 
+    from speculant.kernels import rank_filter
+
     kernel = sampling._rank_kernel
+    paths = ["kernel", "sort"]
+    if args.noskip and hasattr(rank_filter, "SKIP_EMPTY"):
+        paths.insert(1, "kernel_noskip")  # every block binned (SKIP_EMPTY off)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for bs in (int(x) for x in args.sizes.split(",")):
@@ -53,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {"bs": bs, "vocab": args.vocab}
         for name, k in (("top_p", 0), ("top_k50_top_p", 50)):
             top_k = torch.full((bs,), k, device="cuda", dtype=torch.long)
-            for path in ("kernel", "sort"):
-                sampling._rank_kernel = kernel if path == "kernel" else (lambda device: None)
+            for path in paths:
+                sampling._rank_kernel = kernel if path != "sort" else (lambda device: None)
+                if hasattr(rank_filter, "SKIP_EMPTY"):
+                    rank_filter.SKIP_EMPTY = path != "kernel_noskip"
                 graph, out = graphed(logits, temp, top_k, top_p)
                 row[f"{name}_{path}_ms"] = timed(graph)
                 row[f"{name}_{path}_kept"] = int((out > 0).sum())

@@ -43,6 +43,7 @@ def _const(value: int):
 CHUNK = 8192  # entries per part: 19 parts of a 152k vocabulary
 BLOCK = 256  # entries a program reads at a time (its histograms: BLOCK x 2^BITS per thread set)
 WARPS = 4
+SKIP_EMPTY = True  # a pass bins only blocks with an entry in the set (else: every block)
 BITS = 4  # a digit's bits: 32 / BITS passes per cut, 2^BITS sums per entry per pass
 
 # the row's state between launches: int32 fields (keys are uint32 bits) and float32 fields
@@ -127,7 +128,7 @@ def _pass(
     p_ptr, stride_p, logit_ptr, stride_logit, vocab, cnt_ptr, mass_ptr, state_i_ptr,
     state_f_ptr, parts, slots, slot, level, BY_MASS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK: tl.constexpr, BITS: tl.constexpr, NI: tl.constexpr, NF: tl.constexpr,
-    STAGES: tl.constexpr = 3,
+    STAGES: tl.constexpr = 3, SKIP_EMPTY: tl.constexpr = True,
 ):  # fmt: skip
     """Program (row, part): per digit value at `level`, the count and mass of its part's
     entries in the set (top-k: every entry with mass; top-p: key >= the top-k cut's, its
@@ -155,8 +156,13 @@ def _pass(
             digit = tl.where(match, ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32), -1)
             d0, d1 = tl.split(tl.reshape(digit, [BLOCK // 2, 2]))
             p0, p1 = tl.split(tl.reshape(p, [BLOCK // 2, 2]))
-            cnt, mass = _bin(cnt, mass, bins, d0, p0)
-            cnt, mass = _bin(cnt, mass, bins, d1, p1)
+            if SKIP_EMPTY:  # a block with no entry in the set at this prefix adds nothing
+                if tl.max(digit, 0) >= 0:
+                    cnt, mass = _bin(cnt, mass, bins, d0, p0)
+                    cnt, mass = _bin(cnt, mass, bins, d1, p1)
+            else:
+                cnt, mass = _bin(cnt, mass, bins, d0, p0)
+                cnt, mass = _bin(cnt, mass, bins, d1, p1)
         at = ((row * slots + slot) * parts + part) * (1 << BITS) + bins
         tl.store(cnt_ptr + at, tl.sum(cnt, 1))
         tl.store(mass_ptr + at, tl.sum(mass, 1))
@@ -372,7 +378,7 @@ def rank_filter_(
             slot = 1 + level + (levels if by_mass else 0)
             _pass[rows_parts](*data, cnt, mass, state_i, state_f, parts, slots, slot, level,
                               BY_MASS=by_mass, CHUNK=chunk, BLOCK=BLOCK, BITS=bits, NI=NI,
-                              NF=NF, num_warps=WARPS)  # fmt: skip
+                              NF=NF, SKIP_EMPTY=SKIP_EMPTY, num_warps=WARPS)  # fmt: skip
             _decide[(rows,)](*decide, slot, level, PHASE=phase, **consts)
     _last_pass[rows_parts](*data, cnt, state_i, parts, slots, CHUNK=chunk, BLOCK=BLOCK,
                            D=digits, PARTS=part_pow2, NI=NI, num_warps=WARPS)  # fmt: skip

@@ -432,6 +432,7 @@ def _specialize(fn: JITFunction, args, kwargs, backend):
 def _describe(fn: JITFunction, args, kwargs) -> str:
     names = {p.name for p in fn.params}
     bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+    bound.apply_defaults()  # (constexprs left at their defaults named too)
     dtypes = sorted({str(a.dtype).removeprefix("torch.") for a in args if hasattr(a, "dtype")})
     consts = [f"{p.name}={bound.arguments[p.name]}" for p in fn.params if p.is_constexpr]
     warps = kwargs.get("num_warps", 4)
