@@ -14,9 +14,12 @@ digit no key of the row sets takes no pass (bf16 logits set none of the low 16 b
 
 A row is split into parts of CHUNK entries (a number set by the vocabulary alone, so a row's
 sums never depend on the batch), one program each; every pass is one launch of (rows, parts)
-programs, each keeping a histogram per thread and writing its part's sums once; a one-program-
-per-row launch then adds the parts' sums in a fixed order and takes the digit into the row's
-state. Launches: a first pass (counts, mass, the bits the keys set), 32 / BITS passes and
+programs, each looping a constant CHUNK / BLOCK times (so Triton pipelines the loads: the next
+blocks arrive by cp.async while one is binned), each thread binning its own entries into its
+[2^BITS] sums (no entry passed between threads), a block with no entry in the set at the prefix
+found so far skipped (SKIP_EMPTY: after the first digits most are), and writing its part's sums
+once; a one-program-per-row launch then adds the parts' sums in a fixed order and takes the
+digit into the row's state. Launches: a first pass (counts, mass, the bits the keys set), 32 / BITS passes and
 decisions for top-k, as many for top-p, and a last pass writing the zeros (its ties ranked by
 index across parts from the last pass's per-part counts). No [rows, V] buffer is made (the
 sort's keys, indices and gathered copies were ~8 of them); rows without top-k (or top-p) skip
