@@ -21,5 +21,6 @@ cp "$OUT/job/workload.json" "$OUT/wave32_job.json" 2>/dev/null
 rm -rf "$OUT/job"
 timeout 80 python3 benchmarks/sampler_race.py --out "$OUT" --iters 20 2>&1 | tail -6 \
     | tee "$OUT/sampler_race.log"
+(cd benchmarks && timeout 60 python3 rank_graph.py --out "$OUT/rank_small" --sizes 2,8,16,32 --kernel-rows 1 --iters 30 2>&1 | tail -4)
 bash benchmarks/gpu_h200_only.sh gpu_wave25d.sh
 exit 0
