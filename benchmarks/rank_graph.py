@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,64,256")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument(
+        "--kernel-rows",
+        type=int,
+        default=None,
+        help="the kernel from this many rows (sampling.RANK_KERNEL_ROWS)",
+    )
+    parser.add_argument(
         "--noskip",
         action="store_true",
         help="also time the kernel binning every block (rank_filter.SKIP_EMPTY off)",
@@ -51,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from speculant.kernels import rank_filter
 
     kernel = sampling._rank_kernel
+    if args.kernel_rows is not None:
+        sampling.RANK_KERNEL_ROWS = args.kernel_rows
     paths = ["kernel", "sort"]
     if args.noskip and hasattr(rank_filter, "SKIP_EMPTY"):
         paths.insert(1, "kernel_noskip")  # every block binned (SKIP_EMPTY off)
