@@ -43,10 +43,11 @@ U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 # H100, results/wave31.md), at 0-5% more time than one sort of every row (wave32.md)
 SORT_ELEMENTS = 1 << 24
 # from this many rows on CUDA cuts top-k / top-p with kernels/rank_filter.py, no sort: as CUDA
-# graph replays at a 152k vocabulary (bf16 logits, one H100, results/wave32.md) top-p 0.95 took
-# 1.12 vs 1.89 ms at 64 rows and 3.85 vs 6.95 at 256 (top-k 50 with it: 1.84 vs 1.89, 6.50 vs
-# 6.94), but 0.28 vs 0.19 at one row (its 35 launches)
-RANK_KERNEL_ROWS = 64
+# graph replays at a 152k vocabulary (bf16 logits, one H100, results/wave33.md) top-p 0.95 took
+# 0.25 / 0.45 / 0.77 / 2.43 / 9.04 vs the sort's 0.42 / 1.12 / 1.90 / 6.96 / 26.9 ms at 2 / 32 /
+# 64 / 256 / 1,024 rows (top-k 50 with it: 0.31 / 0.55 / 0.98 / 3.05 / 11.4), but 0.24 vs 0.20
+# at one row (its 35 launches), where the sort stays
+RANK_KERNEL_ROWS = 2
 
 
 ARGMAX_CHUNKS = 64
