@@ -4,7 +4,8 @@ graphs: captured in one CUDA graph per batch size and path, the sort-free kernel
 (median of --iters), bf16 logits at a 152k vocabulary, T 0.8. (sampler_race.py times eager
 calls: there the kernel's 35 launches cost host time a graph does not pay.)
 
-python benchmarks/rank_graph.py [--out DIR] [--sizes 1,64,256] [--iters 50] [--noskip]"""
+python benchmarks/rank_graph.py [--out DIR] [--sizes 1,64,256] [--iters 50] [--noskip] [--profile]
+[--kernel-rows N]"""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=152_064)
     parser.add_argument("--sizes", default="1,64,256")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each kernel's time in a call of the kernel path (torch.profiler)",
+    )
     parser.add_argument(
         "--kernel-rows",
         type=int,
@@ -54,6 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     def timed(graph):
         return cuda_median_ms(graph.replay, iters=args.iters)
 
+    def kernel_times(inputs, calls=5):
+        """Each kernel's GPU time per call (eager calls under torch.profiler: a graph's kernels
+        run the same), us, by name, largest first."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                sampling.filtered_probs(*inputs)
+            torch.cuda.synchronize()
+        times = {}
+        for event in prof.key_averages():
+            if event.device_time_total > 0:
+                times[event.key[:60]] = round(event.device_time_total / calls, 1)
+        return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
     from speculant.kernels import rank_filter
 
     kernel = sampling._rank_kernel
@@ -78,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 graph, out = graphed(logits, temp, top_k, top_p)
                 row[f"{name}_{path}_ms"] = timed(graph)
                 row[f"{name}_{path}_kept"] = int((out > 0).sum())
+                if args.profile and path == "kernel":
+                    inputs = (logits, temp, top_k, top_p)
+                    row[f"{name}_{path}_kernels_us"] = kernel_times(inputs)
                 sampling._rank_kernel = kernel
         rows.append(row)
         print(json.dumps(row), flush=True)
