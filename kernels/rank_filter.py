@@ -352,7 +352,7 @@ def rank_filter_(
     [R, 1] (1: off). `bits`: a digit's bits (1, 2 or 4); `chunk`: entries per part (a multiple
     of BLOCK)."""
     rows, vocab = probs.shape
-    if rows == 0:
+    if rows == 0 or vocab == 0:
         return
     assert probs.stride(-1) == 1 and logits.stride(-1) == 1 and chunk % BLOCK == 0
     levels, digits = 32 // bits, 1 << bits
