@@ -19,11 +19,11 @@ blocks arrive by cp.async while one is binned), each thread binning its own entr
 [2^BITS] sums (no entry passed between threads), a block with no entry in the set at the prefix
 found so far skipped (SKIP_EMPTY: after the first digits most are), and writing its part's sums
 once; a one-program-per-row launch then adds the parts' sums in a fixed order and takes the
-digit into the row's state. Launches: a first pass (counts, mass, the bits the keys set), 32 / BITS passes and
-decisions for top-k, as many for top-p, and a last pass writing the zeros (its ties ranked by
-index across parts from the last pass's per-part counts). No [rows, V] buffer is made (the
-sort's keys, indices and gathered copies were ~8 of them); rows without top-k (or top-p) skip
-those passes' work.
+digit into the row's state. Launches: a first pass (counts, mass, the bits the keys set), 32 /
+BITS passes and decisions for top-k, as many for top-p, and a last pass writing the zeros (its
+ties ranked by index across parts from the last pass's per-part counts). No [rows, V] buffer is
+made (the sort's keys, indices and gathered copies were ~8 of them); rows without top-k (or
+top-p) skip those passes' work.
 
 Counts are exact, so the top-k cut is the sort's. The top-p cut compares sums of float32 masses
 taken in another order than the reference's running sum, so where the mass before a rank lies
