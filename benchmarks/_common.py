@@ -88,6 +88,15 @@ def run_info(device: str, argv: list[str] | None = None) -> dict:
     }
 
 
+def write_rows(out: str | None, name: str, rows: list[dict], argv: list[str] | None) -> None:
+    """A CUDA benchmark's rows into OUT/name (when --out was given), after run_info."""
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(
+            json.dumps({**run_info("cuda", argv), "rows": rows}, indent=1)
+        )
+
+
 def rank_parser(doc: str, json_name: str, quick_help: str) -> argparse.ArgumentParser:
     """A parser with the options every two-rank benchmark takes first: --out, --device, --quick."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])

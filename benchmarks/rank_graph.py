@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from _common import cuda_median_ms, run_info
+from _common import cuda_median_ms, write_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampling._rank_kernel = kernel
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "rank_graph.json").write_text(
-            json.dumps({**run_info("cuda", argv), "rows": rows}, indent=1)
-        )
+    write_rows(args.out, "rank_graph.json", rows, argv)
     return 0
 
 

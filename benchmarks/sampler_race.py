@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from _common import cuda_median_ms, run_info
+from _common import cuda_median_ms, write_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "sampler_race.json").write_text(
-            json.dumps({**run_info("cuda", argv), "rows": rows}, indent=1)
-        )
+    write_rows(args.out, "sampler_race.json", rows, argv)
     return 0 if all(r["kernel_equals_torch"] and r["scaled_equals_full"] for r in rows) else 1
 
 
