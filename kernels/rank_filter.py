@@ -44,7 +44,7 @@ def _const(value: int):
 
 
 CHUNK = 8192  # entries per part: 19 parts of a 152k vocabulary
-BLOCK = 256  # entries a program reads at a time (its histograms: BLOCK x 2^BITS per thread set)
+BLOCK = 256  # entries a program reads at a time (a pass's histograms: 2^BITS x BLOCK / 2)
 WARPS = 4
 SKIP_EMPTY = True  # a pass bins only blocks with an entry in the set (else: every block)
 BITS = 4  # a digit's bits: 32 / BITS passes per cut, 2^BITS sums per entry per pass
@@ -159,11 +159,8 @@ def _pass(
             digit = tl.where(match, ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32), -1)
             d0, d1 = tl.split(tl.reshape(digit, [BLOCK // 2, 2]))
             p0, p1 = tl.split(tl.reshape(p, [BLOCK // 2, 2]))
-            if SKIP_EMPTY:  # a block with no entry in the set at this prefix adds nothing
-                if tl.max(digit, 0) >= 0:
-                    cnt, mass = _bin(cnt, mass, bins, d0, p0)
-                    cnt, mass = _bin(cnt, mass, bins, d1, p1)
-            else:
+            # a block with no entry in the set at this prefix adds nothing (SKIP_EMPTY)
+            if (tl.max(digit, 0) >= 0) if SKIP_EMPTY else True:
                 cnt, mass = _bin(cnt, mass, bins, d0, p0)
                 cnt, mass = _bin(cnt, mass, bins, d1, p1)
         at = ((row * slots + slot) * parts + part) * (1 << BITS) + bins
