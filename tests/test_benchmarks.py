@@ -103,7 +103,8 @@ def test_a_bad_name_is_refused_before_anything_runs(monkeypatch, capsys, script,
 
 def test_every_results_json_says_how_where_and_when_it_was_measured():
     """A script writing a results JSON (an --out or --json option) records its command line,
-    date and machine (benchmarks/_common.run_info, or inline with the GPU's name)."""
+    date and machine (benchmarks/_common.run_info, through write_rows or not, or inline with
+    the GPU's name)."""
     lacking = []
     for script in sorted(BENCHMARKS.glob("*.py")):
         text = script.read_text()
@@ -111,7 +112,8 @@ def test_every_results_json_says_how_where_and_when_it_was_measured():
         inline = all(key in text for key in ('"command"', '"date"')) and (
             "get_device_name" in text or '"gpu"' in text
         )
-        if writes and not ("run_info(" in text or "run_header(" in text or inline):
+        recorded = any(f"{helper}(" in text for helper in ("run_info", "run_header", "write_rows"))
+        if writes and not (recorded or inline):
             lacking.append(script.name)
     assert not lacking
 
