@@ -38,6 +38,7 @@ from speculant.launch.paths import (
     same_file,
     shown_path,
     write_errors_named,
+    write_whole,
 )
 from speculant.launch.threads import check_threads, set_cpu_threads
 
@@ -292,9 +293,11 @@ def _label(report: dict) -> str:
     return f"{report['algo']} k={report['num_draft_tokens']}"
 
 
-def plot(report: AcceptReport, path: str, baseline: dict | None = None) -> None:
+def plot(
+    report: AcceptReport, path: str, baseline: dict | None = None, out: str | None = None
+) -> None:
     """Bars of per-position acceptance, each with its value, and the baseline's rates as a
-    dashed line when given."""
+    dashed line when given; drawn in `path`'s format into `out` (default `path`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     rates = report.per_position_acceptance
@@ -305,13 +308,13 @@ def plot(report: AcceptReport, path: str, baseline: dict | None = None) -> None:
         base = baseline["per_position_acceptance"]
         label = f"baseline: accept_len {baseline['acceptance_length']:.2f}"
         ax.plot(range(1, len(base) + 1), base, "o--", color="black", label=label)
-    _finish(
-        plt, fig, ax, path, len(rates), f"{_label(report.to_json())}, {report.num_prompts} prompts"
-    )
+    title = f"{_label(report.to_json())}, {report.num_prompts} prompts"
+    _finish(plt, fig, ax, path, len(rates), title, out)
 
 
-def plot_compare(reports: list[tuple[str, dict]], path: str) -> None:
-    """One per-position acceptance curve per (label, report), each point with its value."""
+def plot_compare(reports: list[tuple[str, dict]], path: str, out: str | None = None) -> None:
+    """One per-position acceptance curve per (label, report), each point with its value; in
+    `path`'s format into `out` (default `path`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for label, report in reports:
@@ -324,10 +327,10 @@ def plot_compare(reports: list[tuple[str, dict]], path: str) -> None:
             ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=7)  # fmt: skip
     k = max(len(r["per_position_acceptance"]) for _, r in reports)
-    _finish(plt, fig, ax, path, k, "per-position acceptance")
+    _finish(plt, fig, ax, path, k, "per-position acceptance", out)
 
 
-def _finish(plt, fig, ax, path: str, k: int, title: str) -> None:
+def _finish(plt, fig, ax, path: str, k: int, title: str, out: str | None = None) -> None:
     ax.set_xticks(range(1, k + 1))  # positions are integers: draft token 1..k
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
@@ -335,7 +338,7 @@ def _finish(plt, fig, ax, path: str, k: int, title: str) -> None:
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, format=plot_format(path))  # exactly `path`, also without an extension
+    fig.savefig(out or path, format=plot_format(path))  # exactly there, also without a suffix
     plt.close(fig)
 
 
@@ -677,8 +680,9 @@ def compare_reports(args: argparse.Namespace, stdout: TextIO) -> int:
         lines.append(f"| {metric} | " + " | ".join(shown) + " |")
     print("\n".join(lines), file=stdout)
     if args.plot:
+        curves = list(zip(labels, reports, strict=True))
         with write_errors_named(args.plot, "--plot"):
-            plot_compare(list(zip(labels, reports, strict=True)), args.plot)
+            write_whole(args.plot, lambda out: plot_compare(curves, args.plot, out=out))
     return 0
 
 
@@ -926,7 +930,14 @@ def report_accept(
             regressions = compare(report, baseline, args.rtol, args.baseline)
         except SpeculantError as exc:  # a setting only the run told (checked before, if known)
             not_comparable, baseline = str(exc), None  # the table and the files keep the run
-    print(format_table(report, baseline, regressions), file=stdout)
+    table_error = None
+    try:
+        print(format_table(report, baseline, regressions), file=stdout, flush=True)
+    except OSError as exc:  # stdout closed (`| head`) or full: the verdict and the files follow
+        table_error = (
+            f"speculant: error: printing the table to stdout failed "
+            f"({(exc.strerror or str(exc)).lower()}); --report FILE keeps the same figures"
+        )
     summary = (
         f"algo={report.algo} k={report.num_draft_tokens} prompts={report.num_prompts} "
         f"accept_len={length:.3f} per_position="
@@ -953,6 +964,9 @@ def report_accept(
             file=stderr,
         )
         status = 1
+    if table_error:
+        print(table_error, file=stderr)
+        status = status or 2
     if not_comparable:  # no verdict against the baseline: bad input, 1 on a lossless FAIL
         print(f"speculant: error: {not_comparable}".splitlines()[0], file=stderr)
         status = status or 2
@@ -960,9 +974,9 @@ def report_accept(
     # 1 on a FAIL (2 only when the run itself passed).
     text = json.dumps(report.to_json(), indent=2) + "\n"
     writes = [
-        ("--report", args.report, lambda path: Path(path).write_text(text)),
-        ("--write-baseline", args.write_baseline, lambda path: Path(path).write_text(text)),
-        ("--plot", args.plot, lambda path: plot(report, path, baseline)),
+        ("--report", args.report, lambda out: Path(out).write_text(text)),
+        ("--write-baseline", args.write_baseline, lambda out: Path(out).write_text(text)),
+        ("--plot", args.plot, lambda out: plot(report, args.plot, baseline, out=out)),
     ]
     for flag, path, write in writes:
         if path and (line := _write_output(flag, path, write)):
@@ -975,7 +989,7 @@ def _write_output(flag: str, path: str, write) -> str | None:
     """Run `write(path)`; the one-line error naming the flag and the path when it fails."""
     try:
         with write_errors_named(path, flag):
-            write(path)
+            write_whole(path, write)  # a failed write leaves the file as it was
     except SpeculantError as exc:
         return f"speculant: error: {exc}".splitlines()[0]
     except ValueError as exc:  # matplotlib refusing what it was given

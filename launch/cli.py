@@ -76,6 +76,7 @@ from speculant.launch.paths import (
     open_output,
     read_input,
     same_file,
+    tolerant_stderr,
     write_errors_named,
     write_lines,
 )
@@ -1266,6 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
         tell_torchrun,
     )
 
+    tolerant_stderr()  # a stderr that fails (`| head`, a full disk) stops no run: diagnostics
     if started_by_torchrun():  # one rank of the job, set up as the torchrun module sets it up
         from speculant.launch import torchrun  # (ends with its agent, one line a failure)
 

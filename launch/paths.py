@@ -16,8 +16,9 @@ import logging
 import os
 import re
 import stat
+import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -284,6 +285,86 @@ def check_writable(path: str, flag: str, example: str = "out.jsonl") -> None:
             f"{flag} {path!r} cannot be written ({(exc.strerror or str(exc)).lower()}); "
             "pick a writable path"
         ) from None
+
+
+class Diagnostics:
+    """sys.stderr for a run: the same stream, except that a write or flush that fails (a reader
+    that closed its pipe, `| head`; a full disk; `2>/dev/full`) makes it silent instead of
+    raising. Stderr carries only diagnostics (progress bars, log lines, the summary), so losing
+    it must not stop the run or lose a completion. A closed descriptor 2 (`2>&-`: sys.stderr is
+    None) stays silent too, rather than print(file=None) writing diagnostics to stdout."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self.failed: BaseException | None = None  # the first failure (then nothing is written)
+
+    def write(self, text: str) -> int:
+        if self.stream is not None and self.failed is None:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError) as exc:  # ValueError: a closed file
+                self.failed = exc
+        return len(text)
+
+    def flush(self) -> None:
+        if self.stream is not None and self.failed is None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as exc:
+                self.failed = exc
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream is not None and self.failed is None and self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str):  # encoding, errors, reconfigure, fileno, buffer
+        if self.stream is None:
+            raise AttributeError(f"stderr is closed: no {name!r}")
+        return getattr(self.stream, name)
+
+
+def tolerant_stderr() -> None:
+    """Make sys.stderr a `Diagnostics` (once; before any logging handler or progress bar takes
+    it)."""
+    if not isinstance(sys.stderr, Diagnostics):
+        sys.stderr = Diagnostics(sys.stderr)
+
+
+def write_whole(path: str, write: Callable[[str], None]) -> None:
+    """Write a whole file so that a write failing part way (a full disk, a file size limit)
+    leaves what the path held before, not a cut file (a baseline the next gate reads): `write`
+    fills a temporary file beside the path, renamed over it once complete, with the existing
+    file's permissions (a new file's: 0o666 less the umask). A path that is not a regular file
+    (/dev/stdout, a FIFO), or in a directory this process cannot create files in, is written
+    directly."""
+    target = Path(os.path.realpath(path))  # a symlink's file is replaced, not the link
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode) if target.exists() else None
+        if target.exists() and not target.is_file():
+            write(path)
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    except PermissionError:
+        write(path)
+        return
+    os.close(fd)
+    try:
+        write(tmp)
+        if mode is None:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @contextlib.contextmanager

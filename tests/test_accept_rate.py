@@ -3,6 +3,7 @@ codes, on tiny random checkpoints (the bundled models have their own regression 
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -336,6 +337,36 @@ def test_a_failed_write_keeps_the_table_and_the_verdict(
     assert ("differs from plain" in err) == (not lossless)
     written = json.loads((tmp_path / "new.json").read_text())  # the other file is written
     assert written["per_position_acceptance"] == pytest.approx(rates)
+
+
+def test_a_write_failing_part_way_leaves_the_old_baseline_whole(
+    monkeypatch, capsys, setup, llama_dir, tmp_path
+):
+    """--write-baseline over the gate's baseline on a disk that fills half way: one line naming
+    the flag, exit 2, and the old baseline still whole (the next gate reads it), no temporary
+    file left beside it."""
+    keep = tmp_path / "keep" / "baseline.json"
+    keep.parent.mkdir()
+    keep.write_text(json.dumps(BASELINE) + "\n")
+    before = keep.read_bytes()
+
+    def cut(self, text, *args, **kwargs):  # writes half the text, then the disk is full
+        with open(self, "w") as file:
+            file.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    measure = fake_measure([0.3, 0.1, 0.0])
+
+    def measured(*args, **kwargs):  # the baseline was read; the run's files fail
+        monkeypatch.setattr(Path, "write_text", cut)
+        return measure(*args, **kwargs)
+
+    status, out, err = gated_run(monkeypatch, capsys, setup, llama_dir, tmp_path, measured,
+                                 "--write-baseline", keep)  # fmt: skip
+    assert status == 2 and "| acceptance_length |" in out, err
+    assert f"speculant: error: --write-baseline '{keep}': writing failed (no space left" in err
+    assert keep.read_bytes() == before
+    assert [p.name for p in keep.parent.iterdir()] == ["baseline.json"]
 
 
 @pytest.mark.needs("matplotlib")

@@ -218,6 +218,43 @@ def test_closed_stdout_from_the_shell(tmp_path):
     ]
 
 
+# ------------------------------------------------------------------------------------- stderr
+
+
+@pytest.mark.parametrize("stderr", ["closed", "full", "pipe"])
+def test_a_failing_stderr_loses_no_completion(monkeypatch, llama_dir, tmp_path, stderr):
+    """stderr holds only diagnostics (log lines, progress, the summary): closed (`2>&-`), on a
+    full disk (`2>/dev/full`) or a pipe whose reader left (`2>&1 | head -2`), it stops nothing:
+    every completion is written and the run exits 0."""
+    from speculant.launch.cli import main
+
+    if stderr == "full" and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}("}) + "\n" for i in range(4)))
+    stream = None  # what Python makes of `2>&-`
+    if stderr == "full":
+        stream = open("/dev/full", "w")
+    elif stderr == "pipe":
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        stream = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stderr", stream)
+    try:
+        status = main(["generate", "--device", "cpu", "--target", str(llama_dir), "--prompts",
+                       str(prompts), "--max-new-tokens", "4", "--ignore-eos", "--output",
+                       str(out)])  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        if stream is not None:
+            with contextlib.suppress(OSError):  # what the failed writes left in its buffer
+                stream.close()
+    assert status == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1, 2, 3]
+    assert all(len(line["token_ids"]) == 4 for line in lines)
+
+
 # ------------------------------------------------------------------ numbers of 4300+ digits
 
 
