@@ -3,8 +3,10 @@ codes, on tiny random checkpoints (the bundled models have their own regression 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -337,6 +339,25 @@ def test_a_failed_write_keeps_the_table_and_the_verdict(
     assert ("differs from plain" in err) == (not lossless)
     written = json.loads((tmp_path / "new.json").read_text())  # the other file is written
     assert written["per_position_acceptance"] == pytest.approx(rates)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failing_stdout_still_writes_the_report(monkeypatch, capsys, setup, llama_dir, tmp_path):
+    """The table cannot be printed (`> /dev/full`, a closed pipe): the verdict and the files
+    still come, then one line naming stdout and exit 2."""
+    full = open("/dev/full", "w")
+    monkeypatch.setattr(sys, "stdout", full)
+    report = tmp_path / "r.json"
+    try:
+        status, _, err = gated_run(monkeypatch, capsys, setup, llama_dir, tmp_path,
+                                   fake_measure([0.3, 0.1, 0.0]), "--report", report)  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):  # what the failed write left in its buffer
+            full.close()
+    assert status == 2 and "accept_len=" in err, err
+    assert "speculant: error: printing the table to stdout failed (no space left" in err
+    assert json.loads(report.read_text())["per_position_acceptance"] == pytest.approx([0.3, 0.1, 0])
 
 
 def test_a_write_failing_part_way_leaves_the_old_baseline_whole(
