@@ -112,6 +112,10 @@ class AcceptReport:
     # sha256 of the prompts as read (`prompts_fingerprint`): a baseline of other prompts, even
     # as many, is refused (a baseline written before this field is compared without it)
     prompts_sha256: str = ""
+    # the dtype the engines ran in (`--dtype auto` resolved: float32 on a CPU, the checkpoint's
+    # on a GPU): a baseline of another precision is refused (one written before 2026-12-07 has
+    # none and is compared)
+    dtype: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,7 +225,10 @@ def check_run_shape(baseline: dict, run: dict, source: str) -> None:
 
 def compare(report: AcceptReport, baseline: dict, rtol: float, source: str) -> list[Regression]:
     """Metrics that fell below baseline * (1 - rtol). Refuses a baseline of another run shape."""
-    check_run_shape(baseline, {key: getattr(report, key) for key in RUN_KEYS}, source)
+    run = {key: getattr(report, key) for key in RUN_KEYS}
+    if baseline.get("dtype") and report.dtype:  # recorded since 2026-12-07
+        run["dtype"] = report.dtype
+    check_run_shape(baseline, run, source)
     check_same_prompts(baseline, report.prompts_sha256, source)
     pairs = [("acceptance_length", baseline["acceptance_length"], report.acceptance_length)]
     pairs += [
@@ -814,11 +821,11 @@ def _generate(engine: Any, prompts: list, params: list, name: str, show: bool) -
 
 def measure_in_rank(
     args: argparse.Namespace, job: AcceptJob, use_tqdm: bool = True
-) -> tuple[list, list | None, float] | None:
+) -> tuple[list, list | None, float, str] | None:
     """One rank's part (spawn, torchrun and Ray actors all run this): speculative decoding,
     then plain decoding when greedy. Joins the job in the environment when tp * dp > 1.
-    Returns (outputs, plain outputs or None, seconds) on rank 0 (or the one process), None on
-    the other ranks."""
+    Returns (outputs, plain outputs or None, seconds, the engines' dtype) on rank 0 (or the one
+    process), None on the other ranks."""
     from speculant import Engine, SamplingParams
     from speculant.launch.cli import job_options, prompts_named  # cli imports this module
 
@@ -857,8 +864,11 @@ def measure_in_rank(
         speculation=getattr(args, "speculation", "fixed"),
         **common,
     )
-    if job.baseline is not None:  # rank 0: the k the engine resolved, before any run
+    dtype = str(spec_engine.dtype).removeprefix("torch.")
+    if job.baseline is not None:  # rank 0: the k and dtype the engine resolved, before any run
         resolved = {"num_draft_tokens": spec_engine.config.spec.num_draft_tokens}
+        if job.baseline.get("dtype"):  # (recorded since 2026-12-07)
+            resolved["dtype"] = dtype
         check_run_shape(job.baseline, resolved, args.baseline)
     start = time.perf_counter()
     with prompts_named(job.specs):  # errors about a prompt name its --prompts line
@@ -878,7 +888,7 @@ def measure_in_rank(
         pctx.close()
         if pctx.rank != 0:
             return None
-    return outputs, plain, seconds
+    return outputs, plain, seconds, dtype
 
 
 def report_accept(
@@ -887,6 +897,7 @@ def report_accept(
     outputs: list,
     plain: list | None,
     seconds: float,
+    dtype: str = "",
     *,
     stdout: TextIO,
     stderr: TextIO,
@@ -923,6 +934,7 @@ def report_accept(
         seconds=seconds,
         date=time.strftime("%Y-%m-%d"),
         prompts_sha256=prompts_fingerprint(job.specs),
+        dtype=dtype,
     )
     regressions, not_comparable = [], None
     if baseline:

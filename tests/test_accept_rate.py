@@ -507,6 +507,35 @@ def test_the_k_the_engine_resolved_is_checked_before_generating(
     assert err.count("speculant: error:") == 1 and "num_draft_tokens=4, this run has 3" in err
 
 
+def test_a_baseline_of_another_dtype_is_refused_before_generating(
+    monkeypatch, capsys, setup, llama_dir, tmp_path
+):
+    """A baseline records the dtype its engines ran in (`--dtype auto` resolved: float32 on a
+    CPU); a run in another precision is refused once the engine is built, before anything is
+    generated, naming both; the same dtype is compared (a baseline without the field too)."""
+    from speculant.launch import accept_rate as module
+
+    root, prompts = setup
+    flags = ["--target", llama_dir, "--draft", root / "eagle", "--prompts", prompts,
+             "--max-new-tokens", 4]  # fmt: skip
+    status, _, err = accept_rate(capsys, *flags, "--write-baseline", tmp_path / "b.json")
+    assert status == 0, err
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["dtype"] == "float32"  # auto on a CPU
+    status, _, err = accept_rate(capsys, *flags, "--baseline", tmp_path / "b.json")
+    assert status == 0 and "speculant: error:" not in err, err  # the same dtype compares
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("generated before the engine's dtype was checked")
+
+    monkeypatch.setattr(module, "_generate", no_generate)
+    status, _, err = accept_rate(capsys, *flags, "--dtype", "bfloat16", "--baseline",
+                                 tmp_path / "b.json")  # fmt: skip
+    assert status == 2, err
+    assert err.count("speculant: error:") == 1 and "Traceback" not in err, err
+    assert "measured with dtype='float32', this run has 'bfloat16'" in err, err
+
+
 @pytest.mark.parametrize("lossless, status", [(True, 2), (False, 1)])
 def test_a_baseline_found_of_another_k_after_the_run_keeps_the_run(
     monkeypatch, capsys, setup, llama_dir, tmp_path, lossless, status
