@@ -50,6 +50,16 @@ class Chat:
     messages: tuple[dict, ...]
 
     def __init__(self, messages: Sequence[dict]):
+        if isinstance(messages, dict):
+            raise SpeculantError(
+                "Chat takes a list of messages, not one message; wrap it in a list: "
+                'Chat([{"role": "user", "content": ...}])'
+            )
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise SpeculantError(
+                f"Chat messages are of type {type(messages).__name__}; give a list of "
+                '{"role": ..., "content": ...} messages (a text goes to generate as it is)'
+            )
         object.__setattr__(self, "messages", tuple(messages))
 
 

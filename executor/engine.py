@@ -111,7 +111,13 @@ class Engine:
 
     def __init__(self, target: str, *, pctx: ParallelContext | None = None, **options):
         started = time.perf_counter()
-        cfg = engine_config(str(target), **options)
+        if isinstance(target, os.PathLike):
+            target = os.fspath(target)
+        if not isinstance(target, str) or not target:
+            raise SpeculantError(
+                f"target={target!r} must be the path of a checkpoint directory (a str or a Path)"
+            )
+        cfg = engine_config(target, **options)
         self.config = cfg
         self.device = resolve_device(cfg.device)
         self.pctx = resolve_context(pctx, cfg.parallel.tp, cfg.parallel.dp, self.device)
@@ -684,14 +690,14 @@ class Engine:
     def make_requests(self, prompts, sampling_params=None) -> list[Request]:
         """Checked requests for one or one-per-prompt params: each prompt's n completions in
         turn (`prompt_index` = its position in `prompts`, `index` unique in the call)."""
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, Chat)):  # one prompt
             prompts = [prompts]
         if hasattr(prompts, "tolist"):  # a 2-D tensor or array: one row per prompt
             prompts = prompts.tolist()
         if not isinstance(prompts, Sequence):
             raise SpeculantError(
-                f"prompts is of type {type(prompts).__name__}; give a list of prompts (texts or "
-                "lists of token ids)"
+                f"prompts is of type {type(prompts).__name__}; give a list of prompts (texts, "
+                "lists of token ids or Chat conversations)"
             )
         if isinstance(prompts, (bytes, bytearray)):
             raise SpeculantError(

@@ -76,9 +76,10 @@ class PagedKVCache:
     def can_allocate(self, num_tokens: int) -> bool:
         return bool(self.free_rows) and self.pages_for(num_tokens) <= len(self.free_pages)
 
-    def check_fits(self, num_tokens: int) -> None:
+    def check_fits(self, num_tokens: int, least: int | None = None) -> None:
         """Refuse a request that could never run: `num_tokens` positions above what a row holds
-        or what the whole pool holds."""
+        or what the whole pool holds (`least`: what it would need with one output token, so
+        the message says whether fewer output tokens could fit it)."""
         num = self.pages_for(num_tokens)
         if num > self.max_pages_per_req:
             raise SpeculantError(
@@ -89,8 +90,12 @@ class PagedKVCache:
             raise SpeculantError(
                 f"needs {num} KV pages of {self.page_size} tokens ({num_tokens} positions) but "
                 f"the pool holds {self.usable_pages} usable page(s) (page 0 is reserved); use "
-                f"--num-pages {num + 1} or more (num_pages; or raise --kv-cache-memory-fraction),"
-                " or lower --max-new-tokens"
+                f"--num-pages {num + 1} or more (num_pages; or raise --kv-cache-memory-fraction)"
+                + (
+                    ", or lower --max-new-tokens (max_new_tokens)"
+                    if least is None or self.pages_for(least) <= self.usable_pages
+                    else f"; the prompt alone with one output token needs {least} positions"
+                )
             )
 
     def allocate_row(self) -> int:

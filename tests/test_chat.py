@@ -309,6 +309,16 @@ def test_chat_takes_only_conversations(llama_dir, tmp_path):
         engine.chat(CONVERSATIONS[0][0], params)
     with pytest.raises(SpeculantError, match="prompt 1 is of type str, not a conversation"):
         engine.chat([CONVERSATIONS[0], "hello"], params)
+    # generate takes one Chat as it takes one text
+    assert [o.token_ids for o in engine.generate(Chat(CONVERSATIONS[0]), params)] == [
+        o.token_ids for o in expected
+    ]
+    # a Chat of something other than a list of messages: one line naming it
+    with pytest.raises(SpeculantError, match="not one message; wrap it in a list"):
+        Chat(CONVERSATIONS[0][0])
+    for bad in (None, 5, "hello"):
+        with pytest.raises(SpeculantError, match=f"Chat messages are of type {type(bad).__name__}"):
+            Chat(bad)
 
 
 @pytest.mark.parametrize(

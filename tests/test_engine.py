@@ -82,11 +82,17 @@ def test_default_pool_holds_a_full_length_request(llama_dir):
 
 
 def test_request_larger_than_pool_is_a_clear_error(llama_dir):
+    """A request the pool can never hold names the pages it needs; lowering max_new_tokens is
+    suggested only where one output token would fit."""
     engine = Engine(
         llama_dir, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4, num_pages=4
     )
-    with pytest.raises(SpeculantError, match="--num-pages"):
-        engine.generate([[5] * 10], SamplingParams(max_new_tokens=20))
+    with pytest.raises(SpeculantError, match="--num-pages .* or lower --max-new-tokens"):
+        engine.generate([[5] * 5], SamplingParams(max_new_tokens=20))
+    with pytest.raises(SpeculantError, match="--num-pages") as refused:
+        engine.generate([[5] * 10], SamplingParams(max_new_tokens=1))
+    assert "max-new-tokens" not in str(refused.value)
+    assert "the prompt alone with one output token needs 13 positions" in str(refused.value)
 
 
 def test_stop_tokens_and_length_limit(engine):
@@ -180,6 +186,9 @@ def test_bad_requests_are_refused_up_front(engine, bad, match):
     "kwargs, match",
     [
         (dict(target="/nonexistent/ckpt"), "does not exist"),
+        (dict(target=None), "target=None must be the path of a checkpoint directory"),
+        (dict(target=""), "target='' must be the path"),
+        (dict(target=3), "target=3 must be the path"),
         (dict(dtype="float8"), "dtype 'float8'"),
         (dict(load_format="pt"), "load format 'pt'"),
         (dict(max_model_len=100000), "max_position_embeddings"),
