@@ -343,13 +343,13 @@ def write_whole(path: str, write: Callable[[str], None]) -> None:
     (/dev/stdout, a FIFO), or in a directory this process cannot create files in, is written
     directly."""
     target = Path(os.path.realpath(path))  # a symlink's file is replaced, not the link
+    if target.exists() and not target.is_file():
+        write(path)
+        return
+    mode = stat.S_IMODE(os.stat(target).st_mode) if target.exists() else None
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode) if target.exists() else None
-        if target.exists() and not target.is_file():
-            write(path)
-            return
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-    except PermissionError:
+    except PermissionError:  # a writable file in a directory closed to new files
         write(path)
         return
     os.close(fd)
