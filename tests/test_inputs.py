@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -739,3 +740,34 @@ def test_output_that_fills_up_keeps_whole_lines(llama_dir, tmp_path):
     assert text and text.endswith("\n") and len(text) < limit, text[-200:]
     indices = [json.loads(line)["index"] for line in text.splitlines()]
     assert indices == sorted(set(indices)) and len(indices) < len(rows)
+
+
+def test_whole_file_writes_keep_mode_links_and_devices(tmp_path):
+    """`paths.write_whole`: the file is replaced whole with its permissions kept; a symlink's
+    file is replaced (the link stays a link); a device is written directly; a write that fails
+    leaves the file as it was and no temporary file."""
+    from speculant.launch.paths import write_whole
+
+    def text(value: str):
+        return lambda out: Path(out).write_text(value)
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o640)
+    write_whole(str(kept), text("new"))
+    assert kept.read_text() == "new" and stat.S_IMODE(kept.stat().st_mode) == 0o640
+    link = tmp_path / "link.json"
+    link.symlink_to(kept)
+    write_whole(str(link), text("via link"))
+    assert link.is_symlink() and kept.read_text() == "via link"
+    write_whole(os.devnull, text("dropped"))  # not a regular file: no rename over it
+    assert Path(os.devnull).exists() and not Path(os.devnull).is_file()
+
+    def fails(out: str) -> None:
+        Path(out).write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_whole(str(kept), fails)
+    assert kept.read_text() == "via link"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json", "link.json"]
