@@ -37,6 +37,12 @@ DENSE_ARCHITECTURES = (
 )
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# max_position_embeddings where config.json has none: each transformers config class's default
+# (yarn's original length and dynamic NTK's threshold depend on it)
+DEFAULT_MAX_POSITIONS = {
+    "LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768,
+    "Qwen3ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768,
+}  # fmt: skip
 QWEN3_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config, when config.json has no head_dim
 # transformers reads `attention_bias` (q/k/v and o_proj biases) for these; Qwen2 has q/k/v biases
 # and none on o_proj whatever the config says, Mistral none at all
@@ -250,6 +256,12 @@ def config_dict(hf: dict, key: str, source: str) -> dict:
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
 
 
+def max_positions_of(hf: dict, source: str) -> int:
+    """config.json's max_position_embeddings, or its architecture's transformers default."""
+    arch = target_architecture(hf, source)
+    return config_int(hf, "max_position_embeddings", source, DEFAULT_MAX_POSITIONS.get(arch, 4096))
+
+
 def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either the transformers-4 or transformers-5 layout. The
     scaling dict comes back with its `rope_type` set (older configs say `type`) and, for yarn, its
@@ -257,7 +269,8 @@ def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
     `dynamic` (NTK) rescales only positions past max_position_embeddings, which the context never
     reaches (engine: max_model_len <= max_position_embeddings): it runs as the default RoPE.
     llama3 and yarn take a top-level `original_max_position_embeddings` over the scaling dict's,
-    as transformers' standardize_rope_params does (Phi-3 style configs keep it there)."""
+    as transformers' standardize_rope_params does (Phi-3 style configs keep it there), and
+    max_position_embeddings (or the architecture's default) where neither gives one."""
     params = config_dict(hf, "rope_parameters", source)
     scaling = config_dict(hf, "rope_scaling", source) or None
     # transformers' priority: rope_scaling (which replaces rope_parameters), then the top level
@@ -282,10 +295,11 @@ def _rope_settings(hf: dict, source: str) -> tuple[float, dict | None]:
         scaling["original_max_position_embeddings"] = config_int(
             hf, "original_max_position_embeddings", source
         )
-    if kind == "yarn":  # without an original length transformers takes max_position_embeddings
-        positions = config_int(hf, "max_position_embeddings", source, 4096)
+    if kind in ("llama3", "yarn"):  # without an original length: max_position_embeddings
+        positions = max_positions_of(hf, source)
         original = config_int(scaling, "original_max_position_embeddings", where, positions)
         scaling["original_max_position_embeddings"] = original
+    if kind == "yarn":
         if scaling.get("factor") is None:
             scaling["factor"] = positions / original
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow"):
@@ -609,7 +623,7 @@ class ModelConfig:
         moe = _moe_settings(hf, num_layers, source) if arch in MOE_ARCHITECTURES else {}
         attention_bias = arch in ATTENTION_BIAS_ARCHITECTURES and bool(hf.get("attention_bias"))
         window = _sliding_window(hf, arch, num_layers, source)
-        max_positions = config_int(hf, "max_position_embeddings", source, 4096)
+        max_positions = max_positions_of(hf, source)
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -650,8 +664,8 @@ class ModelConfig:
             gen = read_json_object(generation, "a generation_config.json is one {...} object")
             extra = _eos_token_ids(gen, str(generation))
             cfg.eos_token_ids += tuple(i for i in extra if i not in cfg.eos_token_ids)
-        if cfg.sliding_window is not None and cfg.sliding_window < config_int(
-            cfg.hf, "max_position_embeddings", source, 4096
+        if cfg.sliding_window is not None and cfg.sliding_window < max_positions_of(
+            cfg.hf, source
         ):
             log.warning(
                 "%s: sliding_window=%d: windowed attention is not supported, so the context is "

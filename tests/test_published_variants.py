@@ -546,6 +546,36 @@ def test_top_level_original_max_position_embeddings(tmp_path, name):
     assert our_greedy(path, prompts, n=8) == hf_greedy(path, prompts, 8)
 
 
+# configs that name no max_position_embeddings: each architecture's transformers default (Llama
+# 2048, Qwen 32768) is the length yarn's and llama3's missing original length and dynamic NTK's
+# threshold come from
+NO_MAX_POSITIONS = {
+    "qwen2_yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0}, 32768),
+    "llama_yarn": ("llama", {"rope_type": "yarn", "factor": 2.0}, 2048),
+    "llama3_no_original": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0}, 2048),  # was refused
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NO_MAX_POSITIONS))
+def test_a_config_without_max_position_embeddings_takes_its_architectures_default(tmp_path, name):
+    """max_position_embeddings missing from config.json was taken as 4096 for every
+    architecture: a Qwen2 yarn scaling without an original length rotated as if pretrained on
+    4096 positions (transformers: 32768) and generated other tokens, silently."""
+    arch, scaling, default = NO_MAX_POSITIONS[name]
+    path = save_variant(tmp_path, arch, 7)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("max_position_embeddings")
+    config.pop("original_max_position_embeddings", None)
+    config["rope_scaling"] = scaling
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.max_position_embeddings == default
+    assert cfg.rope_scaling["original_max_position_embeddings"] == default
+    prompts = prompts_of((40, 5), seed=3)
+    assert our_greedy(path, prompts, n=8) == hf_greedy(path, prompts, 8)
+
+
 @pytest.mark.parametrize("kv_heads, tp", [(1, 2), (2, 4)])
 def test_replicated_kv_heads_keep_their_biases(tmp_path, kv_heads, tp):
     """tp above the KV head count replicates each KV head on tp / kv ranks: a rank's k and v
