@@ -122,6 +122,12 @@ def safetensors_files(path: str | Path) -> list[Path]:
             )
         return files
     files = sorted(path.glob("*.safetensors"))
+    if not files and (bins := sorted(path.glob("pytorch_model*.bin"))):
+        raise SpeculantError(
+            f"{str(path)!r} holds {bins[0].name} but no *.safetensors: targets are read from "
+            "safetensors only; convert the checkpoint (transformers: from_pretrained, then "
+            "save_pretrained) or download its safetensors files"
+        )
     if not files:
         raise SpeculantError(
             f"no *.safetensors in {str(path)!r}; download the weights or pass "

@@ -223,6 +223,13 @@ def test_checkpoint_errors(tmp_path, llama_dir):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(SpeculantError, match="corrupt"):
         Engine(broken, device="cpu")
+    # a target of pytorch_model.bin alone: named, not "no *.safetensors"
+    bins = tmp_path / "bins"
+    shutil.copytree(llama_dir, bins)
+    torch.save(load_file(bins / "model.safetensors"), bins / "pytorch_model.bin")
+    (bins / "model.safetensors").unlink()
+    with pytest.raises(SpeculantError, match=r"holds pytorch_model.bin but no \*.safetensors"):
+        Engine(bins, device="cpu")
     config = json.loads((broken / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (broken / "config.json").write_text(json.dumps(config))
