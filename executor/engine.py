@@ -30,6 +30,7 @@ from speculant.executor.build import (
     build_kv_cache,
     build_model,
     check_capture_sizes,
+    check_rows_for_dp,
     check_spec,
     engine_config,
     load_tokenizer,
@@ -149,12 +150,8 @@ class Engine:
         on_gpu = self.device.startswith("cuda")
         if cache.max_num_seqs is None:
             cache.max_num_seqs = max(DEFAULT_MAX_NUM_SEQS[on_gpu], cfg.parallel.dp)
+        check_rows_for_dp(cache.max_num_seqs, cfg.parallel.dp)
         self.max_num_seqs = cache.max_num_seqs // cfg.parallel.dp  # per DP rank
-        if self.max_num_seqs < 1:
-            raise SpeculantError(
-                f"max_num_seqs={cache.max_num_seqs} is less than dp={cfg.parallel.dp}; raise "
-                "--max-num-seqs (it counts requests over all DP ranks)"
-            )
         rank0 = self.pctx.tp_rank == 0 and self.pctx.dp_rank == 0
         if cache.max_num_seqs % cfg.parallel.dp and rank0:
             log.warning(

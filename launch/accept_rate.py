@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from speculant import ASSETS, bundled
 from speculant.config import MAX_DIST_TIMEOUT_S, MAX_DRAFT_TOKENS
 from speculant.errors import SpeculantError, shown
+from speculant.executor.build import check_rows_for_dp
 from speculant.executor.request import (
     FLOAT32_MAX,
     GREEDY_TEMPERATURE,
@@ -485,6 +486,7 @@ def _check(args: argparse.Namespace) -> None:
             f"1..{MAX_DIST_TIMEOUT_S} (seconds)"
         )
     check_threads(args.threads)  # before any model loads
+    check_rows_for_dp(args.max_num_seqs, args.dp)
     for flag in ("target", "draft", "prompts", "baseline", "report", "write_baseline", "plot"):
         if getattr(args, flag, None) == "":
             raise SpeculantError(

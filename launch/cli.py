@@ -59,6 +59,7 @@ from speculant.config import (
     MAX_PAGE_SIZE,
 )
 from speculant.errors import PromptError, SpeculantError, shown
+from speculant.executor.build import check_rows_for_dp
 from speculant.executor.chat import Chat, messages_problem
 from speculant.executor.request import (
     FLOAT32_MAX,
@@ -834,6 +835,7 @@ def _prepare_specs(args: argparse.Namespace) -> list[PromptSpec]:
             f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} must be in (0, 1]"
         )
     check_threads(args.threads)
+    check_rows_for_dp(args.max_num_seqs, args.dp)  # before any rank starts
     if args.stop is not None and (problem := stop_problem(args.stop)):
         raise SpeculantError(f"--stop {problem}")
     for key in _SAMPLING_RULES:  # stop: above

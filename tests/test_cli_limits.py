@@ -218,6 +218,13 @@ def test_closed_stdout_from_the_shell(tmp_path):
     ]
 
 
+def test_fewer_rows_than_dp_ranks_is_refused_before_any_rank_starts(capsys, tmp_path):
+    # tmp_path holds no checkpoint: refused before the ranks start (was: after they loaded it)
+    line = error_line(*run_main(capsys, "--target", tmp_path, "--dp", 2, "--max-num-seqs", 1,
+                                "--prompt", "x"))  # fmt: skip
+    assert "max_num_seqs=1 is less than dp=2; raise --max-num-seqs" in line
+
+
 # ------------------------------------------------------------------------------------- stderr
 
 
