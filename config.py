@@ -664,9 +664,8 @@ class ModelConfig:
             gen = read_json_object(generation, "a generation_config.json is one {...} object")
             extra = _eos_token_ids(gen, str(generation))
             cfg.eos_token_ids += tuple(i for i in extra if i not in cfg.eos_token_ids)
-        if cfg.sliding_window is not None and cfg.sliding_window < max_positions_of(
-            cfg.hf, source
-        ):
+        window = cfg.sliding_window
+        if window is not None and window < max_positions_of(cfg.hf, source):
             log.warning(
                 "%s: sliding_window=%d: windowed attention is not supported, so the context is "
                 "limited to %d positions (max_position_embeddings), where it is exact",
@@ -675,6 +674,15 @@ class ModelConfig:
                 cfg.max_position_embeddings,
             )
         return cfg
+
+
+def check_rows_for_dp(max_num_seqs: int | None, dp: int) -> None:
+    """max_num_seqs counts the request rows of all DP ranks: at least one a rank."""
+    if max_num_seqs is not None and max_num_seqs < dp:
+        raise SpeculantError(
+            f"max_num_seqs={max_num_seqs} is less than dp={dp}; raise --max-num-seqs (it counts "
+            "requests over all DP ranks)"
+        )
 
 
 @dataclass

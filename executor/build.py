@@ -136,15 +136,6 @@ BOOL_OPTIONS = (
 )  # fmt: skip
 
 
-def check_rows_for_dp(max_num_seqs: int | None, dp: int) -> None:
-    """max_num_seqs counts the request rows of all DP ranks: at least one a rank."""
-    if max_num_seqs is not None and max_num_seqs < dp:
-        raise SpeculantError(
-            f"max_num_seqs={max_num_seqs} is less than dp={dp}; raise --max-num-seqs (it counts "
-            "requests over all DP ranks)"
-        )
-
-
 def check_options(options: dict) -> None:
     """One SpeculantError line for an option value of the wrong kind or range (the CLI's
     argparse refuses the same values): whole numbers (a bool is not one), lists of sizes, the

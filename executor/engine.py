@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from speculant.comm.all_reduce import build_one_shot
 from speculant.comm.groups import ParallelContext, resolve_context
-from speculant.config import ModelConfig, ParallelConfig
+from speculant.config import ModelConfig, ParallelConfig, check_rows_for_dp
 from speculant.errors import PromptError, SpeculantError, shown
 from speculant.executor.attention import PoolAttention, resolve_attention_backend
 from speculant.executor.build import (
@@ -30,7 +30,6 @@ from speculant.executor.build import (
     build_kv_cache,
     build_model,
     check_capture_sizes,
-    check_rows_for_dp,
     check_spec,
     engine_config,
     load_tokenizer,

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from speculant import ASSETS, bundled
-from speculant.config import MAX_DIST_TIMEOUT_S, MAX_DRAFT_TOKENS
+from speculant.config import MAX_DIST_TIMEOUT_S, MAX_DRAFT_TOKENS, check_rows_for_dp
 from speculant.errors import SpeculantError, shown
-from speculant.executor.build import check_rows_for_dp
 from speculant.executor.request import (
     FLOAT32_MAX,
     GREEDY_TEMPERATURE,

@@ -57,9 +57,9 @@ from speculant.config import (
     MAX_DIST_TIMEOUT_S,
     MAX_DRAFT_TOKENS,
     MAX_PAGE_SIZE,
+    check_rows_for_dp,
 )
 from speculant.errors import PromptError, SpeculantError, shown
-from speculant.executor.build import check_rows_for_dp
 from speculant.executor.chat import Chat, messages_problem
 from speculant.executor.request import (
     FLOAT32_MAX,
