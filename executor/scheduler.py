@@ -115,11 +115,13 @@ class Scheduler:
         if plan.preempted:
             return self._done(plan)
         i = 0  # the waiting request considered (later completions may wait their turn)
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        kept = 0  # rows kept for later completions whose prompt is still being prefilled
+        while i < len(self.waiting) and budget > 0 and len(self.running) + kept < self.max_num_seqs:
             request = self.waiting[i]
             shared = self._prompt_pages(request)
-            if shared is None:  # the prompt's first completion prefills it: a later step
-                i += 1
+            if shared is None:  # the prompt's first completion prefills it: a later step, in a
+                kept += 1  # row kept for it (given to the next prompt, it would wait until
+                i += 1  # completion 0 ended and freed the pages, then prefill them again)
                 continue
             request.row = kv.allocate_row()
             pages = kv.prefix.match(request.context) if kv.prefix is not None else []

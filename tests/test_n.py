@@ -143,6 +143,20 @@ def greedy_completions_of_long(engine: Engine, plain: Engine, n: int, new: int) 
     return engine.stats()
 
 
+def test_prompt_prefilled_once_when_rows_are_scarce(plain):
+    """Fewer rows than the completions waiting: a later completion whose completion 0 is still
+    prefilling keeps a row rather than letting the next prompt take it (it then waited until
+    completion 0 had ended and freed its pages, and prefilled the prompt again)."""
+    engine = Engine(TARGET, device="cpu", page_size=4, max_num_seqs=2, num_draft_tokens=0)
+    params = SamplingParams(max_new_tokens=2, n=2, ignore_eos=True)
+    outs = engine.generate(LONG, params)
+    base = plain.generate(LONG, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base for _ in range(2)]
+    whole = [(len(o.prompt_token_ids) - 1) // 4 * 4 for o in outs[::2]]
+    assert engine.stats()["shared_prompt_tokens"] == sum(whole) > 0
+    assert_pool_whole(engine)
+
+
 def test_prompt_prefilled_once_under_a_small_token_budget(plain):
     """A budget below the prompts' lengths and short outputs: later completions are admitted
     as soon as completion 0 has prefilled the prompt, not after the next prompt's prefill,
