@@ -71,8 +71,8 @@ class Scheduler:
 
     def check_fits(self, request: Request) -> None:
         """Refuse, before generation starts, a request the pool could never hold alone."""
-        least = len(request.prompt_ids) + 1 + 2 * self.tokens_per_req  # one output token
-        self.kv.check_fits(self.positions_needed(request), least)
+        needed = self.positions_needed(request)
+        self.kv.check_fits(needed, needed - request.max_new_tokens + 1)  # (with one new token)
 
     def decode_reach(self, request: Request, steps: int = 1) -> int:
         """Positions a decoding request's next `steps` steps may write up to."""

@@ -47,12 +47,15 @@ BUNDLED_DRAFTS = {"eagle3": "eagle3", "dflash": "dflash", "draft-model": "draft_
 # does not depend on it).
 RUN_KEYS = (
     "algo", "num_draft_tokens", "num_prompts", "max_new_tokens", "temperature", "speculation",
-    "seed",
+    "seed", "dtype",
 )  # fmt: skip
 # How far below the baseline a metric may fall (--rtol) before it counts as a regression.
 DEFAULT_RTOL = 0.05
 # What a baseline written before a field existed measured: every run had this value then.
 WRITTEN_BEFORE = {"speculation": "fixed"}
+# Fields a baseline written before they existed lacks, whose value then is not known: such a
+# baseline is compared without them (the engines' dtype: recorded since 2026-12-07).
+UNKNOWN_BEFORE = ("dtype",)
 # What --plot writes, by the path's extension (matplotlib writes each without extra software;
 # a path without an extension is written as PNG, under exactly that name).
 PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
@@ -211,6 +214,8 @@ def check_run_shape(baseline: dict, run: dict, source: str) -> None:
     for key, value in run.items():
         if key == "seed" and not run.get("temperature"):
             continue  # greedy: the seed changes nothing
+        if key in UNKNOWN_BEFORE and not (baseline.get(key) and value):
+            continue  # not recorded by this baseline (written before the field) or this run
         if key not in baseline and key not in WRITTEN_BEFORE:
             raise SpeculantError(f"baseline {source} lacks {key!r}; write it with --write-baseline")
         measured = baseline.get(key, WRITTEN_BEFORE.get(key))
@@ -225,10 +230,7 @@ def check_run_shape(baseline: dict, run: dict, source: str) -> None:
 
 def compare(report: AcceptReport, baseline: dict, rtol: float, source: str) -> list[Regression]:
     """Metrics that fell below baseline * (1 - rtol). Refuses a baseline of another run shape."""
-    run = {key: getattr(report, key) for key in RUN_KEYS}
-    if baseline.get("dtype") and report.dtype:  # recorded since 2026-12-07
-        run["dtype"] = report.dtype
-    check_run_shape(baseline, run, source)
+    check_run_shape(baseline, {key: getattr(report, key) for key in RUN_KEYS}, source)
     check_same_prompts(baseline, report.prompts_sha256, source)
     pairs = [("acceptance_length", baseline["acceptance_length"], report.acceptance_length)]
     pairs += [
@@ -867,9 +869,7 @@ def measure_in_rank(
     )
     dtype = str(spec_engine.dtype).removeprefix("torch.")
     if job.baseline is not None:  # rank 0: the k and dtype the engine resolved, before any run
-        resolved = {"num_draft_tokens": spec_engine.config.spec.num_draft_tokens}
-        if job.baseline.get("dtype"):  # (recorded since 2026-12-07)
-            resolved["dtype"] = dtype
+        resolved = {"num_draft_tokens": spec_engine.config.spec.num_draft_tokens, "dtype": dtype}
         check_run_shape(job.baseline, resolved, args.baseline)
     start = time.perf_counter()
     with prompts_named(job.specs):  # errors about a prompt name its --prompts line
