@@ -345,9 +345,10 @@ def _scale_layout_hint(missing: str, unused: list[str]) -> str | None:
 
 
 def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, source: str) -> None:
-    """An e4m3 parameter takes only e4m3 tensors and a float parameter no FP8 one: either would
-    load without its scales and compute garbage."""
-    if (param.dtype == FP8) == (tensor.dtype == FP8):
+    """An e4m3 parameter takes only e4m3 tensors and a float parameter no FP8 one of any kind
+    (e4m3, e5m2, the fnuz forms): either would load without its scales and compute garbage."""
+    tensor_fp8 = "float8" in str(tensor.dtype)
+    if param.dtype == FP8 and tensor.dtype == FP8 or param.dtype != FP8 and not tensor_fp8:
         return
     if param.dtype == FP8 and not tensor.is_floating_point():
         raise SpeculantError(
@@ -355,15 +356,22 @@ def check_fp8_tensor(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, so
             "float8_e4m3fn: FP8 layers load e4m3 weights only (integer-quantized checkpoints are "
             "not supported); the checkpoint does not match its quantization_config"
         )
+    if param.dtype == FP8 and tensor_fp8:
+        raise SpeculantError(
+            f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, not "
+            "float8_e4m3fn: FP8 layers load e4m3 weights only (e5m2 and the fnuz forms are not "
+            "supported); use an e4m3 checkpoint"
+        )
     if param.dtype == FP8:
         raise SpeculantError(
             f"tensor {hf_name!r} in {source} is {tensor.dtype}, but quantization_config in "
             "config.json makes it FP8; add its module to the config's ignore list"
         )
     raise SpeculantError(
-        f"tensor {hf_name!r} in {source} is {tensor.dtype}, but its module loads unquantized: "
-        "FP8 loads in a target's decoder linear layers when config.json has its "
-        "quantization_config (not in embeddings, lm_head, routers or drafters); use bf16 weights"
+        f"tensor {hf_name!r} in {file_holding(source, hf_name)} is {tensor.dtype}, but its "
+        "module loads unquantized: FP8 loads in a target's decoder linear layers when "
+        "config.json has its quantization_config (not in embeddings, lm_head, routers, drafters "
+        "or modules its ignore list names); use bf16 weights"
     )
 
 

@@ -487,6 +487,29 @@ def test_fp8_tensor_into_an_unquantized_model_is_refused(tmp_path, fp8_dirs):
         Engine(str(tmp_path), **ENGINE)
 
 
+@pytest.mark.parametrize("kind", ["float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+@pytest.mark.parametrize("quantized", [True, False])
+def test_other_fp8_kinds_are_refused(tmp_path, fp8_dirs, kind, quantized):
+    """e5m2 and the fnuz forms are FP8 codes too: in an FP8 layer they are not e4m3, and in a
+    float layer (a config without quantization_config, or a module its ignore list names) they
+    would load as unscaled codes (a weight of 448 where the model's is below 1)."""
+    src = fp8_dirs[("fp8_block", 320)]
+    tensors = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    if not quantized:  # a float checkpoint but for the one tensor
+        del config["quantization_config"]
+        tensors = {
+            key: value.float() for key, value in tensors.items() if "_scale" not in key
+        }
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].float().to(getattr(torch, kind))
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = "not float8_e4m3fn: FP8 layers load e4m3" if quantized else "loads unquantized"
+    with pytest.raises(SpeculantError, match=re.escape(f"{name!r}") + f".*{kind}.*{want}"):
+        Engine(str(tmp_path), **ENGINE)
+
+
 @pytest.mark.parametrize(
     "scheme, qconfig, named",
     [
