@@ -498,9 +498,7 @@ def test_other_fp8_kinds_are_refused(tmp_path, fp8_dirs, kind, quantized):
     config = json.loads((src / "config.json").read_text())
     if not quantized:  # a float checkpoint but for the one tensor
         del config["quantization_config"]
-        tensors = {
-            key: value.float() for key, value in tensors.items() if "_scale" not in key
-        }
+        tensors = {key: value.float() for key, value in tensors.items() if "_scale" not in key}
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name].float().to(getattr(torch, kind))
     save_file(tensors, tmp_path / "model.safetensors")
