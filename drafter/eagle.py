@@ -139,12 +139,18 @@ class Eagle3Config:
                 f"{source} describes {archs[0]!r}, not an EAGLE-3 head "
                 "(LlamaForCausalLMEagle3); pass the draft head's folder"
             )
-        for flag in ("tie_word_embeddings", "attention_bias"):
-            if config_bool(hf, flag, source):
-                raise SpeculantError(f"{flag}=true in {source} is not supported for EAGLE-3 heads")
+        # tie_word_embeddings is not read: heads always carry their own trained lm_head (over
+        # the draft vocabulary); SpecForge's configs copy the flag from a tied target (its
+        # qwen3-4b-eagle3.json) and vLLM ignores it too (a head without lm_head is refused)
+        if config_bool(hf, "attention_bias", source):
+            raise SpeculantError(
+                f"attention_bias=true in {source} is not supported for EAGLE-3 heads"
+            )
         qwen3, named_by = _qwen3_layers(hf, fmt.speculators, source)
         arch = "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"
-        layer = ModelConfig.from_hf({**hf, "architectures": [arch]}, source)
+        layer = ModelConfig.from_hf(
+            {**hf, "architectures": [arch], "tie_word_embeddings": False}, source
+        )
         window = _sliding_window(hf, layer.num_layers, source)
         if not hf.get("target_hidden_size") and layer.hidden_size != target.hidden_size:
             raise SpeculantError(
@@ -278,17 +284,19 @@ def _aux_layer_ids(hf: dict, num_target_layers: int, source: str) -> tuple[int, 
             raise SpeculantError(
                 f"{where}{AUX_IDS_KEY}={listed!r} in {source} must be a list of layer indices"
             )
+    fix = f"eagle_config.{AUX_IDS_KEY}"
     if nested:  # SpecForge / SGLang: output of layer i, i.e. the input of layer i + 1
         ids, key = [i + 1 for i in nested], f"eagle_config.{AUX_IDS_KEY}={nested}"
     elif hf.get(AUX_IDS_KEY):  # vLLM / speculators: already the input of layer i
         ids, key = list(hf[AUX_IDS_KEY]), f"{AUX_IDS_KEY}={hf[AUX_IDS_KEY]}"
+        fix = AUX_IDS_KEY
     else:  # SGLang's default, clamped so toy targets with few layers still work
         ids = [min(max(i, 0), L) for i in (2, L // 2, L - 3)]
         key = f"the default aux layers [2, L//2, L-3] = {ids}"
     if len(set(ids)) != 3:
         raise SpeculantError(
             f"{key} in {source} must name 3 distinct target layers (EAGLE-3 "
-            "concatenates exactly 3); fix eagle_config in config.json"
+            f"concatenates exactly 3); fix {fix} in config.json"
         )
     if any(not 0 <= i <= L for i in ids):
         raise SpeculantError(

@@ -213,6 +213,28 @@ def test_forward_matches_published_formula(
     torch.testing.assert_close(again, ref_again, rtol=1e-4, atol=1e-4)
 
 
+def test_tie_word_embeddings_flag_is_not_read(tmp_path, llama_dir):
+    """SpecForge's qwen3-4b-eagle3.json carries `tie_word_embeddings: true`, copied from its tied
+    target; heads trained from it have their own lm_head over the draft vocabulary (SpecForge
+    builds it untied whatever the flag), which vLLM uses: the head loads and its logits are its
+    own lm_head's."""
+    target = ModelConfig.from_dir(llama_dir)
+    w = write_random_eagle3(
+        tmp_path, llama_dir, draft_vocab=64, seed=5, config_overrides={"tie_word_embeddings": True}
+    )
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["tie_word_embeddings"] is True
+    head = load(tmp_path, target)
+    gen = torch.Generator().manual_seed(0)
+    N, H = 5, target.hidden_size
+    embeds, aux = torch.randn(N, H, generator=gen), torch.randn(N, 3 * H, generator=gen)
+    positions = torch.arange(N)
+    with torch.no_grad():
+        logits = head.logits(head(embeds, aux, positions, CausalAttentionStub()))
+    _, ref_logits = reference(w, hf, embeds, aux, positions)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_dummy_weights(tmp_path, llama_dir):
     target = ModelConfig.from_dir(llama_dir)
     for draft_vocab, name in ((None, "full"), (40, "small")):

@@ -596,7 +596,11 @@ def test_speculators_dflash_sliding_layers_follow_sliding_window_non_causal(tmp_
             "contradicts speculators_model_type='dflash'",
         ),
         ({"transformer_layer_config": None}, "no transformer_layer_config"),
-        ({"eagle_aux_hidden_state_layer_ids": [0, 1]}, "must name 3 distinct target layers"),
+        (
+            {"eagle_aux_hidden_state_layer_ids": [0, 1]},
+            # the key as a speculators config holds it (top level, not under eagle_config)
+            "must name 3 distinct target layers .*; fix eagle_aux_hidden_state_layer_ids in",
+        ),
     ],
 )
 def test_speculators_eagle3_bad_configs_are_named(tmp_path, llama_dir, fields, message):
