@@ -261,6 +261,9 @@ class Engine:
         self._resting = False  # whether the last step rested the drafter
         self._read_at = 0.0  # when the last overlapped step's results were read (_read)
         self._generating = False  # a generate call under way (no nested one: generate)
+        # prompts of earlier calls: a request's default seed counts on from them, so each call
+        # draws anew and a new engine of the same seed repeats the same calls (vLLM's seed)
+        self._prompts_made = 0
         self.piecewise = PiecewiseRunner(
             self.runner, cfg.graph, self.max_num_batched_tokens, self.max_num_seqs, self.pctx,
             self.attention_backend, mc.is_moe, self.graphs.sizes,
@@ -570,11 +573,13 @@ class Engine:
                 "tokenizer.json to read the output as text; add one, or stop on token ids "
                 "(stop_token_ids)",
             )
-        # the engine seed's per-request default, folded into int64 (the device's seed type)
+        # the engine seed's per-request default, folded into int64 (the device's seed type):
+        # prompt `index` of this call, counted on from the prompts of the engine's earlier calls
+        drawn = self._prompts_made + index
         seed = (
             params.seed
             if params.seed is not None
-            else ((self.config.seed * 1_000_003 + index) % (2**63 - 1))
+            else ((self.config.seed * 1_000_003 + drawn) % (2**63 - 1))
         )
         return Request(
             index=index,
@@ -727,6 +732,7 @@ class Engine:
                 self.scheduler.check_fits(request)
             except SpeculantError as exc:  # "prompt i needs ...", "FILE:LINE: the prompt needs"
                 raise PromptError(request.index, str(exc)) from None
+        self._prompts_made += len(firsts)  # (every rank makes every call's requests alike)
         if all(r.params.n == 1 for r in firsts):
             return firsts
         requests = []  # each prompt's n completions in turn, indices unique in the call

@@ -141,6 +141,34 @@ def says_user_errors() -> bool:
 USER_ERROR_HOLD_S = 5.0
 
 
+def tell_peers(exc: BaseException, line: str) -> bool:
+    """A user error on a rank of a multi-rank job: recorded for a local launcher (which names
+    the first rank that failed on its own) and, once the job's process groups are up, reported
+    to the others through the job's store, so that ranks failing in collectives with this one
+    name it (spawn.report_failure). Returns whether it was reported."""
+    from speculant.launch.spawn import record_own_failure, report_failure
+
+    record_own_failure(line.removeprefix("speculant: error: "))
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group yet
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    report_failure(exc)
+    return True
+
+
+def say_unless_local_rank0_did(exc: BaseException, line: str) -> None:
+    """A torchrun rank that is not its node's local rank 0 and reported a user error: local
+    rank 0 says the error every rank meets alike, so this one says it (naming its rank) only
+    when local rank 0 did not report the same failure within USER_ERROR_HOLD_S (a file only
+    this rank's node cannot read)."""
+    from speculant.launch.spawn import failure_summary, peer_report
+
+    local_rank0 = int(os.environ["RANK"]) - int(os.environ.get("LOCAL_RANK", "0"))
+    if peer_report(local_rank0, USER_ERROR_HOLD_S) != failure_summary(exc):
+        rank = os.environ["RANK"]
+        print(line.replace("error: ", f"error: rank {rank}: ", 1), file=sys.stderr, flush=True)
+
+
 def hold_for_local_rank0() -> None:
     """On a user error every rank meets alike, a torchrun rank that does not say it waits (up
     to USER_ERROR_HOLD_S) before it exits: torchrun stops the other ranks at the first exit,
@@ -1303,8 +1331,11 @@ def main(argv: list[str] | None = None) -> int:
             # every rank checks rank 0's prompts: rank 0's line names the --prompts line
             if not (isinstance(exc, PromptError) and not reads_inputs()):
                 line = f"speculant: error: {exc}".splitlines()[0]
+                told = tell_peers(exc, line)
                 if says_user_errors():
                     print(line, file=sys.stderr)
+                elif told:  # one rank's own (a shard only its node cannot read)?
+                    say_unless_local_rank0_did(exc, line)
                 tell_torchrun(line)
                 hold_for_local_rank0()
             code = 2

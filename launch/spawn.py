@@ -291,6 +291,22 @@ def tell_torchrun(line: str) -> None:
         pass
 
 
+FAILURE_FILE_ENV = "SPECULANT_FAILURE_FILE"
+
+
+def record_own_failure(line: str) -> None:
+    """A rank that failed on its own (a user error, or an exception that was not a collective a
+    peer broke): its one line and the time, into the file its launcher named
+    (SPECULANT_FAILURE_FILE), so that the launcher names it as the cause rather than the ranks
+    that then failed in collectives with it (their exit statuses look alike). Nothing outside
+    `launch_cli`'s ranks, or when the file cannot be written."""
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"time": time.time(), "line": line}))
+
+
 def report_failure(exc: BaseException) -> str | None:
     """After this rank failed: tell the other ranks through the job's store (the TCPStore at
     MASTER_ADDR:MASTER_PORT that torch.distributed started from) and, when the failure is a
@@ -309,37 +325,70 @@ def report_failure(exc: BaseException) -> str | None:
         return None
 
 
-def _roll_call(exc: BaseException) -> str | None:
-    """`report_failure`'s report, unbounded where the store does not answer."""
+def failure_summary(exc: BaseException) -> str:
+    """What a rank reports of its failure to the others (report_failure)."""
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
+
+
+def _failure_key(rank: int) -> str:
+    return f"speculant/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _store_client() -> Any:
+    """A client of the job's store, or None when nothing listens there (the store died with a
+    failed join: no client then, whose connect retries print C++ warnings and stack frames on
+    the terminal for seconds)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    prefix = f"speculant/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    collective = _is_collective_failure(exc)
-    summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    try:  # nothing listens (the store died with a failed join): no client, whose connect
-        socket.create_connection((host, port), timeout=ROLL_CALL_S).close()  # retries print
-    except OSError:  # C++ warnings and stack frames on the terminal for seconds
-        return None
     try:
-        store = dist.TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=timedelta(seconds=ROLL_CALL_S),
-        )
-        store.set(prefix + str(rank), "collective" if collective else summary)
+        socket.create_connection((host, port), timeout=ROLL_CALL_S).close()
+    except OSError:
+        return None
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ROLL_CALL_S))
+
+
+def peer_report(rank: int, wait_s: float) -> str | None:
+    """What rank `rank` reported of its failure (`report_failure`: its summary, or "collective"),
+    waiting up to `wait_s` for it; None when it did not report by then or the store does not
+    answer (bounded: see report_failure)."""
+
+    def poll() -> str | None:
+        store = _store_client()
+        deadline = time.monotonic() + wait_s
+        while store is not None:
+            if store.check([_failure_key(rank)]):
+                return store.get(_failure_key(rank)).decode()
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return None
+
+    try:
+        return bounded_call(poll, wait_s + REPORT_S, "speculant-peer-report")[1]
+    except Exception:  # the store's host is gone
+        return None
+
+
+def _roll_call(exc: BaseException) -> str | None:
+    """`report_failure`'s report, unbounded where the store does not answer."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    collective = _is_collective_failure(exc)
+    try:
+        store = _store_client()
+        if store is None:
+            return None
+        store.set(_failure_key(rank), "collective" if collective else failure_summary(exc))
         if not collective:  # the cause itself: the others read it
             return None
         peers = [r for r in range(world) if r != rank]
         deadline = time.monotonic() + ROLL_CALL_S
-        while time.monotonic() < deadline and not store.check([prefix + str(r) for r in peers]):
+        while time.monotonic() < deadline and not store.check([_failure_key(r) for r in peers]):
             time.sleep(0.1)
-        reported = {r: store.get(prefix + str(r)).decode() for r in peers
-                    if store.check([prefix + str(r)])}  # fmt: skip
+        reported = {r: store.get(_failure_key(r)).decode() for r in peers
+                    if store.check([_failure_key(r)])}  # fmt: skip
     except Exception:  # the store's host is gone too
         return None
     failed = [(r, text) for r, text in reported.items() if text != "collective"]
@@ -479,11 +528,18 @@ def rank_spool() -> RankSpool | None:
 def fault_point(rank: int) -> None:
     """SPECULANT_TEST_KILL_RANK=r makes rank r kill itself (SIGKILL) here, once its engine is
     built: how the launcher tests fail one rank mid-run under torchrun and Ray, where the test
-    cannot reach the rank's process."""
+    cannot reach the rank's process. SPECULANT_TEST_FAIL_RANK=r:error (r:user) makes it raise
+    a MemoryError (a SpeculantError) here instead: one rank failing on its own while the
+    others go on into their next collective."""
     if os.environ.get("SPECULANT_TEST_KILL_RANK") == str(rank):
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+    failing, _, kind = os.environ.get("SPECULANT_TEST_FAIL_RANK", "").partition(":")
+    if failing == str(rank):
+        if kind == "user":
+            raise SpeculantError(f"rank {rank}'s test failure (SPECULANT_TEST_FAIL_RANK)")
+        raise MemoryError(f"rank {rank}'s test failure (SPECULANT_TEST_FAIL_RANK)")
 
 
 def max_cpu_ranks() -> int:
@@ -556,7 +612,8 @@ def _function_rank(rank, world_size, port, device, fn, args, conn) -> None:
     except BaseException as exc:  # reported to the parent, which names the rank
         traceback.print_exc()
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-        status, code = ("error", summary), 1
+        own = None if _is_collective_failure(exc) else time.time()  # (see record_own_failure)
+        status, code = ("error", summary, own), 1
     try:
         conn.send(status)
     except Exception as exc:  # an unpicklable result
@@ -589,6 +646,8 @@ def cli_rank_main(argv: Sequence[str]) -> None:
         line = f"{ERROR_PREFIX}rank {os.environ.get('RANK')}: "
         line += f"{cause}: " if cause else ""
         line = f"{line}{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        if not _is_collective_failure(exc):
+            record_own_failure(line.removeprefix(ERROR_PREFIX))
         print(line, file=sys.stderr)
         tell_torchrun(line)
         code = 1
@@ -640,6 +699,17 @@ class _Rank:
     rank: int
     process: _Proc
     log: Any = None  # the rank's stderr: an unnamed file (tempfile.TemporaryFile)
+    failure_file: str | None = None  # where the rank records a failure of its own
+    own: tuple[float, str] | None = None  # (when, its line) of a failure of its own
+
+    def own_failure(self) -> tuple[float, str] | None:
+        """(when, its line) if the rank failed on its own (`record_own_failure`, or set by
+        `run_ranks` from what the rank sent), else None."""
+        if self.own is None and self.failure_file is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                record = json.loads(Path(self.failure_file).read_text())
+                self.own = (float(record["time"]), str(record["line"]))
+        return self.own
 
     def last_line(self) -> str:
         if self.log is None:
@@ -657,6 +727,16 @@ def _blame(code: int) -> int:
     if code < 0:
         return 1 if -code == signal.SIGABRT else 0
     return 2
+
+
+def _cause(ranks: list[_Rank], failed: list[_Rank]) -> _Rank:
+    """The rank that failed the job: the first to fail on its own (its exception or user error,
+    not a collective a peer broke: a rank out of memory, a shard only it cannot read), else the
+    failed rank most likely killed from outside (`_blame`), the lowest such."""
+    own = [(r.own_failure()[0], r.rank, r) for r in ranks if r.own_failure() is not None]
+    if own:
+        return min(own, key=lambda entry: entry[:2])[2]
+    return min(failed, key=lambda r: (_blame(r.process.exitcode), r.rank))
 
 
 def _describe(code: int) -> str:
@@ -712,7 +792,7 @@ def _supervise(
         # connection within moments, sometimes before the killed rank is seen to have exited.
         settled = first_seen is not None and (not alive or now - first_seen > SETTLE_S)
         if failure is None and settled:
-            failure = min(failed, key=lambda r: (_blame(r.process.exitcode), r.rank))
+            failure = _cause(ranks, failed)
             stopped = [r for r in alive if r.process.stopped]  # never reached the collective
             stuck_since = now
         if not alive:
@@ -750,8 +830,9 @@ def _supervise(
             return line
         return f"{line}; rank {failure.rank} {_describe(failure.process.exitcode)} waiting for it"
     described = f"rank {failure.rank} {_describe(failure.process.exitcode)}"
-    if failure.process.exitcode > 0 and failure.last_line():  # its error line
-        described += f": {failure.last_line()}"
+    said = failure.own_failure()[1] if failure.own_failure() else failure.last_line()
+    if (failure.process.exitcode or 0) > 0 and said:  # its error line
+        described += f": {said}"
     line = described
     if stuck:
         names = ", ".join(str(r.rank) for r in stuck)
@@ -818,11 +899,15 @@ def run_ranks(
                     statuses[rank] = conn.recv()
                 except (EOFError, OSError):  # the rank died before sending
                     statuses[rank] = ("missing",)
+                status = statuses[rank]
+                if status[0] == "error" and status[2] is not None and ranks:
+                    ranks[rank].own = (status[2], status[1])
 
+    ranks: list[_Rank] = []
     processes = _start(_function_rank, world_size, rank_args)
     for _, send in pipes:
         send.close()  # the ranks hold theirs: a dead rank's pipe reads EOF
-    ranks = [_Rank(r, p) for r, p in enumerate(processes)]
+    ranks.extend(_Rank(r, p) for r, p in enumerate(processes))
     try:
         failure = _supervise(ranks, timeout_s, grace_s, on_poll=receive)
     except BaseException:
@@ -834,7 +919,8 @@ def run_ranks(
     results = []
     for rank in range(world_size):
         status = statuses.get(rank, ("missing",))
-        if status[0] == "error" and failure is not None and f"rank {rank} " in failure:
+        named = failure is not None and failure.startswith(f"rank {rank} ")
+        if status[0] == "error" and named and status[1] not in failure:
             failure += f" ({status[1]})"
         results.append(status[1] if status[0] == "ok" else None)
     if failure is not None:
@@ -941,6 +1027,7 @@ def launch_cli(
     ranks: list[_Rank] = []
     copies: list[IO[bytes]] = []
     spool = CompletionSpool(stdout) if stdout is not None and not output else None
+    records = tempfile.TemporaryDirectory(prefix="speculant-ranks-")  # record_own_failure's
     try:
         given = list(argv)
         argv, copies = rank_inputs(argv)
@@ -951,19 +1038,22 @@ def launch_cli(
             env[SHOWN_PATHS_ENV] = json.dumps(shown)
             env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
             env.pop(SPOOL_ENV, None)
+            failure_file = os.path.join(records.name, f"rank{rank}.json")
+            env[FAILURE_FILE_ENV] = failure_file
             if device == "cpu":  # share the cores instead of oversubscribing them
                 env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
             cmd = [sys.executable, "-m", "speculant.launch.spawn", *argv]
             if rank == 0:  # rank 0 keeps this terminal: it writes the outputs
                 fds = inherited + (() if spool is None else (spool.fd,))
                 env.update(spool.env if spool is not None else {})
-                ranks.append(_Rank(rank, _Proc(subprocess.Popen(cmd, env=env, pass_fds=fds))))
+                process = _Proc(subprocess.Popen(cmd, env=env, pass_fds=fds))
+                ranks.append(_Rank(rank, process, failure_file=failure_file))
                 continue
             log = tempfile.TemporaryFile(prefix=f"speculant-rank{rank}-")
             handle = subprocess.Popen(
                 cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, pass_fds=inherited
             )
-            ranks.append(_Rank(rank, _Proc(handle), log))
+            ranks.append(_Rank(rank, _Proc(handle), log, failure_file))
         # a rank stopped this long while no rank failed: the others are stuck, not waiting
         # in a collective (which would have timed out and been reported by now)
         stopped_s = dist_timeout(argv) + REPORT_S + GRACE_S
@@ -984,6 +1074,8 @@ def launch_cli(
         for r in ranks:
             if r.log is not None:
                 r.log.close()
+            r.own_failure()  # read before the records go
+        records.cleanup()
         for copy in copies:
             copy.close()
         if spool is not None:
@@ -1000,7 +1092,8 @@ def launch_cli(
         # (accept-rate's FAIL verdict, or its error line), not a rank that failed the job
         return 1
     _end_line(ranks, f"speculant: error: {failure}", stderr)
-    return 1
+    cause = [r for r in ranks if failure.startswith(f"rank {r.rank} ") and r.own_failure()]
+    return 2 if cause and cause[0].process.exitcode == 2 else 1  # a user error of one rank
 
 
 def _end_line(ranks: list[_Rank], line: str, stderr: TextIO) -> None:

@@ -1,11 +1,13 @@
 """`speculant generate --seed S` is the engine seed, as `Engine(seed=S)`: request i samples with a
-seed made of S and i, so repeated prompts give independent samples and one run repeats exactly;
+seed made of S and i (counted over the engine's calls), so repeated prompts give independent
+samples and one run repeats exactly;
 a --prompts line's own `seed` wins (an audit found --seed given to every request as its own
 seed: N copies of one prompt gave N copies of one sample)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from speculant import Engine, SamplingParams
 from speculant.launch.cli import main
@@ -43,3 +45,21 @@ def test_a_lines_own_seed_wins(capsys, tmp_path, llama_dir):
     second = run(capsys, tmp_path, rows, "--target", llama_dir, "--seed", 8)
     assert first[0] == first[1] == second[0]  # the same seed 3 whatever --seed
     assert first[2] != second[2]
+
+
+def test_an_engines_calls_draw_anew_and_a_new_engine_repeats_them(llama_dir):
+    """Unseeded requests count on over an engine's generate calls (vLLM's engine seed): a
+    second call samples anew (a loop of calls for best-of-n or rollouts got one sample again
+    and again), a new engine of the same seed repeats the same calls, and a request's own seed
+    repeats in any call."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+
+    def calls(engine: Engine, params: SamplingParams) -> list[list[list[int]]]:
+        return [[o.token_ids for o in engine.generate([PROMPT] * 3, params)] for _ in range(3)]
+
+    first = calls(Engine(llama_dir, device="cpu", seed=7), params)
+    samples = [tuple(tokens) for call in first for tokens in call]
+    assert len(set(samples)) == len(samples), first  # nine requests, nine draws
+    assert calls(Engine(llama_dir, device="cpu", seed=7), params) == first
+    seeded = calls(Engine(llama_dir, device="cpu", seed=7), replace(params, seed=3))
+    assert all(call == [seeded[0][0]] * 3 for call in seeded)

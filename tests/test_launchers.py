@@ -179,6 +179,21 @@ def test_torchrun_prompt_error_is_rank0s_line_alone(flags, tmp_path):
     assert cause in proc.stderr and "Root Cause" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_torchrun_user_error_of_one_rank_is_said_by_it(flags):
+    """A user error that rank 1 alone meets once the groups are up (a shard only its node cannot
+    read): local rank 1, which leaves the errors every rank meets to local rank 0, says it,
+    naming itself, as local rank 0 reported another failure; rank 0's line names rank 1 as the
+    cause, not as a rank that stopped answering."""
+    env = {**os.environ, "SPECULANT_TEST_FAIL_RANK": "1:user"}
+    proc = torchrun(2, ["generate", *flags, "--dp", "2"], env=env)
+    lines = [x for x in proc.stderr.splitlines() if "speculant: error:" in x]
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    said = "speculant: error: rank 1: rank 1's test failure (SPECULANT_TEST_FAIL_RANK)"
+    assert said in lines, proc.stderr[-3000:]
+    cause = "speculant: error: rank 0: rank 1 (torchrun node 0) failed first (SpeculantError: "
+    assert any(x.startswith(cause) for x in lines), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "bad,line",
     [

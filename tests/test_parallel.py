@@ -863,6 +863,52 @@ def test_cli_fails_on_a_dead_or_stuck_rank(llama_dir, how):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.parametrize("kind, code", [("error", 1), ("user", 2)])
+def test_a_rank_that_fails_on_its_own_is_the_named_cause(llama_dir, tmp_path, kind, code):
+    """Rank 1 alone fails once the engines are built (an exception of its own, as out of memory;
+    or a user error, as a shard only it cannot read) while rank 0 goes on into its next
+    collective and fails there: the last line names rank 1 and its error (not rank 0, whose
+    exit status looks alike), rank 0's line names rank 1 as the cause, and the status is that
+    of rank 1's failure (2 for a user error, as one process)."""
+    out = tmp_path / "out.jsonl"
+    proc = cli(
+        "--target", llama_dir, "--prompt", "x", "--max-new-tokens", 200, "--ignore-eos",
+        "--max-num-seqs", 2, "--n", 2, "--dp", 2, "--dist-timeout", 20, "--output", out,
+        env={**os.environ, "SPECULANT_TEST_FAIL_RANK": f"1:{kind}"},
+    )  # fmt: skip
+    started = time.monotonic()
+    got, _, err = finish(proc, timeout=90)
+    lines = err.strip().splitlines()
+    assert got == code, err
+    assert lines[-1].startswith(f"speculant: error: rank 1 exited with status {code}: "), err
+    assert "rank 1's test failure" in lines[-1], err
+    assert any(
+        line.startswith("speculant: error: rank 0: rank 1 failed first (") for line in lines
+    ), err
+    assert time.monotonic() - started < 60
+
+
+def fails_on_rank1_in_rank() -> int:
+    """A run_ranks function: rank 1 raises, rank 0 waits for it in a collective."""
+    import torch.distributed as dist
+
+    rank = ParallelContext.from_env(1, 2, "cpu", 20.0).rank
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_run_ranks_names_the_rank_that_raised():
+    """run_ranks' RankFailure names the rank whose function raised and its error, not rank 0,
+    which failed afterwards in its collective with it."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(fails_on_rank1_in_rank, 2, timeout_s=LAUNCH_TIMEOUT_S)
+    message = str(info.value)
+    assert message.startswith("rank 1 exited with status 1"), message
+    assert "ValueError: boom on rank 1" in message, message
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank processes in /proc")
 def test_a_stuck_rank0_killed_by_the_launcher_leaves_no_empty_output(llama_dir, tmp_path):
     """Rank 0 stopped (SIGSTOP) before any request finished: the launcher kills it and fails
