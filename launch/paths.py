@@ -374,7 +374,12 @@ def write_errors_named(path: str, flag: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError):  # a FIFO or pipe whose reader went away
+            fix = "keep its reader running or pick a file"
+        elif exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            fix = "free space or pick another path"
+        else:
+            fix = "pick another path"
         raise SpeculantError(
-            f"{flag} {path!r}: writing failed ({(exc.strerror or str(exc)).lower()}); free "
-            "space or pick another path"
+            f"{flag} {path!r}: writing failed ({(exc.strerror or str(exc)).lower()}); {fix}"
         ) from None

@@ -8,6 +8,7 @@ changes nothing."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -428,3 +429,23 @@ def test_two_ctrl_c_during_the_run_end_with_130(tmp_path):
         code, err = _ended(proc, err_file)
         assert code == 130 and err.strip().splitlines()[-1] == "speculant: interrupted", (gap, err)
         assert "Traceback" not in err, (gap, err)
+
+
+@pytest.mark.parametrize(
+    "exc, fix",
+    [
+        (BrokenPipeError(errno.EPIPE, "Broken pipe"), "keep its reader running or pick a file"),
+        (OSError(errno.ENOSPC, "No space left on device"), "free space or pick another path"),
+        (OSError(errno.EIO, "Input/output error"), "; pick another path"),
+    ],
+)
+def test_a_failed_write_is_one_line_with_the_fix_for_its_cause(exc, fix):
+    """An output whose reader went away (a FIFO, a pipe) is not told to free space."""
+    from speculant.errors import SpeculantError
+    from speculant.launch.paths import write_errors_named
+
+    with pytest.raises(SpeculantError) as info, write_errors_named("out.jsonl", "--output"):
+        raise exc
+    message = str(info.value)
+    assert message.startswith("--output 'out.jsonl': writing failed (") and message.endswith(fix)
+    assert "\n" not in message
