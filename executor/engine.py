@@ -14,6 +14,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -120,6 +121,7 @@ class Engine:
         cfg = engine_config(target, **options)
         self.config = cfg
         self.device = resolve_device(cfg.device)
+        self._owns_groups = pctx is None  # joined the job's process groups itself (close)
         self.pctx = resolve_context(pctx, cfg.parallel.tp, cfg.parallel.dp, self.device)
         cfg.parallel = ParallelConfig(tp=self.pctx.tp_size, dp=self.pctx.dp_size)
         if self.device.startswith("cuda") and self.pctx.world_size > 1:
@@ -309,6 +311,48 @@ class Engine:
         element = torch.empty((), dtype=drafter.pool_layout[3]).element_size()
         entry = 8 + drafter.catch_up_width * element
         return (self.max_num_seqs + 1) * (spec.catch_up_depth * entry + 8)
+
+    def close(self) -> None:
+        """Release what this engine holds: its CUDA graphs and their pools, its KV cache, target
+        and drafter (their memory goes back to the process, and on a GPU to the device), and
+        the job's process groups when the engine joined them itself (tp * dp > 1 from the
+        environment; a ParallelContext passed in stays its owner's). Every rank calls it. A
+        later call on the engine is refused with one line; closing again does nothing.
+        `with Engine(...) as engine:` closes it on leaving the block."""
+        if self.__dict__.get("_closed"):
+            return
+        self._not_while_generating("close")
+        on_gpu = self.device.startswith("cuda")
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.piecewise.clear()
+        pctx, owns = self.pctx, self._owns_groups
+        kept = ("config", "device", "pctx", "model_config", "_generating")
+        for name in [name for name in vars(self) if name not in kept]:
+            delattr(self, name)
+        self._closed = True
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+        if owns:
+            pctx.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for an attribute the engine does not have: after `close`, the parts it
+        released."""
+        if self.__dict__.get("_closed"):
+            raise SpeculantError(
+                f"this Engine was closed (Engine.close), so it has no {name!r}; build a new "
+                "Engine to generate again"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def clear_graphs(self) -> dict:
         """Release every CUDA graph (decode and piecewise) and their memory pools; steps then run

@@ -415,3 +415,29 @@ def test_overlap_announces_each_steps_sizes_to_the_graphs(llama_dir):
     prompts = random_prompts(engine.model_config.vocab_size, (5, 8, 3), seed=14)
     engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert engine.steps_ahead > 0 and graphs.num_stand_ins >= 19
+
+
+def test_close_releases_the_models_and_refuses_later_calls(llama_dir, tmp_path):
+    """`with Engine(...)` closes it on leaving: the target, drafter and KV pools are released
+    (nothing of the engine holds them: their tensors are freed), a later call is one clear
+    error, and closing again does nothing."""
+    import gc
+    import weakref
+
+    from helpers_eagle import write_random_eagle3
+
+    write_random_eagle3(tmp_path, llama_dir)
+    eagle_dir = str(tmp_path)
+    params = SamplingParams(max_new_tokens=6)
+    with Engine(llama_dir, device="cpu", draft=eagle_dir, algo="eagle3") as engine:
+        tokens = engine.generate([[5, 6, 7]], params)[0].token_ids
+        held = [weakref.ref(engine.model), weakref.ref(engine.drafter), weakref.ref(engine.kv)]
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
+    with pytest.raises(SpeculantError, match="this Engine was closed .*build a new Engine"):
+        engine.generate([[5, 6, 7]], params)
+    with pytest.raises(SpeculantError, match="was closed"):
+        engine.load_weights(llama_dir)
+    engine.close()
+    again = Engine(llama_dir, device="cpu", draft=eagle_dir, algo="eagle3")
+    assert again.generate([[5, 6, 7]], params)[0].token_ids == tokens

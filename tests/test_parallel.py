@@ -899,6 +899,23 @@ def fails_on_rank1_in_rank() -> int:
     return rank
 
 
+def closed_in_rank(target: str) -> tuple[list[int], bool]:
+    """A run_ranks function: a tp=2 engine joined from the environment, used, then closed."""
+    import torch.distributed as dist
+
+    with Engine(target, device="cpu", tp=2) as engine:
+        tokens = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))
+    return tokens[0].token_ids if tokens else [], dist.is_initialized()
+
+
+def test_close_leaves_the_groups_the_engine_joined(llama_dir):
+    """An engine that joined the job's process groups itself (tp=2 from the environment) tears
+    them down on close (with `with`), on every rank."""
+    results = run_ranks(closed_in_rank, 2, (str(llama_dir),), timeout_s=LAUNCH_TIMEOUT_S)
+    alone = Engine(llama_dir, device="cpu").generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))
+    assert results == [(alone[0].token_ids, False)] * 2, results
+
+
 def test_run_ranks_names_the_rank_that_raised():
     """run_ranks' RankFailure names the rank whose function raised and its error, not rank 0,
     which failed afterwards in its collective with it."""
