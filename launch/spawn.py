@@ -583,13 +583,15 @@ STOP_CODES = (130, 143)  # a rank stopped by Ctrl-C or SIGTERM (stopped_line's c
 def _exit(code: int, device: str) -> None:
     """End a rank: flushed, and without process-group destructors on GPUs (they have hung
     after NCCL graph capture), after a store call or join was given up on (tearing down what
-    it made aborts: comm.store_call.calls_abandoned) or after a stop (Ctrl-C, SIGTERM: one that
+    it made aborts: comm.store_call.calls_abandoned), after a stop (Ctrl-C, SIGTERM: one that
     came while gloo was building the groups, or while a peer was in a collective with this
-    rank, left C++ objects whose destruction aborted the rank with SIGABRT); CPU ranks exit
-    normally otherwise, so multiprocessing cleans up."""
+    rank, left C++ objects whose destruction aborted the rank with SIGABRT) or after a failure
+    (groups a peer broke: tearing them down and the interpreter's shutdown took longer than the
+    launcher's grace period, which then killed the rank and named it as stuck); CPU ranks that
+    succeeded exit normally, so multiprocessing cleans up."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if device.startswith("cuda") or calls_abandoned() or code in STOP_CODES:
+    if device.startswith("cuda") or calls_abandoned() or code != 0:
         os._exit(code)
     # a gloo group left open (a rank function that did not close its context) keeps threads
     # whose destruction at interpreter exit can abort the rank ("terminate called without an
@@ -756,15 +758,16 @@ def _supervise(
     stopped_s: float | None = None,
 ) -> str | None:
     """Wait for every rank; None when all exited 0, else one line naming the cause (a stopped
-    rank first: the others failed waiting for it; else the first failure) and any rank that was
-    still running `grace_s` later (killed as stuck; a stopped rank, which cannot exit by itself,
-    is not waited for once the others have ended). A rank seen stopped (state T) for
-    `stopped_s` seconds while no rank has failed is the failure itself: the others should have
-    failed waiting for it by then (their collectives time out), so they are stuck outside any
-    collective, in something that waits on the stopped rank without a timeout. `on_poll` runs
-    every poll."""
+    rank first: the others failed waiting for it; else the first failure, `_cause`) and any rank
+    still running `grace_s` after the last rank that exited (killed as stuck; a stopped rank,
+    which cannot exit by itself, is not waited for once the others have ended). A rank seen
+    stopped (state T) for `stopped_s` seconds while no rank has failed is the failure itself:
+    the others should have failed waiting for it by then (their collectives time out), so they
+    are stuck outside any collective, in something that waits on the stopped rank without a
+    timeout. `on_poll` runs every poll."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failure, stuck_since, first_seen, stopped = None, None, None, []
+    running = len(ranks)  # ranks not yet exited, at the last poll
     stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped, in a row
     last_poll = time.monotonic()
     while True:
@@ -795,6 +798,12 @@ def _supervise(
             failure = _cause(ranks, failed)
             stopped = [r for r in alive if r.process.stopped]  # never reached the collective
             stuck_since = now
+        elif failure is not None and len(alive) < running and failure not in stopped:
+            # a rank exited: the grace starts again for the rest. Ranks see a failure one after
+            # another (a rank blocked in a collective with one that is reporting its own failure,
+            # up to ROLL_CALL_S, sees it only when that one exits): they are ending, not stuck
+            stuck_since = now
+        running = len(alive)
         if not alive:
             break
         if failure is not None and (

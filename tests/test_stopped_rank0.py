@@ -231,3 +231,25 @@ def test_dist_timeout_is_read_from_the_command_line():
     assert spawn.dist_timeout(["generate", "--tp", "2", "--dist-timeout", "5"]) == 5
     assert spawn.dist_timeout(["generate", "--dist-timeout=7"]) == 7
     assert spawn.dist_timeout(["generate", "--tp", "2"]) == spawn.DEFAULT_DIST_TIMEOUT_S
+
+
+def _exits(rank: int, seconds: float, code: int) -> spawn._Rank:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({code})"]
+    )
+    return spawn._Rank(rank, spawn._Proc(proc))
+
+
+def test_ranks_ending_one_after_another_are_not_killed_as_stuck():
+    """Ranks see a failure one after another (a rank blocked in a collective with one that is
+    reporting sees it when that one exits): each rank gets the grace period from the last exit,
+    so a cascade ending within it of each exit is named by its cause alone; a rank still running
+    the grace period after the last exit is killed and named."""
+    ranks = [_exits(0, 0.2, 1), _exits(1, 2.5, 1), _exits(2, 4.8, 1)]
+    line = spawn._supervise(ranks, None, grace_s=3.0)
+    assert line == "rank 0 exited with status 1", line
+    ranks = [_exits(0, 0.2, 1), _exits(1, 1.0, 1), _exits(2, 60, 0)]
+    started = time.monotonic()
+    line = spawn._supervise(ranks, None, grace_s=2.0)
+    assert line.endswith("rank(s) 2 did not exit within 2 s after that and were killed"), line
+    assert time.monotonic() - started < 10
