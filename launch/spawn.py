@@ -400,8 +400,8 @@ def _roll_call(exc: BaseException) -> str | None:
     names = ", ".join(map(str, silent))
     return (
         f"rank{'s' if len(silent) > 1 else ''} {names}{_node_note(silent)} stopped answering "
-        f"(no report within {ROLL_CALL_S:.0f} s: the process or its node is gone, stopped, or "
-        "stuck outside the collective)"
+        f"(no report within {ROLL_CALL_S:.0f} s: the process or its node is gone, stopped, "
+        "stuck outside the collective, or waiting for this rank in another collective)"
     )
 
 

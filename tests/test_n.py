@@ -42,14 +42,21 @@ def plain():
     return Engine(TARGET, device="cpu", num_draft_tokens=0)
 
 
-def test_completions_come_n_per_prompt(plain):
+def test_completions_come_n_per_prompt():
+    """(Unseeded requests count on over an engine's calls: each comparison of calls runs them on
+    engines of the same seed, each at its first call.)"""
+
+    def fresh() -> Engine:
+        return Engine(TARGET, device="cpu", num_draft_tokens=0)
+
     params = [sampled(3), sampled(1, seed=7), sampled(4, seed=9)]
+    plain = fresh()
     outputs = plain.generate(PROMPTS, params)
     assert [o.key for o in outputs] == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2),
                                         (2, 3)]  # fmt: skip
     assert [o.n for o in outputs] == [3, 3, 3, 1, 4, 4, 4, 4]
     assert [o.to_json().get("sample_index") for o in outputs] == [0, 1, 2, None, 0, 1, 2, 3]
-    singles = plain.generate(PROMPTS, [sampled(1), sampled(1, seed=7), sampled(1, seed=9)])
+    singles = fresh().generate(PROMPTS, [sampled(1), sampled(1, seed=7), sampled(1, seed=9)])
     for single in singles:  # completion 0 is the n = 1 run: the same seed
         first = next(o for o in outputs if o.key == (single.index, 0))
         assert first.token_ids == single.token_ids
@@ -58,7 +65,7 @@ def test_completions_come_n_per_prompt(plain):
         assert len(set(completions)) == len(completions)
         assert all(o.prompt_token_ids == outputs[0 if index == 0 else 4].prompt_token_ids
                    for o in outputs if o.index == index)  # fmt: skip
-    again = plain.generate(PROMPTS, params)  # a seeded call repeats exactly
+    again = fresh().generate(PROMPTS, params)  # a seeded call repeats exactly
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
     seen = []
     plain.generate(PROMPTS[:1], sampled(3), on_output=seen.append)
