@@ -291,20 +291,20 @@ def tell_torchrun(line: str) -> None:
         pass
 
 
-FAILURE_FILE_ENV = "SPECULANT_FAILURE_FILE"
+FAILURE_FD_ENV = "SPECULANT_FAILURE_FD"
 
 
 def record_own_failure(line: str) -> None:
     """A rank that failed on its own (a user error, or an exception that was not a collective a
-    peer broke): its one line and the time, into the file its launcher named
-    (SPECULANT_FAILURE_FILE), so that the launcher names it as the cause rather than the ranks
-    that then failed in collectives with it (their exit statuses look alike). Nothing outside
-    `launch_cli`'s ranks, or when the file cannot be written."""
-    path = os.environ.get(FAILURE_FILE_ENV)
-    if not path:
+    peer broke): its one line and the time, into the unnamed file its launcher handed it
+    (descriptor SPECULANT_FAILURE_FD), so that the launcher names it as the cause rather than
+    the ranks that then failed in collectives with it (their exit statuses look alike). Nothing
+    outside `launch_cli`'s ranks, or when the file cannot be written."""
+    fd = os.environ.get(FAILURE_FD_ENV)
+    if not fd or not fd.isdigit():
         return
     with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"time": time.time(), "line": line}))
+        os.pwrite(int(fd), json.dumps({"time": time.time(), "line": line}).encode(), 0)
 
 
 def report_failure(exc: BaseException) -> str | None:
@@ -701,15 +701,16 @@ class _Rank:
     rank: int
     process: _Proc
     log: Any = None  # the rank's stderr: an unnamed file (tempfile.TemporaryFile)
-    failure_file: str | None = None  # where the rank records a failure of its own
+    record: Any = None  # the unnamed file where the rank records a failure of its own
     own: tuple[float, str] | None = None  # (when, its line) of a failure of its own
 
     def own_failure(self) -> tuple[float, str] | None:
         """(when, its line) if the rank failed on its own (`record_own_failure`, or set by
         `run_ranks` from what the rank sent), else None."""
-        if self.own is None and self.failure_file is not None:
+        if self.own is None and self.record is not None and not self.record.closed:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                record = json.loads(Path(self.failure_file).read_text())
+                fd = self.record.fileno()
+                record = json.loads(os.pread(fd, os.fstat(fd).st_size, 0).decode())
                 self.own = (float(record["time"]), str(record["line"]))
         return self.own
 
@@ -1036,7 +1037,6 @@ def launch_cli(
     ranks: list[_Rank] = []
     copies: list[IO[bytes]] = []
     spool = CompletionSpool(stdout) if stdout is not None and not output else None
-    records = tempfile.TemporaryDirectory(prefix="speculant-ranks-")  # record_own_failure's
     try:
         given = list(argv)
         argv, copies = rank_inputs(argv)
@@ -1047,22 +1047,26 @@ def launch_cli(
             env[SHOWN_PATHS_ENV] = json.dumps(shown)
             env.update(SPECULANT_RANK_DEVICE=device, NCCL_NVLS_ENABLE="0")
             env.pop(SPOOL_ENV, None)
-            failure_file = os.path.join(records.name, f"rank{rank}.json")
-            env[FAILURE_FILE_ENV] = failure_file
+            record = tempfile.TemporaryFile(prefix=f"speculant-failure{rank}-")
+            env[FAILURE_FD_ENV] = str(record.fileno())  # (record_own_failure)
             if device == "cpu":  # share the cores instead of oversubscribing them
                 env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
             cmd = [sys.executable, "-m", "speculant.launch.spawn", *argv]
             if rank == 0:  # rank 0 keeps this terminal: it writes the outputs
-                fds = inherited + (() if spool is None else (spool.fd,))
+                fds = inherited + (record.fileno(),) + (() if spool is None else (spool.fd,))
                 env.update(spool.env if spool is not None else {})
                 process = _Proc(subprocess.Popen(cmd, env=env, pass_fds=fds))
-                ranks.append(_Rank(rank, process, failure_file=failure_file))
+                ranks.append(_Rank(rank, process, record=record))
                 continue
             log = tempfile.TemporaryFile(prefix=f"speculant-rank{rank}-")
             handle = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, pass_fds=inherited
+                cmd,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                pass_fds=(*inherited, record.fileno()),
             )
-            ranks.append(_Rank(rank, _Proc(handle), log, failure_file))
+            ranks.append(_Rank(rank, _Proc(handle), log, record))
         # a rank stopped this long while no rank failed: the others are stuck, not waiting
         # in a collective (which would have timed out and been reported by now)
         stopped_s = dist_timeout(argv) + REPORT_S + GRACE_S
@@ -1083,8 +1087,9 @@ def launch_cli(
         for r in ranks:
             if r.log is not None:
                 r.log.close()
-            r.own_failure()  # read before the records go
-        records.cleanup()
+            r.own_failure()  # read before its record closes
+            if r.record is not None:
+                r.record.close()
         for copy in copies:
             copy.close()
         if spool is not None:
