@@ -618,12 +618,14 @@ class Engine:
                 "(stop_token_ids)",
             )
         # the engine seed's per-request default, folded into int64 (the device's seed type):
-        # prompt `index` of this call, counted on from the prompts of the engine's earlier calls
+        # prompt `index` of this call, counted on from the prompts of the engine's earlier calls,
+        # hashed with the engine seed (a linear mix gave unseeded request i the stream of a
+        # request seeded i, and engine seed S + 1 the streams of S shifted by one)
         drawn = self._prompts_made + index
         seed = (
             params.seed
             if params.seed is not None
-            else ((self.config.seed * 1_000_003 + drawn) % (2**63 - 1))
+            else (_mix64(self.config.seed, drawn) ^ DEFAULT_SEED_SALT) % (2**63 - 1)
         )
         return Request(
             index=index,
@@ -1433,6 +1435,9 @@ class Engine:
                 else {}
             ),
         }
+
+
+DEFAULT_SEED_SALT = 0x5DEECE66D2B7E151  # so that engine seed 0's request 0 is not seed 0
 
 
 def _mix64(seed: int, j: int) -> int:

@@ -63,3 +63,14 @@ def test_an_engines_calls_draw_anew_and_a_new_engine_repeats_them(llama_dir):
     assert calls(Engine(llama_dir, device="cpu", seed=7), params) == first
     seeded = calls(Engine(llama_dir, device="cpu", seed=7), replace(params, seed=3))
     assert all(call == [seeded[0][0]] * 3 for call in seeded)
+
+
+def test_an_unseeded_request_does_not_share_a_seeded_ones_draws(llama_dir):
+    """The default seeds are a hash of the engine seed and the request's place: the unseeded
+    request 0 of engine seed 0 drew what a request seeded 0 drew (and engine seed 1's request 0
+    what seed 1_000_003 drew), so a batch mixing seeded and unseeded requests got pairs of
+    identical samples."""
+    engine = Engine(llama_dir, device="cpu", seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    outs = engine.generate([PROMPT] * 3, [params, replace(params, seed=0), replace(params, seed=1)])
+    assert len({tuple(o.token_ids) for o in outs}) == 3, [o.token_ids for o in outs]
