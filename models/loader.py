@@ -47,6 +47,11 @@ KV_SCALE = re.compile(
     r"|\.self_attn\.[qkv]_proj\.(?:output|[qkv])_scale$"
 )
 
+# compressed-tensors zero points (`weight_zero_point`, `input_zero_point`), which some exports
+# save for symmetric schemes too: all zeros, they change nothing and are skipped quietly; any
+# other value is an asymmetric scheme, which is refused
+ZERO_POINT = re.compile(r"\.(?:weight|input|output)_zero_point$")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_NAMES_SHOWN = 8  # unused tensors named in the warning; the rest are counted
 
@@ -241,6 +246,14 @@ def load_weights(
             continue
         if KV_SCALE.search(hf_name):
             kv_scales.append(hf_name)
+            continue
+        if ZERO_POINT.search(hf_name):
+            if tensor.numel() and bool(tensor.ne(0).any()):
+                raise SpeculantError(
+                    f"tensor {hf_name!r} in {file_holding(source, hf_name)} holds non-zero zero "
+                    "points: an asymmetric quantization scheme, which is not supported (FP8 "
+                    "layers are symmetric)"
+                )
             continue
         name, shard = rename(hf_name), None
         expert = EXPERT_PARAM.search(name)

@@ -464,6 +464,35 @@ def test_unsupported_schemes_are_refused_naming_the_key(qconfig, named):
     assert "\n" not in str(exc.value) and "not supported" in str(exc.value)
 
 
+@pytest.mark.parametrize("zero", [True, False])
+def test_zero_points_of_a_symmetric_scheme_are_skipped(tmp_path, fp8_dirs, caplog, zero):
+    """compressed-tensors exports may save `weight_zero_point` / `input_zero_point` for a
+    symmetric scheme too: all zeros, the checkpoint loads as without them (the same logits, no
+    "tensors not used" warning); non-zero ones are an asymmetric scheme, refused naming one."""
+    src = fp8_dirs[("ct_tensor_static", 320)]
+    tensors = load_file(src / "model.safetensors")
+    points = {}
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        stem = name.removesuffix(".weight_scale")
+        points[f"{stem}.weight_zero_point"] = torch.zeros_like(tensors[name], dtype=torch.int8)
+        points[f"{stem}.input_zero_point"] = torch.zeros(1, dtype=torch.int8)
+    first = sorted(points)[0]
+    if not zero:
+        points[first] = points[first] + 3
+    save_file({**tensors, **points}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    if not zero:
+        with pytest.raises(SpeculantError, match=re.escape(repr(first)) + ".*asymmetric"):
+            Engine(str(tmp_path), **ENGINE)
+        return
+    with caplog.at_level("WARNING"):
+        engine = Engine(str(tmp_path), **ENGINE)
+    assert "not used" not in caplog.text, caplog.text
+    ids = [3, 17, 5, 9]
+    expected = our_logits(Engine(str(src), **ENGINE), ids)
+    torch.testing.assert_close(our_logits(engine, ids), expected, rtol=0, atol=0)
+
+
 def test_unquantized_tensor_in_an_fp8_layer_is_refused(tmp_path, fp8_dirs):
     """A float weight the config does not ignore would load without scales: an error."""
     src = fp8_dirs[("fp8_block", 320)]
