@@ -335,6 +335,32 @@ class _Decoding:
             return True
         return self.stages is not None and ByteFallback not in self.stages
 
+    def whole_run(self, prompt: list[int], last: int) -> bool:
+        """Whether prompt[last], a byte token of a decoder with ByteFallback, ends a run of byte
+        tokens (those decode keeps) that is whole UTF-8: ByteFallback decodes a run at once, so
+        text may end closed there (a prompt whose text after a special token is only
+        byte-fallback characters, emoji or CJK past the vocabulary, otherwise had no tail, and
+        its output read as a text's start: its first space stripped). Runs longer than
+        MAX_RUN_CHECKED tokens are not read (False)."""
+        if self.stages is None or ByteFallback not in self.stages:
+            return False
+        run = bytearray()
+        for token in reversed(prompt[max(0, last - MAX_RUN_CHECKED) : last + 1]):
+            text = self.tokens(token)
+            if text is None:  # decode leaves it out: the run goes on past it
+                continue
+            if not BYTE_TOKEN.fullmatch(text):
+                break
+            run.append(int(text[3:5], 16))
+        else:
+            if last >= MAX_RUN_CHECKED:  # the run may start before the tokens read
+                return False
+        try:
+            bytes(reversed(run)).decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return bool(run)
+
     def closes(self, tokenizer, tail: list[int], last: int) -> bool:
         """Whether the text of `tail`, whose last token decode keeps is `last` (`may_close`),
         ends closed: a byte-level BPE's bytes with no character's first bytes waiting (an ASCII
@@ -383,6 +409,7 @@ def incremental_text(tokenizer, tail=()) -> ByteLevelText | SentencePieceText | 
 
 
 TAIL = 4  # the prompt tokens decode keeps that an output's text continues (vLLM reads 4-5)
+MAX_RUN_CHECKED = 256  # byte tokens read back to tell whether a prompt's last run is whole
 
 
 def prompt_tail(tokenizer, prompt_ids) -> list[int]:
@@ -402,7 +429,11 @@ def prompt_tail(tokenizer, prompt_ids) -> list[int]:
             last -= 1
         if last < 0:
             return []
-        if decoding is None or decoding.may_close(prompt[last]):
+        if (
+            decoding is None
+            or decoding.may_close(prompt[last])
+            or decoding.whole_run(prompt, last)
+        ):
             start, kept = last, 1
             while start and kept < TAIL:
                 start -= 1

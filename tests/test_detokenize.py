@@ -320,6 +320,30 @@ def test_output_text_continues_the_prompt(layout):
     assert closed > 50
 
 
+@pytest.mark.parametrize("layout", ["mistral", "unigram"])
+@pytest.mark.parametrize("chars", ["🙂", "東京", "é🙂"])
+def test_a_prompt_of_byte_fallback_characters_keeps_the_outputs_first_space(layout, chars):
+    """Mistral v0.3's layout (no '▁' after a special token): a prompt whose text after a special
+    token is only byte-fallback characters (emoji, CJK past the vocabulary) gave no tail (a
+    byte token never ended one), so the output read as a text's start: 'naïve' for ' naïve'
+    (decode(prompt + output) less decode(prompt), vLLM's reading), and the stop string ' na'
+    never matched. A whole run of byte tokens ends the text closed; one cut mid-character
+    does not (the output's bytes may complete it)."""
+    tokenizer = LAYOUTS[layout]()
+    special = tokenizer.token_to_id("<|im_start|>")
+    raw = [tokenizer.token_to_id(f"<0x{b:02X}>") for b in chars.encode()]
+    out = tokenizer.encode("naïve", add_special_tokens=False).ids
+    assert tokenizer.id_to_token(out[0]).startswith("▁")
+    for prompt in ([special, *raw, special], [1, special, *raw]):
+        expected = tokenizer.decode(prompt + out)[len(tokenizer.decode(prompt)) :]
+        assert expected.startswith(" na"), expected
+        assert output_text(tokenizer, prompt, out) == expected, (prompt, out)
+        watcher = StopStrings(tokenizer, [" na"], prompt=prompt)
+        assert next(filter(None, map(watcher.add, out)), None) == " na", (prompt, out)
+    cut = [special, *raw[:-1]]  # mid-character: no tail ends there
+    assert prompt_tail(tokenizer, cut) != cut
+
+
 @pytest.mark.parametrize("layout", ["llama2", "mistral", "unigram", "t5", "metaspace-never"])
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_with_the_first_space_matches_at_the_outputs_start(layout, include):
