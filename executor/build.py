@@ -80,7 +80,9 @@ class RankSetup:
 def load_tokenizer(path: str | Path):
     """tokenizer.json of a checkpoint as a `tokenizers.Tokenizer`, or None when absent. A
     truncation or padding saved in the file is turned off, as transformers does for a call that
-    asks for neither: a prompt is encoded whole, without pad ids."""
+    asks for neither: a prompt is encoded whole, without pad ids. tokenizer_config.json's
+    `split_special_tokens: true` is honoured as transformers (and so vLLM) does: text that
+    spells a special token is encoded as text, not as that token."""
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return None
@@ -92,6 +94,12 @@ def load_tokenizer(path: str | Path):
         raise SpeculantError(f"cannot read {str(file)!r} ({exc}); re-export the tokenizer") from exc
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file():
+        from speculant.executor.chat import _read_json
+
+        if _read_json(config).get("split_special_tokens") is True:
+            tokenizer.encode_special_tokens = True
     return tokenizer
 
 

@@ -149,6 +149,28 @@ def test_a_tokenizer_saved_truncating_or_padding_encodes_whole_prompts(llama_dir
         assert engine._make_request(0, text, SamplingParams()).prompt_ids == expected, name
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_split_special_tokens_as_transformers_reads_it(llama_dir, tmp_path, split):
+    """tokenizer_config.json's `split_special_tokens: true`: a text prompt that spells a
+    special token encodes it as text, as transformers (and vLLM through it) does; it was read as
+    the special token. A chat's ids equal transformers' either way."""
+    from transformers import AutoTokenizer
+
+    folder = with_template(llama_dir, tmp_path / "t", "jinja", CHATML)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**config, "split_special_tokens": split})
+    )
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+    text = "a<|endoftext|>b"
+    ours = engine._make_request(0, text, SamplingParams()).prompt_ids
+    assert ours == AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]
+    eos = engine.tokenizer.token_to_id("<|endoftext|>")
+    assert (eos in ours) is not split
+    messages = [{"role": "user", "content": text}]
+    assert engine._chat_ids(0, Chat(messages)) == transformers_ids(folder, messages)
+
+
 # what OpenAI-style clients send and transformers 5 passes on: null keys dropped (a literal
 # "None", a `len(None)`, a refused null content otherwise), reasoning under its other names
 FIELDS = (
@@ -205,8 +227,10 @@ def test_chat_fields_and_special_tokens_as_transformers_passes_them(llama_dir, t
     assert "None" not in text
 
 
-NAMED = "{% for m in messages %}{{ m.content }}{% endfor %}|img={{ image_token }}|aud={{ " \
+NAMED = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}|img={{ image_token }}|aud={{ "
     "audio_token }}|bos={{ bos_token }}|mask={{ mask_token }}"
+)
 
 
 @pytest.mark.parametrize(
