@@ -73,8 +73,9 @@ def messages_problem(messages: Any) -> str | None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             return f'message {i} has no "role" string (system, user, assistant, ...)'
-        if content is None and message.get("tool_calls"):
-            continue  # an assistant's tool calls alone (the template reads them)
+        if content is None and (message.get("tool_calls") or role == "assistant"):
+            continue  # an assistant's turn without text (OpenAI's null content; the key is
+            # dropped as transformers 5 drops null keys, the template reads what it reads)
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):

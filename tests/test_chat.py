@@ -172,7 +172,8 @@ def test_split_special_tokens_as_transformers_reads_it(llama_dir, tmp_path, spli
 
 
 # what OpenAI-style clients send and transformers 5 passes on: null keys dropped (a literal
-# "None", a `len(None)`, a refused null content otherwise), reasoning under its other names
+# "None", a `len(None)`, a refused null assistant content otherwise), reasoning under its other
+# names
 FIELDS = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}"
     "{% if m['name'] is defined %} name={{ m['name'] }}{% endif %}\n"
@@ -194,6 +195,8 @@ FIELD_CONVERSATIONS = [
                                         "reasoning": "because"}],
     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
                                         "thinking": "hm", "reasoning_content": None}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": None},
+     {"role": "user", "content": "again"}],
 ]  # fmt: skip
 
 
@@ -310,6 +313,8 @@ def test_chat_refusals(llama_dir, tmp_path):
         engine.chat([{"role": "user", "content": "x"}, {"role": "user", "content": [{}]}])
     with pytest.raises(SpeculantError, match='message 0 has a "content" of type int'):
         engine.chat([{"role": "user", "content": 3}])
+    with pytest.raises(SpeculantError, match='message 0 has a "content" of type NoneType'):
+        engine.chat([{"role": "user", "content": None}])  # null text only for an assistant
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     with pytest.raises(SpeculantError, match='content part 1 is of type "image_url"; the targets'):
         engine.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, image]}])
