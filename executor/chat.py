@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from speculant.errors import SpeculantError
+from speculant.errors import SpeculantError, shown
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
@@ -48,8 +48,15 @@ class Chat:
     as they are)."""
 
     messages: tuple[dict, ...]
+    template_kwargs: dict = field(default_factory=dict)
 
-    def __init__(self, messages: Sequence[dict]):
+    def __init__(self, messages: Sequence[dict], template_kwargs: dict | None = None):
+        """`template_kwargs`: more variables for the chat template (vLLM's
+        `chat_template_kwargs`, e.g. {"enable_thinking": False} for Qwen3's), passed as
+        transformers' `apply_chat_template(..., **kwargs)` passes them."""
+        if (problem := template_kwargs_problem(template_kwargs)) is not None:
+            raise SpeculantError(f"Chat template_kwargs {problem}")
+        object.__setattr__(self, "template_kwargs", dict(template_kwargs or {}))
         if isinstance(messages, dict):
             raise SpeculantError(
                 "Chat takes a list of messages, not one message; wrap it in a list: "
@@ -61,6 +68,20 @@ class Chat:
                 '{"role": ..., "content": ...} messages (a text goes to generate as it is)'
             )
         object.__setattr__(self, "messages", tuple(messages))
+
+
+def template_kwargs_problem(kwargs: Any) -> str | None:
+    """What is wrong with chat template kwargs (None or an object of named values), or None."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k for k in kwargs):
+        return (
+            f"is {shown(kwargs)}; give an object of template variables, e.g. "
+            '{"enable_thinking": false}'
+        )
+    if "messages" in kwargs:
+        return "names 'messages', which is the conversation itself; leave it out"
+    return None
 
 
 def messages_problem(messages: Any) -> str | None:
@@ -309,11 +330,14 @@ def render_chat(template: str, specials: dict[str, str], chat: Chat) -> str:
     compiled = _compiled(template)  # a template that does not parse says so, unwrapped
     try:
         return compiled.render(
-            messages=_template_messages(template, chat),
-            tools=None,  # passed as transformers passes them: `tools is not none` is false
-            documents=None,
-            add_generation_prompt=True,
-            **specials,
+            **{
+                "tools": None,  # passed as transformers passes them: `tools is not none` false
+                "documents": None,
+                "add_generation_prompt": True,
+                **specials,
+                **chat.template_kwargs,
+                "messages": _template_messages(template, chat),
+            }
         )
     except jinja2.exceptions.TemplateError as exc:
         raise SpeculantError(f"the chat template refused the conversation: {exc}") from None

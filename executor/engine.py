@@ -38,7 +38,13 @@ from speculant.executor.build import (
     tokenizer_eos_id,
 )
 from speculant.executor.catch_up import CatchUpBuffers, PendingRows
-from speculant.executor.chat import Chat, load_chat_template, messages_problem, render_chat
+from speculant.executor.chat import (
+    Chat,
+    load_chat_template,
+    messages_problem,
+    render_chat,
+    template_kwargs_problem,
+)
 from speculant.executor.cuda_graph import GraphRunner, capture_sizes
 from speculant.executor.detokenize import continuation, prompt_tail
 from speculant.executor.dp import (
@@ -671,10 +677,15 @@ class Engine:
         *,
         use_tqdm: bool = False,
         on_output: Callable[[RequestOutput], None] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """`generate` for conversations (one, a list of {"role", "content"} messages, or a list
         of them), each rendered with the target's chat template and continued as the assistant
-        (as vLLM's `LLM.chat`)."""
+        (as vLLM's `LLM.chat`); `chat_template_kwargs` gives every conversation's template more
+        variables (vLLM's, e.g. {"enable_thinking": False}; over a `Chat`'s own)."""
+        if (problem := template_kwargs_problem(chat_template_kwargs)) is not None:
+            raise SpeculantError(f"chat_template_kwargs {problem}")
+        extra = chat_template_kwargs or {}
         if isinstance(conversations, Chat) or (
             isinstance(conversations, (list, tuple))
             and conversations
@@ -693,10 +704,12 @@ class Engine:
                     f"is of type {type(c).__name__}, not a conversation; give a list of "
                     '{"role": ..., "content": ...} messages (texts go to generate)',
                 )
-        return self.generate(
-            [c if isinstance(c, Chat) else Chat(c) for c in conversations],
-            sampling_params, use_tqdm=use_tqdm, on_output=on_output,
-        )  # fmt: skip
+        chats = [
+            Chat(c.messages, {**c.template_kwargs, **extra}) if isinstance(c, Chat)
+            else Chat(c, extra)
+            for c in conversations
+        ]  # fmt: skip
+        return self.generate(chats, sampling_params, use_tqdm=use_tqdm, on_output=on_output)
 
     def generate(
         self,

@@ -60,7 +60,7 @@ from speculant.config import (
     check_rows_for_dp,
 )
 from speculant.errors import PromptError, SpeculantError, shown
-from speculant.executor.chat import Chat, messages_problem
+from speculant.executor.chat import Chat, messages_problem, template_kwargs_problem
 from speculant.executor.request import (
     FLOAT32_MAX,
     INT64_MAX,
@@ -88,6 +88,7 @@ SAMPLING_KEYS = (
     "max_new_tokens", "n", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "logprobs",
 )  # fmt: skip
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+CHAT_KWARGS_KEY = "chat_template_kwargs"  # with "messages": more template variables (vLLM's)
 DEFAULT_PROMPT = "def fibonacci(n):"  # the bundled default run's prompt (a Python-code model)
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 512}  # as executor/engine.py's defaults
 
@@ -755,9 +756,9 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
         ) from None
     if not isinstance(obj, dict):
         raise SpeculantError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(PROMPT_KEYS) - set(SAMPLING_KEYS))
+    unknown = sorted(set(obj) - set(PROMPT_KEYS) - set(SAMPLING_KEYS) - {CHAT_KWARGS_KEY})
     if unknown:
-        allowed = ", ".join(PROMPT_KEYS + SAMPLING_KEYS)
+        allowed = ", ".join(PROMPT_KEYS + (CHAT_KWARGS_KEY,) + SAMPLING_KEYS)
         raise SpeculantError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {allowed}")
     if sum(key in obj for key in PROMPT_KEYS) != 1:
         raise SpeculantError(
@@ -766,6 +767,13 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
     if "messages" in obj:
         if problem := messages_problem(obj["messages"]):
             raise SpeculantError(f"{where}: 'messages' {problem}")
+    if CHAT_KWARGS_KEY in obj:
+        if "messages" not in obj:
+            raise SpeculantError(
+                f"{where}: '{CHAT_KWARGS_KEY}' applies to a 'messages' conversation only"
+            )
+        if problem := template_kwargs_problem(obj[CHAT_KWARGS_KEY]):
+            raise SpeculantError(f"{where}: '{CHAT_KWARGS_KEY}' {problem}")
     prompt = obj.get("prompt", obj.get("prompt_token_ids"))
     if "prompt" in obj and not (isinstance(prompt, str) and prompt):
         raise SpeculantError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
@@ -786,7 +794,9 @@ def _parse_prompt_line(line: str, where: str) -> PromptSpec:
             raise SpeculantError(f"{where}: 'stop' {problem}")
         if key != "stop" and (expected := sampling_problem(key, value)):
             raise SpeculantError(f"{where}: {key}={value!r} is invalid; use {expected}")
-    return PromptSpec(Chat(obj["messages"]) if "messages" in obj else prompt, overrides, where)
+    if "messages" in obj:
+        prompt = Chat(obj["messages"], obj.get(CHAT_KWARGS_KEY))
+    return PromptSpec(prompt, overrides, where)
 
 
 def reads_inputs() -> bool:

@@ -171,6 +171,51 @@ def test_split_special_tokens_as_transformers_reads_it(llama_dir, tmp_path, spli
     assert engine._chat_ids(0, Chat(messages)) == transformers_ids(folder, messages)
 
 
+THINKING = CHATML.replace(
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}{{ greeting | default('') }}",
+)
+
+
+def test_chat_template_kwargs_as_transformers_passes_them(llama_dir, tmp_path, capsys):
+    """vLLM's `chat_template_kwargs` (Qwen3's `enable_thinking`): the template gets them as
+    transformers' apply_chat_template(..., **kwargs) gives them (ids equal), from
+    `Engine.chat(..., chat_template_kwargs=...)`, `Chat(messages, kwargs)` and a --prompts
+    line's "chat_template_kwargs"; a bad value is one line naming it."""
+    from transformers import AutoTokenizer
+
+    folder = with_template(llama_dir, tmp_path / "t", "jinja", THINKING)
+    assert THINKING != CHATML
+    engine = Engine(str(folder), device="cpu", max_num_seqs=2, max_model_len=512)
+    messages = [{"role": "user", "content": "hi"}]
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True, "greeting": "Hm"}):
+        expected = reference.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+        expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert engine._chat_ids(0, Chat(messages, kwargs)) == expected, kwargs
+    params = SamplingParams(max_new_tokens=4)
+    off = {"enable_thinking": False}
+    via_chat = engine.chat(messages, params, chat_template_kwargs=off)[0]
+    assert via_chat.prompt_token_ids == engine._chat_ids(0, Chat(messages, off))
+    assert via_chat.prompt_token_ids != engine.chat(messages, params)[0].prompt_token_ids
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text(json.dumps({"messages": messages, "chat_template_kwargs": off}) + "\n")
+    argv = ["generate", "--device", "cpu", "--target", str(folder), "--prompts", str(prompts),
+            "--output", str(out), "--max-new-tokens", "4"]  # fmt: skip
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["token_ids"] == via_chat.token_ids  # greedy
+    with pytest.raises(SpeculantError, match="chat_template_kwargs is 'x'; give an object"):
+        engine.chat(messages, params, chat_template_kwargs="x")
+    prompts.write_text(json.dumps({"prompt": "hi", "chat_template_kwargs": off}) + "\n")
+    assert cli.main(argv) == 2
+    assert "'chat_template_kwargs' applies to a 'messages' conversation only" in (
+        capsys.readouterr().err
+    )
+
+
 # what OpenAI-style clients send and transformers 5 passes on: null keys dropped (a literal
 # "None", a `len(None)`, a refused null assistant content otherwise), reasoning under its other
 # names
