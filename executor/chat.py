@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -48,7 +48,7 @@ class Chat:
     as they are)."""
 
     messages: tuple[dict, ...]
-    template_kwargs: dict = field(default_factory=dict)
+    template_kwargs: dict
 
     def __init__(self, messages: Sequence[dict], template_kwargs: dict | None = None):
         """`template_kwargs`: more variables for the chat template (vLLM's

@@ -736,7 +736,7 @@ def _cause(ranks: list[_Rank], failed: list[_Rank]) -> _Rank:
     """The rank that failed the job: the first to fail on its own (its exception or user error,
     not a collective a peer broke: a rank out of memory, a shard only it cannot read), else the
     failed rank most likely killed from outside (`_blame`), the lowest such."""
-    own = [(r.own_failure()[0], r.rank, r) for r in ranks if r.own_failure() is not None]
+    own = [(record[0], r.rank, r) for r in ranks if (record := r.own_failure()) is not None]
     if own:
         return min(own, key=lambda entry: entry[:2])[2]
     return min(failed, key=lambda r: (_blame(r.process.exitcode), r.rank))
